@@ -1,0 +1,23 @@
+"""Host-side callbacks with HF Trainer names: lifecycle, progress display and metric sinks."""
+
+from jaxrl.callbacks.base import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+)
+from jaxrl.callbacks.jsonl import JsonlMetricsCallback
+from jaxrl.callbacks.progress import RichProgressCallback
+from jaxrl.callbacks.wandb import WandbCallback
+
+__all__ = [
+    "CallbackHandler",
+    "DefaultFlowCallback",
+    "JsonlMetricsCallback",
+    "RichProgressCallback",
+    "TrainerCallback",
+    "TrainerControl",
+    "TrainerState",
+    "WandbCallback",
+]

@@ -1,0 +1,69 @@
+"""Weights & Biases logging (report_to includes "wandb"), process 0 only.
+
+The run id is kept in `output_dir/wandb_run_id.txt`, so a run resumed from a checkpoint continues
+the same W&B run. Keys are rewritten like HF's WandbCallback: `eval_x` -> `eval/x`, others
+`train/x`, against the `train/global_step` axis. Honours WANDB_MODE / WANDB_PROJECT / WANDB_DIR.
+"""
+
+import os
+from pathlib import Path
+
+from jaxrl.callbacks.base import TrainerCallback, TrainerControl, TrainerState
+
+RUN_ID_FILE = "wandb_run_id.txt"
+
+
+def rewrite_logs(logs: dict) -> dict:
+    """HF naming: `eval_loss` -> `eval/loss`, `rewards/chosen` -> `train/rewards/chosen`."""
+    return {
+        f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}": value
+        for key, value in logs.items()
+    }
+
+
+class WandbCallback(TrainerCallback):
+    """Logs config and metrics to W&B; resumes the same run id after a restart."""
+
+    def __init__(self, project: str | None = None):
+        try:
+            import wandb
+        except ImportError as error:
+            raise ImportError(
+                "report_to includes 'wandb' but wandb is not installed: `pip install wandb`, or "
+                "drop 'wandb' from report_to."
+            ) from error
+        self._wandb = wandb
+        self.project = project or os.environ.get("WANDB_PROJECT", "jaxrl")
+        self.run = None
+
+    def on_train_begin(self, args, state: TrainerState, control: TrainerControl, **kwargs):
+        if not state.is_world_process_zero or self.run is not None:
+            return
+        output_dir = Path(args.output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        id_path = output_dir / RUN_ID_FILE
+        if id_path.exists():
+            run_id = id_path.read_text().strip()
+        else:
+            run_id = self._wandb.util.generate_id()
+            id_path.write_text(run_id + "\n")
+        self.run = self._wandb.init(
+            project=self.project,
+            name=args.run_name,
+            id=run_id,
+            resume="allow",
+            config=args.to_dict(),
+            dir=os.environ.get("WANDB_DIR", str(output_dir)),
+        )
+        self.run.define_metric("train/global_step")
+        self.run.define_metric("*", step_metric="train/global_step", step_sync=True)
+
+    def on_log(self, args, state: TrainerState, control: TrainerControl, logs=None, **kwargs):
+        if self.run is None:
+            return
+        self.run.log({**rewrite_logs(logs or {}), "train/global_step": state.global_step})
+
+    def on_train_end(self, args, state: TrainerState, control: TrainerControl, **kwargs):
+        if self.run is not None:
+            self.run.finish()
+            self.run = None

@@ -1,0 +1,677 @@
+"""Training configs with HF `TrainingArguments` / TRL field names, plus the YAML + CLI loader.
+
+Every field here is honoured by the trainers; a field we cannot honour does not exist. Defaults
+and semantics follow the installed `transformers` (v5) and `trl` versions unless a comment says
+otherwise. This module only describes and validates a run: it never touches arrays or devices.
+"""
+
+import dataclasses
+import difflib
+import importlib.util
+import math
+import re
+import types
+import typing
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key or value the user supplied is invalid; the message names the fix."""
+
+
+# HF optimizer names we accept -> the optax optimizer the trainer builds.
+OPTIMIZERS = {
+    "adamw_torch": "adamw",
+    "adamw_torch_fused": "adamw",
+    "adamw": "adamw",
+    "sgd": "sgd",
+    "adafactor": "adafactor",
+    "lion_32bit": "lion",
+    "lion": "lion",
+}
+LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr")
+STRATEGIES = ("no", "steps", "epoch")
+REPORT_TO = ("none", "all", "wandb")
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "dots")
+MESH_AXES = ("data", "fsdp", "tensor")
+PACKING_STRATEGIES = ("bfd", "wrapped")
+TRUNCATION_MODES = ("keep_start", "keep_end")
+# TRL DPOTrainer's accepted `loss_type` values (trl/trainer/dpo_trainer.py).
+DPO_LOSS_TYPES = (
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+    "sigmoid_norm",
+)
+REF_MODEL_QUANTIZATIONS = ("int8",)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_choice(name: str, value: Any, choices: typing.Iterable[Any]) -> None:
+    choices = tuple(choices)
+    _check(value in choices, f"`{name}={value!r}` is not valid; choose one of {list(choices)}.")
+
+
+def _check_steps(name: str, value: float) -> float | int:
+    """HF semantics: a step count, or a float in (0, 1) meaning a ratio of the total steps."""
+    _check(value > 0, f"`{name}` must be > 0 (a step count, or a ratio in (0, 1)); got {value}.")
+    if value >= 1:
+        _check(
+            float(value).is_integer(),
+            f"`{name}` must be an integer when >= 1 (or a ratio in (0, 1)); got {value}.",
+        )
+        return int(value)
+    return value
+
+
+@dataclass
+class TrainingConfig:
+    """Fields shared by all trainers; names and defaults follow HF TrainingArguments / TRL."""
+
+    output_dir: str = "trainer_output"
+    per_device_train_batch_size: int = 8
+    per_device_eval_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 5e-5
+    lr_scheduler_type: str = "linear"
+    # Only `cosine_with_min_lr` takes kwargs: exactly one of {"min_lr", "min_lr_rate"} (HF).
+    lr_scheduler_kwargs: dict | None = None
+    # HF v5: an int is a step count, a float in [0, 1) is a ratio of the total training steps.
+    warmup_steps: int | float = 0
+    # Removed in HF v5; kept because many recipes still set it. Mutually exclusive with warmup_steps.
+    warmup_ratio: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    optim: str = "adamw_torch"
+    num_train_epochs: float = 3.0
+    max_steps: int = -1
+    logging_steps: int | float = 10  # TRL default (HF: 500)
+    logging_first_step: bool = False
+    eval_strategy: str = "no"
+    eval_steps: int | float | None = None  # None -> logging_steps, as HF
+    save_strategy: str = "steps"
+    save_steps: int | float = 500
+    save_total_limit: int | None = None
+    seed: int = 42
+    bf16: bool | None = None  # TRL: None -> True unless fp16
+    fp16: bool = False
+    gradient_checkpointing: bool = True  # TRL default
+    # Integrations besides the always-written metrics.jsonl; normalised to a list like HF.
+    report_to: str | list[str] = "none"
+    run_name: str | None = None
+    # A checkpoint directory, or True / "latest" for the newest checkpoint under output_dir.
+    resume_from_checkpoint: bool | str | None = None
+    # Only {"dtype": ...} (or its old name "torch_dtype") is honoured: it sets `param_dtype`.
+    model_init_kwargs: dict | None = None
+    disable_tqdm: bool = False
+    # jaxrl: device mesh sizes; -1 takes the remaining devices (at most one axis may be -1).
+    mesh_data: int = 1
+    mesh_fsdp: int = -1
+    mesh_tensor: int = 1
+    # jaxrl: [[logical_name, mesh_axis | [mesh_axes] | null], ...]; None -> the model's defaults.
+    logical_axis_rules: list | None = None
+    scan_layers: bool = True
+    remat_policy: str | None = None  # None -> "full" if gradient_checkpointing else "none"
+    logprob_chunk_size: int = 128
+    param_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _check(bool(self.output_dir), "`output_dir` must be a non-empty path.")
+        for name in (
+            "per_device_train_batch_size",
+            "per_device_eval_batch_size",
+            "gradient_accumulation_steps",
+            "logprob_chunk_size",
+        ):
+            _check(getattr(self, name) >= 1, f"`{name}` must be >= 1; got {getattr(self, name)}.")
+        _check(self.learning_rate >= 0, f"`learning_rate` must be >= 0; got {self.learning_rate}.")
+        self._validate_schedule()
+        _check(self.weight_decay >= 0, f"`weight_decay` must be >= 0; got {self.weight_decay}.")
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            _check(0.0 <= value < 1.0, f"`{name}` must be in [0, 1); got {value}.")
+        _check(self.adam_epsilon >= 0, f"`adam_epsilon` must be >= 0; got {self.adam_epsilon}.")
+        _check(
+            self.max_grad_norm >= 0,
+            f"`max_grad_norm` must be >= 0 (0 disables clipping); got {self.max_grad_norm}.",
+        )
+        _check_choice("optim", self.optim, OPTIMIZERS)
+        _check(
+            self.num_train_epochs > 0,
+            f"`num_train_epochs` must be > 0; got {self.num_train_epochs}.",
+        )
+        _check(
+            self.max_steps == -1 or self.max_steps > 0,
+            f"`max_steps` must be -1 (use num_train_epochs) or > 0; got {self.max_steps}.",
+        )
+        self._validate_intervals()
+        _check(
+            self.save_total_limit is None or self.save_total_limit >= 1,
+            f"`save_total_limit` must be None (keep all) or >= 1; got {self.save_total_limit}.",
+        )
+        if self.bf16 is None:
+            self.bf16 = not self.fp16
+        _check(not (self.bf16 and self.fp16), "Set at most one of `bf16` and `fp16` to true.")
+        self.report_to = self._normalise_report_to(self.report_to)
+        if self.resume_from_checkpoint in ("latest", False):
+            self.resume_from_checkpoint = True if self.resume_from_checkpoint else None
+        self._validate_dtypes()
+        self._validate_mesh()
+        if self.remat_policy is None:
+            self.remat_policy = "full" if self.gradient_checkpointing else "none"
+        _check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
+
+    def _validate_schedule(self) -> None:
+        _check_choice("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS)
+        kwargs = self.lr_scheduler_kwargs or {}
+        if self.lr_scheduler_type == "cosine_with_min_lr":
+            _check(
+                len(kwargs) == 1 and set(kwargs) <= {"min_lr", "min_lr_rate"},
+                "`lr_scheduler_type='cosine_with_min_lr'` needs `lr_scheduler_kwargs` with exactly "
+                f"one of 'min_lr' or 'min_lr_rate'; got {kwargs}.",
+            )
+            (value,) = kwargs.values()
+            _check(
+                isinstance(value, int | float) and value >= 0,
+                f"`lr_scheduler_kwargs` value must be a number >= 0; got {kwargs}.",
+            )
+        else:
+            _check(
+                not kwargs,
+                f"`lr_scheduler_kwargs` is only supported with 'cosine_with_min_lr'; remove {kwargs} "
+                f"or change `lr_scheduler_type` (now {self.lr_scheduler_type!r}).",
+            )
+        _check(self.warmup_steps >= 0, f"`warmup_steps` must be >= 0; got {self.warmup_steps}.")
+        if self.warmup_steps >= 1:
+            _check(
+                float(self.warmup_steps).is_integer(),
+                f"`warmup_steps` must be an integer when >= 1 (or a ratio in [0, 1)); got "
+                f"{self.warmup_steps}.",
+            )
+            self.warmup_steps = int(self.warmup_steps)
+        _check(
+            0.0 <= self.warmup_ratio < 1.0,
+            f"`warmup_ratio` must be in [0, 1); got {self.warmup_ratio}.",
+        )
+        _check(
+            not (self.warmup_ratio > 0 and self.warmup_steps > 0),
+            "Set only one of `warmup_steps` and `warmup_ratio` (HF v5 prefers warmup_steps, "
+            "where a float < 1 is a ratio).",
+        )
+
+    def _validate_intervals(self) -> None:
+        _check_choice("eval_strategy", self.eval_strategy, STRATEGIES)
+        _check_choice("save_strategy", self.save_strategy, STRATEGIES)
+        self.logging_steps = _check_steps("logging_steps", self.logging_steps)
+        if self.eval_steps is None:
+            self.eval_steps = self.logging_steps
+        self.eval_steps = _check_steps("eval_steps", self.eval_steps)
+        self.save_steps = _check_steps("save_steps", self.save_steps)
+
+    @staticmethod
+    def _normalise_report_to(report_to: str | list[str]) -> list[str]:
+        names = report_to.split(",") if isinstance(report_to, str) else list(report_to)
+        names = [name.strip() for name in names if name.strip()]
+        for name in names:
+            _check_choice("report_to", name, REPORT_TO)
+        if "all" in names:
+            # HF: "all" means every installed integration; wandb is the only one we have.
+            return ["wandb"] if importlib.util.find_spec("wandb") is not None else []
+        return [name for name in names if name != "none"]
+
+    def _validate_dtypes(self) -> None:
+        _check_choice("param_dtype", self.param_dtype, DTYPES)
+        kwargs = dict(self.model_init_kwargs or {})
+        if "torch_dtype" in kwargs:
+            _check(
+                "dtype" not in kwargs, "`model_init_kwargs` sets both 'dtype' and 'torch_dtype'."
+            )
+            kwargs["dtype"] = kwargs.pop("torch_dtype")
+        unknown = sorted(set(kwargs) - {"dtype"})
+        _check(
+            not unknown,
+            f"`model_init_kwargs` keys {unknown} are not supported; only 'dtype' (or 'torch_dtype') "
+            "is honoured.",
+        )
+        if "dtype" in kwargs:
+            dtype = str(kwargs["dtype"]).removeprefix("torch.")
+            _check_choice("model_init_kwargs['dtype']", dtype, DTYPES)
+            _check(
+                self.param_dtype in ("float32", dtype),
+                f"`model_init_kwargs['dtype']={dtype!r}` conflicts with "
+                f"`param_dtype={self.param_dtype!r}`; set only one.",
+            )
+            self.param_dtype = dtype
+            kwargs["dtype"] = dtype
+            self.model_init_kwargs = kwargs
+
+    def _validate_mesh(self) -> None:
+        sizes = {name: getattr(self, name) for name in ("mesh_data", "mesh_fsdp", "mesh_tensor")}
+        for name, size in sizes.items():
+            _check(size == -1 or size >= 1, f"`{name}` must be -1 or >= 1; got {size}.")
+        _check(
+            list(sizes.values()).count(-1) <= 1,
+            f"At most one of {list(sizes)} may be -1 (take the remaining devices); got {sizes}.",
+        )
+        if self.logical_axis_rules is None:
+            return
+        rules = []
+        for rule in self.logical_axis_rules:
+            _check(
+                isinstance(rule, list | tuple) and len(rule) == 2 and isinstance(rule[0], str),
+                "`logical_axis_rules` entries must be [logical_name, mesh_axis | [mesh_axes] | "
+                f"null]; got {rule!r}.",
+            )
+            name, axes = rule
+            for axis in axes if isinstance(axes, list | tuple) else [axes]:
+                _check(
+                    axis is None or axis in MESH_AXES,
+                    f"`logical_axis_rules` maps {name!r} to unknown mesh axis {axis!r}; "
+                    f"choose from {list(MESH_AXES)} or null.",
+                )
+            rules.append([name, list(axes) if isinstance(axes, list | tuple) else axes])
+        self.logical_axis_rules = rules
+
+    @property
+    def optax_optimizer(self) -> str:
+        """The optax optimizer `optim` maps to: "adamw", "sgd", "adafactor" or "lion"."""
+        return OPTIMIZERS[self.optim]
+
+    @property
+    def compute_dtype(self) -> str:
+        """Activation/matmul dtype implied by bf16/fp16 (params stay in `param_dtype`)."""
+        return "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
+
+    def get_warmup_steps(self, num_training_steps: int) -> int:
+        """Warmup steps for a run of `num_training_steps` (HF v5 rule; warmup_ratio as fallback)."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        ratio = self.warmup_steps or self.warmup_ratio
+        return math.ceil(num_training_steps * ratio)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of all fields (JSON/YAML-serialisable)."""
+        return dataclasses.asdict(self)
+
+    def to_yaml(self, path: str | Path | None = None) -> str:
+        """YAML text of `to_dict()`; also written to `path` when given (e.g. output_dir/config.yaml)."""
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text)
+        return text
+
+
+@dataclass
+class SFTConfig(TrainingConfig):
+    """TRL `SFTConfig` fields we implement."""
+
+    learning_rate: float = 2e-5
+    dataset_text_field: str = "text"
+    max_length: int | None = 1024
+    # Deprecated alias of max_length (older TRL); warns and maps.
+    max_seq_length: int | None = None
+    packing: bool = False
+    packing_strategy: str = "bfd"
+    completion_only_loss: bool | None = None
+    assistant_only_loss: bool = False
+    dataset_num_proc: int | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_seq_length is not None:
+            warnings.warn(
+                "`max_seq_length` is deprecated; use `max_length` instead.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            self.max_length = self.max_seq_length
+            self.max_seq_length = None
+        _check(
+            self.max_length is None or self.max_length >= 1,
+            f"`max_length` must be None or >= 1; got {self.max_length}.",
+        )
+        _check(
+            not (self.packing and self.max_length is None),
+            "`packing=True` needs `max_length` (the packed sequence length).",
+        )
+        _check_choice("packing_strategy", self.packing_strategy, PACKING_STRATEGIES)
+        _check(
+            self.dataset_num_proc is None or self.dataset_num_proc >= 1,
+            f"`dataset_num_proc` must be None or >= 1; got {self.dataset_num_proc}.",
+        )
+
+
+@dataclass
+class RewardConfig(TrainingConfig):
+    """TRL `RewardConfig` fields we implement."""
+
+    learning_rate: float = 1e-4
+    # TRL: pairs whose chosen or rejected sequence exceeds max_length are filtered out.
+    max_length: int | None = 1024
+    disable_dropout: bool = True
+    dataset_num_proc: int | None = None
+    # Eq. 2 of https://huggingface.co/papers/2312.09244: coef * mean((r_chosen + r_rejected)^2).
+    center_rewards_coefficient: float | None = None
+    pad_token: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(
+            self.max_length is None or self.max_length >= 1,
+            f"`max_length` must be None or >= 1; got {self.max_length}.",
+        )
+        _check(
+            self.dataset_num_proc is None or self.dataset_num_proc >= 1,
+            f"`dataset_num_proc` must be None or >= 1; got {self.dataset_num_proc}.",
+        )
+        _check(
+            self.center_rewards_coefficient is None or self.center_rewards_coefficient >= 0,
+            f"`center_rewards_coefficient` must be None or >= 0; got "
+            f"{self.center_rewards_coefficient}.",
+        )
+
+
+@dataclass
+class DPOConfig(TrainingConfig):
+    """TRL `DPOConfig` fields we implement (prompt/completion lengths as in TRL < 1.0)."""
+
+    learning_rate: float = 1e-6
+    beta: float = 0.1
+    loss_type: list[str] = field(default_factory=lambda: ["sigmoid"])
+    loss_weights: list[float] | None = None  # None -> 1.0 for every loss_type
+    label_smoothing: float = 0.0
+    max_length: int | None = 1024
+    max_prompt_length: int | None = 512
+    max_completion_length: int | None = None
+    # Which end of the prompt survives truncation to max_prompt_length.
+    truncation_mode: str = "keep_end"
+    padding_value: int | None = None  # None -> tokenizer.pad_token_id
+    label_pad_token_id: int = -100
+    disable_dropout: bool = True
+    reference_free: bool = False
+    precompute_ref_log_probs: bool = False
+    precompute_ref_batch_size: int | None = None
+    # TR-DPO (https://huggingface.co/papers/2404.09656): ref <- alpha*policy + (1-alpha)*ref
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
+    discopop_tau: float = 0.05
+    dataset_num_proc: int | None = None
+    # jaxrl: store the frozen reference weights as int8 to halve/quarter their memory.
+    ref_model_quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.loss_type, str):
+            self.loss_type = [name.strip() for name in self.loss_type.split(",")]
+        _check(bool(self.loss_type), "`loss_type` needs at least one loss name.")
+        for name in self.loss_type:
+            _check_choice("loss_type", name, DPO_LOSS_TYPES)
+        _check(
+            self.loss_weights is None or len(self.loss_weights) == len(self.loss_type),
+            f"`loss_weights` must have the same length as `loss_type`; got "
+            f"{len(self.loss_weights or [])} weights for {len(self.loss_type)} loss types.",
+        )
+        _check(self.beta > 0, f"`beta` must be > 0; got {self.beta}.")
+        _check(
+            0.0 <= self.label_smoothing < 0.5,
+            f"`label_smoothing` must be in [0, 0.5); got {self.label_smoothing}.",
+        )
+        _check(
+            "exo_pair" not in self.loss_type or self.label_smoothing > 0,
+            "`loss_type='exo_pair'` needs `label_smoothing` > 0 (the EXO paper recommends 1e-3).",
+        )
+        for name in ("max_length", "max_prompt_length", "max_completion_length"):
+            value = getattr(self, name)
+            _check(value is None or value >= 1, f"`{name}` must be None or >= 1; got {value}.")
+        _check_choice("truncation_mode", self.truncation_mode, TRUNCATION_MODES)
+        _check(
+            not (self.sync_ref_model and self.precompute_ref_log_probs),
+            "`sync_ref_model=True` cannot be combined with `precompute_ref_log_probs=True`: the "
+            "precomputed log-probs would go stale when the reference syncs. Disable one of them.",
+        )
+        _check(
+            not (self.reference_free and (self.sync_ref_model or self.precompute_ref_log_probs)),
+            "`reference_free=True` uses no reference model; unset `sync_ref_model` and "
+            "`precompute_ref_log_probs`.",
+        )
+        _check(
+            0.0 <= self.ref_model_mixup_alpha <= 1.0,
+            f"`ref_model_mixup_alpha` must be in [0, 1]; got {self.ref_model_mixup_alpha}.",
+        )
+        _check(
+            self.ref_model_sync_steps >= 1,
+            f"`ref_model_sync_steps` must be >= 1; got {self.ref_model_sync_steps}.",
+        )
+        _check(self.discopop_tau > 0, f"`discopop_tau` must be > 0; got {self.discopop_tau}.")
+        for name in ("precompute_ref_batch_size", "dataset_num_proc"):
+            value = getattr(self, name)
+            _check(value is None or value >= 1, f"`{name}` must be None or >= 1; got {value}.")
+        if self.ref_model_quantization is not None:
+            _check_choice(
+                "ref_model_quantization", self.ref_model_quantization, REF_MODEL_QUANTIZATIONS
+            )
+
+
+CONFIGS: dict[str, type[TrainingConfig]] = {
+    "sft": SFTConfig,
+    "reward": RewardConfig,
+    "dpo": DPOConfig,
+}
+
+
+@dataclass
+class ScriptArguments:
+    """Script-level flags of `python -m jaxrl.train` (TRL `ScriptArguments` / `ModelConfig` names)."""
+
+    algo: str | None = None
+    config: str | None = None
+    model_name_or_path: str | None = None
+    tokenizer_name_or_path: str | None = None  # None -> model_name_or_path
+    dataset_name: str | None = None  # hub id, local file or directory
+    dataset_config: str | None = None
+    dataset_train_split: str = "train"
+    dataset_test_split: str = "test"
+
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+def _union_members(annotation: Any) -> tuple[Any, ...]:
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return typing.get_args(annotation)
+    return (annotation,)
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Convert a YAML/CLI value to `annotation`, or raise ConfigError naming the key."""
+    members = _union_members(annotation)
+    # "null"/"None" spell None; a lowercase "none" stays a string where strings are allowed
+    # (e.g. report_to="none").
+    if value is None or (
+        isinstance(value, str)
+        and (value in ("null", "None", "~") or (str not in members and value.lower() == "none"))
+    ):
+        if type(None) in members:
+            return None
+        raise ConfigError(f"`{key}` cannot be null.")
+    errors = []
+    for member in members:
+        if member is type(None):
+            continue
+        try:
+            return _coerce_one(value, member)
+        except (ValueError, TypeError, yaml.YAMLError) as error:
+            errors.append(str(error))
+    expected = " or ".join(getattr(m, "__name__", str(m)) for m in members)
+    raise ConfigError(f"`{key}` expects {expected}; got {value!r} ({'; '.join(errors)}).")
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-4` (no dot) as a float, as JSON and Python do."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def _parse_text(text: str) -> Any:
+    # YAML is a superset of JSON, so this reads both.
+    return yaml.load(text, Loader=_YamlLoader)
+
+
+def _coerce_one(value: Any, target: Any) -> Any:
+    origin = typing.get_origin(target)
+    if target is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+            return value.lower() in _TRUE
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise ValueError("not a boolean (use true/false)")
+    if target is int:
+        if isinstance(value, bool):
+            raise TypeError("not an integer")
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return int(value) if isinstance(value, int | str) else _fail("not an integer")
+    if target is float:
+        if isinstance(value, bool):
+            raise TypeError("not a number")
+        return float(value) if isinstance(value, int | float | str) else _fail("not a number")
+    if target is str:
+        return value if isinstance(value, str) else _fail("not a string")
+    if target is list or origin is list:
+        if isinstance(value, str):
+            text = value.strip()
+            value = _parse_text(text) if text.startswith("[") else text.split(",")
+        if not isinstance(value, list | tuple):
+            value = [value]
+        (item_type,) = typing.get_args(target) or (None,)
+        if item_type is None:
+            return list(value)
+        return [
+            _coerce_one(item.strip() if isinstance(item, str) else item, item_type)
+            for item in value
+        ]
+    if target is dict or origin is dict:
+        if isinstance(value, str):
+            value = _parse_text(value)
+        return dict(value) if isinstance(value, dict) else _fail("not a mapping (use JSON/YAML)")
+    raise TypeError(f"unsupported annotation {target}")
+
+
+def _fail(message: str) -> typing.NoReturn:
+    raise ValueError(message)
+
+
+def _split_cli(cli_args: list[str], bool_keys: set[str]) -> dict[str, str | bool]:
+    """`--key value`, `--key=value` and bare `--flag` (bool fields only) -> {key: raw}."""
+    parsed: dict[str, str | bool] = {}
+    i = 0
+    while i < len(cli_args):
+        token = cli_args[i]
+        if not token.startswith("--") or token == "--":
+            raise ConfigError(
+                f"Unexpected command-line argument {token!r}; flags look like `--field value`."
+            )
+        key, eq, raw = token[2:].partition("=")
+        key = key.replace("-", "_")
+        if eq:
+            parsed[key] = raw
+            i += 1
+        elif i + 1 < len(cli_args) and not cli_args[i + 1].startswith("--"):
+            parsed[key] = cli_args[i + 1]
+            i += 2
+        elif key in bool_keys:
+            parsed[key] = True
+            i += 1
+        else:
+            raise ConfigError(f"Flag `--{key}` needs a value: `--{key} VALUE` or `--{key}=VALUE`.")
+    return parsed
+
+
+def parse_config(
+    cls: type[TrainingConfig],
+    yaml_path: str | Path | None = None,
+    cli_args: list[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> tuple[TrainingConfig, ScriptArguments]:
+    """Build `cls` from defaults < YAML file < CLI flags < `overrides`.
+
+    Script-level keys (`ScriptArguments` fields) may appear in any source and are returned
+    separately. `--config FILE` on the command line is used when `yaml_path` is not given.
+    Unknown keys and bad values raise ConfigError naming the key and the closest valid keys.
+    """
+    config_types = typing.get_type_hints(cls)
+    config_fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    script_types = typing.get_type_hints(ScriptArguments)
+    all_types = {**script_types, **{k: v for k, v in config_types.items() if k in config_fields}}
+    bool_keys = {k for k, t in all_types.items() if bool in _union_members(t)}
+
+    cli_values = _split_cli(list(cli_args or []), bool_keys)
+    if yaml_path is None and "config" in cli_values:
+        yaml_path = str(cli_values["config"])
+
+    sources: list[tuple[str, dict[str, Any]]] = []
+    if yaml_path is not None:
+        yaml_values = _parse_text(Path(yaml_path).read_text()) or {}
+        if not isinstance(yaml_values, dict):
+            raise ConfigError(f"{yaml_path} must contain a mapping of field: value.")
+        sources.append((str(yaml_path), yaml_values))
+    sources += [("the command line", cli_values), ("overrides", dict(overrides or {}))]
+
+    config_kwargs: dict[str, Any] = {}
+    script_kwargs: dict[str, Any] = {"config": None if yaml_path is None else str(yaml_path)}
+    for source, values in sources:
+        for key, value in values.items():
+            if key not in all_types:
+                close = difflib.get_close_matches(key, list(all_types), n=3, cutoff=0.6)
+                hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+                raise ConfigError(f"Unknown key {key!r} in {source} for {cls.__name__}.{hint}")
+            target = script_kwargs if key in script_types else config_kwargs
+            target[key] = _coerce(key, value, all_types[key])
+    try:
+        config = cls(**config_kwargs)
+    except ConfigError as error:
+        raise ConfigError(f"{cls.__name__}: {error}") from None
+    return config, ScriptArguments(**script_kwargs)

@@ -1,0 +1,134 @@
+"""Collators: lists of tokenized examples -> fixed-shape numpy batches for a jitted step.
+
+Every batch has the static shape `[rows, seq_len]` so the train step compiles once per run.
+Padding is on the right with `pad_token_id`, `segment_ids == 0` and `attention_mask == 0`.
+
+Target alignment (shared by every collator that emits `loss_mask`):
+    targets[b, t]   = input_ids[b, t + 1]           (last position: pad_token_id)
+    loss_mask[b, t] = 1.0 iff input token t + 1 is a trained token of the same document as t
+so `logits[b, t]` is scored against `targets[b, t]` where `loss_mask[b, t] == 1`. The last
+position of a row and the last token of each packed document therefore never carry loss.
+"""
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+Example = Mapping[str, Any]
+
+
+def choose_seq_len(
+    dataset_lengths: Iterable[int], max_length: int | None, multiple_of: int = 8
+) -> int:
+    """One static length for the run: the longest example rounded up to `multiple_of`, capped at
+    `max_length` (no cap when `max_length` is None)."""
+    lengths = list(dataset_lengths)
+    if not lengths:
+        raise ValueError("choose_seq_len got no example lengths; the dataset is empty.")
+    if multiple_of < 1:
+        raise ValueError(f"multiple_of must be >= 1, got {multiple_of}.")
+    longest = max(max(lengths), 1)
+    rounded = math.ceil(longest / multiple_of) * multiple_of
+    return rounded if max_length is None else min(max_length, rounded)
+
+
+def _rows_to_batch(
+    ids_rows: Sequence[Sequence[int]],
+    trained_rows: Sequence[Sequence[int]],
+    seq_len: int,
+    pad_token_id: int,
+    positions_rows: Sequence[Sequence[int]] | None = None,
+    segment_rows: Sequence[Sequence[int]] | None = None,
+) -> dict[str, np.ndarray]:
+    n = len(ids_rows)
+    input_ids = np.full((n, seq_len), pad_token_id, dtype=np.int32)
+    trained = np.zeros((n, seq_len), dtype=bool)
+    positions = np.zeros((n, seq_len), dtype=np.int32)
+    segment_ids = np.zeros((n, seq_len), dtype=np.int32)
+    for b, ids in enumerate(ids_rows):
+        length = len(ids)
+        if length > seq_len:
+            raise ValueError(
+                f"An example has {length} tokens but the batch length is {seq_len}. Prepare the "
+                f"dataset with max_length <= {seq_len} or pick seq_len with choose_seq_len."
+            )
+        input_ids[b, :length] = ids
+        trained[b, :length] = np.asarray(trained_rows[b], dtype=bool)
+        if positions_rows is None:
+            positions[b, :length] = np.arange(length)
+        else:
+            positions[b, :length] = positions_rows[b]
+        segment_ids[b, :length] = 1 if segment_rows is None else segment_rows[b]
+    targets = np.full_like(input_ids, pad_token_id)
+    targets[:, :-1] = input_ids[:, 1:]
+    same_doc = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
+    loss_mask = np.zeros((n, seq_len), dtype=np.float32)
+    loss_mask[:, :-1] = trained[:, 1:] & same_doc
+    return {
+        "input_ids": input_ids,
+        "targets": targets,
+        "attention_mask": (segment_ids > 0).astype(np.int32),
+        "positions": positions,
+        "segment_ids": segment_ids,
+        "loss_mask": loss_mask,
+    }
+
+
+def collate_sft(
+    examples: Sequence[Example], seq_len: int, pad_token_id: int
+) -> dict[str, np.ndarray]:
+    """SFT batch `[B, seq_len]`: `input_ids`, `targets`, `attention_mask`, `positions`,
+    `segment_ids` (int32) and `loss_mask` (float32), aligned as in the module docstring.
+
+    Examples carry `input_ids` and optionally `loss_mask` (per input token: 1 = trained; default
+    all ones), `positions` and `segment_ids` (packed rows; default one document per row).
+    """
+    ids = [ex["input_ids"] for ex in examples]
+    trained = [ex.get("loss_mask", [1] * len(ex["input_ids"])) for ex in examples]
+    packed = all("segment_ids" in ex for ex in examples)
+    return _rows_to_batch(
+        ids,
+        trained,
+        seq_len,
+        pad_token_id,
+        positions_rows=[ex["positions"] for ex in examples] if packed else None,
+        segment_rows=[ex["segment_ids"] for ex in examples] if packed else None,
+    )
+
+
+def collate_preference(
+    examples: Sequence[Example], seq_len: int, pad_token_id: int
+) -> dict[str, np.ndarray]:
+    """DPO batch `[2B, seq_len]`: rows 0..B-1 are `prompt + chosen`, rows B..2B-1 `prompt + rejected`.
+
+    Keys as `collate_sft`; `loss_mask` covers completion targets only (summing
+    `log_probs * loss_mask` over a row gives the completion log-prob TRL's DPO uses).
+    """
+    ids, trained = [], []
+    for key in ("chosen_input_ids", "rejected_input_ids"):
+        for ex in examples:
+            prompt, completion = list(ex["prompt_input_ids"]), list(ex[key])
+            ids.append(prompt + completion)
+            trained.append([0] * len(prompt) + [1] * len(completion))
+    return _rows_to_batch(ids, trained, seq_len, pad_token_id)
+
+
+def collate_reward(
+    examples: Sequence[Example], seq_len: int, pad_token_id: int
+) -> dict[str, np.ndarray]:
+    """Reward batch: `[2B, seq_len]` `input_ids`, `attention_mask`, `positions`, `segment_ids`
+    (chosen rows then rejected rows) and `margin` `[B]` float32 (zeros when the data has none).
+
+    The score of a row is read at its last real token, index `attention_mask.sum(-1) - 1`.
+    """
+    ids = [ex["chosen_input_ids"] for ex in examples] + [
+        ex["rejected_input_ids"] for ex in examples
+    ]
+    batch = _rows_to_batch(ids, [[0] * len(x) for x in ids], seq_len, pad_token_id)
+    del batch["targets"], batch["loss_mask"]  # a reward model scores sequences, it has no targets
+    batch["margin"] = np.asarray(
+        [float(ex.get("margin", 0.0)) for ex in examples], dtype=np.float32
+    )
+    return batch

@@ -1,0 +1,80 @@
+"""Dataset format detection and the small text/chat helpers shared by the SFT, DPO and reward prep.
+
+Formats follow TRL's vocabulary: *standard* examples hold strings (`text`, `prompt`, `completion`,
+`chosen`, `rejected`), *conversational* ones hold lists of `{"role", "content"}` messages
+(`messages`, or the same keys as lists of messages). Nothing here tokenizes whole datasets; see
+`sft.py`, `preference.py` and `reward.py`.
+"""
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+CONVERSATIONAL_KEYS = ("prompt", "chosen", "rejected", "completion", "messages")
+
+
+def is_conversational(example: dict[str, Any]) -> bool:
+    """True when one of TRL's message-bearing keys holds a list of `{"role": ...}` dicts."""
+    for key in CONVERSATIONAL_KEYS:
+        value = example.get(key)
+        if isinstance(value, list) and value:
+            return isinstance(value[0], dict) and "role" in value[0]
+    return False
+
+
+def extract_prompt(example: dict[str, Sequence]) -> dict[str, Sequence]:
+    """Split the shared prefix of `chosen` and `rejected` off as the `prompt` (TRL `extract_prompt`).
+
+    Works on strings (character prefix) and on message lists (whole-turn prefix). As in TRL, a
+    space right before the point where the two differ stays with the completions, and when one
+    side is a prefix of the other the split happens before their last shared element.
+    """
+    chosen, rejected = example["chosen"], example["rejected"]
+    idx = 0
+    for idx in range(min(len(chosen), len(rejected))):
+        if chosen[idx] != rejected[idx]:
+            if chosen[idx - 1] == " ":
+                idx -= 1
+            break
+    return {"prompt": chosen[:idx], "chosen": chosen[idx:], "rejected": rejected[idx:]}
+
+
+def require_columns(
+    column_names: Iterable[str],
+    accepted: Sequence[Sequence[str]],
+    *,
+    what: str,
+    hint: str = "",
+) -> tuple[str, ...]:
+    """Return the first column set in `accepted` fully present, else raise a clear `ValueError`."""
+    present = set(column_names)
+    for columns in accepted:
+        if all(c in present for c in columns):
+            return tuple(columns)
+    options = " or ".join("{" + ", ".join(c) + "}" for c in accepted)
+    raise ValueError(
+        f"{what} dataset has columns {sorted(present)} but needs {options}. {hint}".rstrip()
+    )
+
+
+def common_prefix_length(ids: Sequence[int], other_ids: Sequence[int]) -> int:
+    """Number of leading tokens two id sequences share (TRL `common_prefix_length`)."""
+    n = 0
+    for a, b in zip(ids, other_ids):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def tokenize_text_or_messages(tokenizer: Any, value: str | list, **chat_kwargs: Any) -> dict:
+    """Tokenize a string with `tokenizer(...)` or a message list with its chat template."""
+    if isinstance(value, list):
+        if tokenizer.chat_template is None:
+            raise ValueError(
+                "The dataset is conversational (lists of {'role', 'content'} messages) but the tokenizer "
+                "has no chat template. Set `tokenizer.chat_template` or convert the data to plain text."
+            )
+        return dict(
+            tokenizer.apply_chat_template(value, tokenize=True, return_dict=True, **chat_kwargs)
+        )
+    return dict(tokenizer(value))

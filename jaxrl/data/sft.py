@@ -1,0 +1,222 @@
+"""SFT dataset preparation: any TRL SFT format -> tokenized `input_ids` + per-token `loss_mask`.
+
+Accepted formats (TRL `SFTTrainer`): language modelling `{text}` (field name configurable),
+`{prompt, completion}` (standard or conversational), conversational `{messages}`, any dataset with
+a `formatting_func`, and pre-tokenized `{input_ids}` (optional `loss_mask`). Host-side only; the
+output feeds `packing.py` and `collate.collate_sft`.
+"""
+
+import warnings
+from collections.abc import Callable
+from typing import Any, Literal
+
+import datasets
+
+from jaxrl.data.formats import (
+    common_prefix_length,
+    is_conversational,
+    require_columns,
+    tokenize_text_or_messages,
+)
+from jaxrl.data.packing import pack_bfd, pack_wrapped
+
+_HINT = (
+    "Rename the column, set `dataset_text_field` to your text column, or pass a `formatting_func`."
+)
+
+
+def _is_empty(value: Any) -> bool:
+    return value is None or (isinstance(value, str | list) and len(value) == 0)
+
+
+def _tokenize_example(
+    example: dict[str, Any],
+    *,
+    tokenizer: Any,
+    kind: str,
+    text_field: str,
+    eos_token: str,
+    completion_only_loss: bool,
+    assistant_only_loss: bool,
+) -> dict[str, list[int]]:
+    """One example -> {input_ids, loss_mask}; empty sources give empty lists (dropped later)."""
+    if kind == "pretokenized":
+        ids = list(example["input_ids"])
+        mask = list(example["loss_mask"]) if "loss_mask" in example else [1] * len(ids)
+        return {"input_ids": ids, "loss_mask": mask}
+    if kind == "text":
+        text = example[text_field]
+        if _is_empty(text):
+            return {"input_ids": [], "loss_mask": []}
+        if not text.endswith(eos_token):
+            text = text + eos_token  # TRL appends EOS to non-conversational text
+        ids = tokenizer(text)["input_ids"]
+        return {"input_ids": ids, "loss_mask": [1] * len(ids)}
+    if kind == "messages":
+        if _is_empty(example["messages"]):
+            return {"input_ids": [], "loss_mask": []}
+        out = tokenize_text_or_messages(
+            tokenizer, example["messages"], return_assistant_tokens_mask=assistant_only_loss
+        )
+        ids = out["input_ids"]
+        mask = list(out["assistant_masks"]) if assistant_only_loss else [1] * len(ids)
+        _check_assistant_mask(mask, assistant_only_loss)
+        return {"input_ids": ids, "loss_mask": mask}
+    # prompt-completion
+    prompt, completion = example["prompt"], example["completion"]
+    if _is_empty(completion):
+        return {"input_ids": [], "loss_mask": []}
+    if is_conversational(example):
+        prompt_ids = tokenize_text_or_messages(tokenizer, prompt, add_generation_prompt=True)[
+            "input_ids"
+        ]
+        out = tokenize_text_or_messages(
+            tokenizer, prompt + completion, return_assistant_tokens_mask=assistant_only_loss
+        )
+        ids = out["input_ids"]
+        assistant = list(out["assistant_masks"]) if assistant_only_loss else [1] * len(ids)
+        _check_assistant_mask(assistant, assistant_only_loss)
+    else:
+        if not completion.endswith(eos_token):
+            completion = completion + eos_token
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        ids = tokenizer(prompt + completion)["input_ids"]
+        assistant = [1] * len(ids)
+    # The completion starts where prompt and prompt+completion tokenizations diverge (TRL).
+    prompt_len = common_prefix_length(prompt_ids, ids)
+    completion_mask = [0] * prompt_len + [1] * (len(ids) - prompt_len)
+    trained = completion_mask if completion_only_loss else [1] * len(ids)
+    return {"input_ids": ids, "loss_mask": [int(a and c) for a, c in zip(assistant, trained)]}
+
+
+def _check_assistant_mask(mask: list[int], assistant_only_loss: bool) -> None:
+    if assistant_only_loss and 1 not in mask:
+        raise ValueError(
+            "assistant_only_loss=True but an example has no assistant tokens: the tokenizer's chat "
+            "template must mark assistant turns with {% generation %} ... {% endgeneration %}. "
+            "Use such a template or set assistant_only_loss=False."
+        )
+
+
+def _detect_kind(column_names: list[str], text_field: str, has_formatting_func: bool) -> str:
+    if has_formatting_func:
+        return "text"
+    columns = require_columns(
+        column_names,
+        [("prompt", "completion"), ("messages",), (text_field,), ("input_ids",)],
+        what="SFT",
+        hint=_HINT,
+    )
+    return {
+        ("prompt", "completion"): "prompt_completion",
+        ("messages",): "messages",
+        ("input_ids",): "pretokenized",
+    }.get(columns, "text")
+
+
+def prepare_sft_dataset(
+    dataset: datasets.Dataset,
+    tokenizer: Any,
+    *,
+    dataset_text_field: str = "text",
+    max_length: int | None = 1024,
+    formatting_func: Callable[[dict], str] | None = None,
+    completion_only_loss: bool | None = None,
+    assistant_only_loss: bool = False,
+    packing: bool = False,
+    packing_strategy: Literal["bfd", "bfd_split", "wrapped"] = "bfd",
+    eos_token: str | None = None,
+    num_proc: int | None = None,
+) -> datasets.Dataset:
+    """Tokenize an SFT dataset with TRL `SFTTrainer` semantics.
+
+    - EOS (`eos_token` or the tokenizer's) is appended to standard text/completions lacking it;
+      conversational data relies on the chat template.
+    - `completion_only_loss=None` means True for prompt-completion data (loss on completion only).
+    - `assistant_only_loss=True` trains only on tokens the chat template marks with
+      `{% generation %}` (conversational data only).
+    - Without packing, sequences are truncated to their first `max_length` tokens; with packing
+      they are packed into rows of `max_length` (see `packing.py`).
+    - Examples with an empty text/completion/messages, or with no trained token left after
+      truncation, are dropped with a warning; an error is raised if nothing is left.
+
+    Returns columns `input_ids` and `loss_mask` (1 where the input token is a training target),
+    plus `positions` and `segment_ids` when packed.
+    """
+    if len(dataset) == 0:
+        raise ValueError("The SFT dataset is empty; pass a dataset with at least one example.")
+    if eos_token is not None and eos_token not in tokenizer.get_vocab():
+        raise ValueError(
+            f"eos_token={eos_token!r} is not in the tokenizer vocabulary; use an existing token "
+            f"(the tokenizer's is {tokenizer.eos_token!r})."
+        )
+    eos = eos_token if eos_token is not None else tokenizer.eos_token
+    if eos is None:
+        raise ValueError("The tokenizer has no eos_token; set `eos_token` in the config.")
+    if packing and max_length is None:
+        raise ValueError("packing=True needs a max_length (the packed row length).")
+    if packing_strategy not in ("bfd", "bfd_split", "wrapped"):
+        raise ValueError(
+            f"packing_strategy must be 'bfd', 'bfd_split' or 'wrapped', got {packing_strategy!r}."
+        )
+
+    if formatting_func is not None:
+        if completion_only_loss:
+            raise ValueError(
+                "completion_only_loss=True cannot be combined with a formatting_func (it produces "
+                "plain text with no prompt/completion split). Drop one of them."
+            )
+        dataset = dataset.map(
+            lambda ex: {"text": formatting_func(ex)},
+            num_proc=num_proc,
+            remove_columns=dataset.column_names,
+        )
+        dataset_text_field = "text"
+    kind = _detect_kind(dataset.column_names, dataset_text_field, formatting_func is not None)
+    if completion_only_loss is None:
+        completion_only_loss = kind == "prompt_completion"
+    if assistant_only_loss and not is_conversational(dataset[0]):
+        raise ValueError(
+            "assistant_only_loss=True needs conversational data (lists of {'role', 'content'} "
+            "messages); set assistant_only_loss=False for plain text."
+        )
+
+    n_before = len(dataset)
+    dataset = dataset.map(
+        _tokenize_example,
+        fn_kwargs={
+            "tokenizer": tokenizer,
+            "kind": kind,
+            "text_field": dataset_text_field,
+            "eos_token": eos,
+            "completion_only_loss": completion_only_loss,
+            "assistant_only_loss": assistant_only_loss,
+        },
+        remove_columns=dataset.column_names,
+        num_proc=num_proc,
+    )
+    if max_length is not None and not packing:
+        # TRL's default truncation_mode="keep_start".
+        dataset = dataset.map(
+            lambda ex: {k: ex[k][:max_length] for k in ("input_ids", "loss_mask")},
+            num_proc=num_proc,
+        )
+    dataset = dataset.filter(lambda ex: any(ex["loss_mask"]), num_proc=num_proc)
+    dropped = n_before - len(dataset)
+    if len(dataset) == 0:
+        raise ValueError(
+            f"All {n_before} SFT examples are empty or have no trained token after truncation to "
+            f"max_length={max_length}; check the data columns and max_length."
+        )
+    if dropped:
+        warnings.warn(
+            f"Dropped {dropped} of {n_before} SFT examples that were empty or had no trained token "
+            f"after truncation to max_length={max_length}.",
+            stacklevel=2,
+        )
+    if packing:
+        if packing_strategy == "wrapped":
+            return pack_wrapped(dataset, max_length)
+        overflow = "split" if packing_strategy == "bfd_split" else "truncate"
+        return pack_bfd(dataset, max_length, on_seq_length_overflow=overflow)
+    return dataset

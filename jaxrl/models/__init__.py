@@ -1,0 +1,32 @@
+"""Flax NNX decoder-only LMs (Llama, Mistral, Qwen2/2.5, Qwen3, GPT-2) with HF checkpoint I/O.
+
+Every model holds only `nnx.Param` state carrying logical axis names, so
+`graphdef, params = nnx.split(model)` / `nnx.merge(graphdef, params)` is the functional API.
+"""
+
+from jaxrl.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, config_from_hf
+from jaxrl.models.gpt2 import GPT2ForCausalLM, GPT2Model
+from jaxrl.models.heads import ScoreHead, SequenceClassificationModel, ValueHead
+from jaxrl.models.hf import build_model, from_config, from_pretrained, save_pretrained
+from jaxrl.models.llama import LlamaForCausalLM, LlamaModel
+from jaxrl.models.presets import count_params, flops_per_token, get_preset
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "GPT2ForCausalLM",
+    "GPT2Model",
+    "LlamaForCausalLM",
+    "LlamaModel",
+    "ModelConfig",
+    "ScoreHead",
+    "SequenceClassificationModel",
+    "ValueHead",
+    "build_model",
+    "config_from_hf",
+    "count_params",
+    "flops_per_token",
+    "from_config",
+    "from_pretrained",
+    "get_preset",
+    "save_pretrained",
+]

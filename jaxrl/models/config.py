@@ -1,0 +1,193 @@
+"""Our model config: the HF config fields the JAX models need, plus compute options.
+
+`ModelConfig` is frozen and hashable so it can live in an nnx graphdef (static under jit). It keeps
+the source transformers config (`hf_config`) so `save_pretrained` can write it back unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
+ROPE_TYPES = ("default", "llama3", "linear")
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+ATTENTION_IMPLS = (None, "xla", "cudnn")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture (from the HF config) and compute options of a decoder-only LM."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    norm_eps: float
+    hidden_act: str
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    initializer_range: float
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    # One flag per layer: does that layer use `sliding_window`?
+    sliding_layers: tuple[bool, ...] = ()
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    scan_layers: bool = False
+    remat_policy: str = "none"
+    # None lets JAX pick; "xla" or "cudnn" force one (cuDNN needs a GPU and bf16/fp16).
+    attention_impl: str | None = None
+    hf_config: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(
+                f"remat_policy={self.remat_policy!r} is not supported; use one of {REMAT_POLICIES}."
+            )
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"attention_impl={self.attention_impl!r} is not supported; use one of "
+                f"{ATTENTION_IMPLS}."
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}."
+            )
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _rope_fields(hf_config: Any) -> dict[str, Any]:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if "full_attention" in params:  # per-layer-type rope dicts (not used by supported families)
+        params = params["full_attention"]
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"rope_type={rope_type!r} in config.rope_parameters is not supported; jaxrl supports "
+            f"{ROPE_TYPES}."
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1.0 in config.rope_parameters is not supported.")
+    fields: dict[str, Any] = {
+        "rope_theta": float(params.get("rope_theta", 10000.0)),
+        "rope_type": rope_type,
+    }
+    if rope_type in ("llama3", "linear"):
+        fields["rope_factor"] = float(params["factor"])
+    if rope_type == "llama3":
+        fields["rope_low_freq_factor"] = float(params["low_freq_factor"])
+        fields["rope_high_freq_factor"] = float(params["high_freq_factor"])
+        fields["rope_original_max_position_embeddings"] = int(
+            params.get("original_max_position_embeddings", hf_config.max_position_embeddings)
+        )
+    return fields
+
+
+def _llama_family(c: Any) -> dict[str, Any]:
+    model_type = c.model_type
+    num_heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // num_heads
+    window = getattr(c, "sliding_window", None)
+    layer_types = getattr(c, "layer_types", None)
+    if model_type == "mistral" or not layer_types:
+        sliding_layers = (window is not None,) * c.num_hidden_layers
+    else:
+        sliding_layers = tuple(t == "sliding_attention" for t in layer_types)
+    attention_bias = bool(getattr(c, "attention_bias", False))
+    return dict(
+        model_type=model_type,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_layers=c.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(c, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        norm_eps=c.rms_norm_eps,
+        hidden_act=c.hidden_act,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        initializer_range=c.initializer_range,
+        # Qwen2 always has q/k/v biases and no o bias; Llama/Qwen3 `attention_bias` covers all four.
+        qkv_bias=True if model_type == "qwen2" else attention_bias,
+        o_bias=False if model_type == "qwen2" else attention_bias,
+        mlp_bias=bool(getattr(c, "mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        sliding_window=window if any(sliding_layers) else None,
+        sliding_layers=sliding_layers if any(sliding_layers) else (False,) * c.num_hidden_layers,
+        **_rope_fields(c),
+    )
+
+
+def _gpt2(c: Any) -> dict[str, Any]:
+    if getattr(c, "scale_attn_by_inverse_layer_idx", False):
+        raise ValueError(
+            "GPT-2 configs with scale_attn_by_inverse_layer_idx=True are not supported."
+        )
+    if not getattr(c, "scale_attn_weights", True):
+        raise ValueError("GPT-2 configs with scale_attn_weights=False are not supported.")
+    return dict(
+        model_type="gpt2",
+        vocab_size=c.vocab_size,
+        hidden_size=c.n_embd,
+        intermediate_size=c.n_inner or 4 * c.n_embd,
+        num_layers=c.n_layer,
+        num_heads=c.n_head,
+        num_kv_heads=c.n_head,
+        head_dim=c.n_embd // c.n_head,
+        norm_eps=c.layer_norm_epsilon,
+        hidden_act=c.activation_function,
+        max_position_embeddings=c.n_positions,
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
+        initializer_range=c.initializer_range,
+        sliding_layers=(False,) * c.n_layer,
+    )
+
+
+def config_from_hf(
+    hf_config: Any,
+    *,
+    dtype: Any = None,
+    param_dtype: Any = None,
+    scan_layers: bool = False,
+    remat_policy: str = "none",
+    attention_impl: str | None = None,
+) -> ModelConfig:
+    """Our `ModelConfig` from a transformers config; clear error for unsupported families."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type={model_type!r} is not supported by jaxrl.models; supported model types: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}."
+        )
+    fields = _gpt2(hf_config) if model_type == "gpt2" else _llama_family(hf_config)
+    param_dtype = jnp.dtype(param_dtype or jnp.float32)
+    return ModelConfig(
+        **fields,
+        dtype=jnp.dtype(dtype or param_dtype),
+        param_dtype=param_dtype,
+        scan_layers=scan_layers,
+        remat_policy=remat_policy,
+        attention_impl=attention_impl,
+        hf_config=hf_config,
+    )

@@ -1,0 +1,144 @@
+"""GPT-2: learned positions, pre-LayerNorm blocks, fused qkv projection, gelu_new, tied head.
+
+HF GPT-2 uses Conv1D layers whose weights are stored [in, out]; our `Dense` kernels keep that
+order, so conversion in `hf.py` is a reshape (no transpose). Shares norms, attention and the
+scanned/remat layer stack with the Llama family (`layers.py`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.layers import (
+    Dense,
+    Embed,
+    LayerNorm,
+    activation,
+    apply_layers,
+    attention_mask_BTS,
+    default_positions,
+    dot_product_attention,
+    make_layers,
+)
+
+
+class GPT2Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        d, n, h = config.hidden_size, config.num_heads, config.head_dim
+        self.config = config
+        # One fused [D, 3, N, H] projection, as HF's c_attn (q, k, v concatenated on the output).
+        self.c_attn = Dense(
+            (d,), (3, n, h), ("embed",), ("qkv", "heads", "head_dim"), config, rngs, use_bias=True
+        )
+        self.c_proj = Dense(
+            (n, h), (d,), ("heads", "head_dim"), ("embed",), config, rngs, use_bias=True
+        )
+
+    def __call__(self, x_BTD, mask_B1TS, sliding) -> jax.Array:
+        qkv_BT3NH = self.c_attn(x_BTD)
+        q_BTNH, k_BTNH, v_BTNH = (qkv_BT3NH[:, :, i] for i in range(3))
+        out_BTNH = dot_product_attention(q_BTNH, k_BTNH, v_BTNH, mask_B1TS, sliding, self.config)
+        return self.c_proj(out_BTNH)
+
+
+class GPT2MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        self.c_fc = Dense((d,), (f,), ("embed",), ("mlp",), config, rngs, use_bias=True)
+        self.c_proj = Dense((f,), (d,), ("mlp",), ("embed",), config, rngs, use_bias=True)
+        self.act = activation(config.hidden_act)
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        return self.c_proj(self.act(self.c_fc(x_BTD)))
+
+
+class GPT2Block(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.ln_1 = LayerNorm(config.hidden_size, config.norm_eps, config)
+        self.attn = GPT2Attention(config, rngs)
+        self.ln_2 = LayerNorm(config.hidden_size, config.norm_eps, config)
+        self.mlp = GPT2MLP(config, rngs)
+
+    def __call__(self, h_BTD, mask_B1TS, sliding) -> jax.Array:
+        h_BTD = h_BTD + self.attn(self.ln_1(h_BTD), mask_B1TS, sliding)
+        return h_BTD + self.mlp(self.ln_2(h_BTD))
+
+
+class GPT2Model(nnx.Module):
+    """GPT-2 backbone: token + position embeddings, blocks, final LayerNorm -> [B, T, D]."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.config = config
+        self.wte = Embed(config.vocab_size, config.hidden_size, "vocab", config, rngs)
+        self.wpe = Embed(
+            config.max_position_embeddings, config.hidden_size, "position", config, rngs
+        )
+        self.h = make_layers(lambda r: GPT2Block(config, r), config, rngs)
+        self.ln_f = LayerNorm(config.hidden_size, config.norm_eps, config)
+
+    def __call__(
+        self,
+        input_ids_BT: jax.Array,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        if positions is None:
+            positions = default_positions(attention_mask, segment_ids, input_ids_BT.shape[1])
+        h_BTD = self.wte(input_ids_BT) + self.wpe(positions)
+        mask_B1TS = attention_mask_BTS(attention_mask, segment_ids)
+        h_BTD = apply_layers(self.h, h_BTD, (mask_B1TS,), self.config)
+        return self.ln_f(h_BTD)
+
+    def input_embedding(self) -> jax.Array:
+        return self.wte.embedding[...]
+
+
+class GPT2ForCausalLM(nnx.Module):
+    """GPT-2 causal LM (HF `GPT2LMHeadModel`): `model(input_ids, attention_mask) -> logits_BTV`."""
+
+    base_model_prefix = "transformer"
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.config = config
+        self.transformer = GPT2Model(config, rngs)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Dense(
+                (config.hidden_size,), (config.vocab_size,), ("embed",), ("vocab",), config, rngs
+            )
+        )
+
+    @property
+    def backbone(self) -> GPT2Model:
+        return self.transformer
+
+    def hidden_states(
+        self,
+        input_ids_BT: jax.Array,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """Final-LayerNorm hidden states [B, T, D] (the input of the LM head)."""
+        return self.transformer(input_ids_BT, attention_mask, positions, segment_ids)
+
+    def unembed_weight(self) -> jax.Array:
+        """W [D, V] in the compute dtype with logits == hidden_states @ W."""
+        if self.lm_head is None:
+            return self.transformer.input_embedding().T.astype(self.config.dtype)
+        return self.lm_head.kernel[...].astype(self.config.dtype)
+
+    def __call__(
+        self,
+        input_ids_BT: jax.Array,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        h_BTD = self.hidden_states(input_ids_BT, attention_mask, positions, segment_ids)
+        return jnp.dot(h_BTD, self.unembed_weight())

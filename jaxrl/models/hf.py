@@ -1,0 +1,437 @@
+"""HF checkpoints <-> jaxrl models: `from_pretrained`, `from_config`, `save_pretrained`.
+
+Params are created or loaded directly into their sharding: the model is built abstractly
+(`nnx.eval_shape`), each param's NamedSharding comes from its logical axes and the rules, and each
+checkpoint tensor is read lazily and placed straight into its shards. Our module tree mirrors HF's
+names, so the key mapping is mechanical: `kernel`/`scale`/`embedding` -> `weight`, layer index
+inserted for scanned stacks, torch `nn.Linear` weights transposed ([out, in] -> [in, out]),
+GPT-2 `Conv1D` weights only reshaped.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrl import parallel
+from jaxrl.models.config import ModelConfig, config_from_hf
+from jaxrl.models.gpt2 import GPT2ForCausalLM
+from jaxrl.models.heads import SequenceClassificationModel
+from jaxrl.models.llama import LlamaForCausalLM
+from jaxrl.models.weights_io import CheckpointReader, parse_size, plan_shards, write_safetensors
+
+TASKS = ("causal_lm", "sequence_classification")
+BASE_PREFIX = {"gpt2": "transformer"}  # HF base_model_prefix; "model" for the Llama family
+HF_CAUSAL_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+HF_SEQ_CLS_ARCH = {
+    "llama": "LlamaForSequenceClassification",
+    "mistral": "MistralForSequenceClassification",
+    "qwen2": "Qwen2ForSequenceClassification",
+    "qwen3": "Qwen3ForSequenceClassification",
+    "gpt2": "GPT2ForSequenceClassification",
+}
+# Checkpoint entries that are buffers or derived values, never parameters.
+IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+CONV1D_MODULES = ("c_attn", "c_proj", "c_fc")
+Model = LlamaForCausalLM | GPT2ForCausalLM | SequenceClassificationModel
+
+
+# ---------------------------------------------------------------- building
+
+
+def _base_prefix(config: ModelConfig) -> str:
+    return BASE_PREFIX.get(config.model_type, "model")
+
+
+def build_model(config: ModelConfig, rngs: nnx.Rngs, task: str, num_labels: int) -> Model:
+    """A freshly initialised model for `config` and `task` (use under `nnx.eval_shape` or jit)."""
+    if task == "sequence_classification":
+        return SequenceClassificationModel(config, rngs, num_labels=num_labels)
+    if config.model_type == "gpt2":
+        return GPT2ForCausalLM(config, rngs)
+    return LlamaForCausalLM(config, rngs)
+
+
+def _check_task(task: str) -> None:
+    if task not in TASKS:
+        raise ValueError(f"task={task!r} is not supported; use one of {TASKS}.")
+
+
+def _num_labels(hf_config: Any, task: str, num_labels: int | None) -> int:
+    if num_labels is not None:
+        return num_labels
+    archs = getattr(hf_config, "architectures", None) or []
+    if task == "sequence_classification" and any("SequenceClassification" in a for a in archs):
+        return hf_config.num_labels
+    return 1
+
+
+def _shardings(abstract_state: Any, mesh: Mesh | None, rules: parallel.Rules | None) -> Any:
+    if mesh is None:
+        mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+        replicated = NamedSharding(mesh, PartitionSpec())
+        return jax.tree.map(
+            lambda _: replicated, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )
+    return parallel.param_shardings(abstract_state, mesh, rules)
+
+
+def _prepare_hf_config(hf_config: Any, task: str, num_labels: int) -> Any:
+    hf_config = copy.deepcopy(hf_config)
+    if task == "sequence_classification":
+        hf_config.num_labels = num_labels
+    return hf_config
+
+
+def from_config(
+    hf_config: Any,
+    *,
+    seed: int = 0,
+    dtype: Any = None,
+    param_dtype: Any = None,
+    mesh: Mesh | None = None,
+    rules: parallel.Rules | None = None,
+    scan_layers: bool = False,
+    remat_policy: str = "none",
+    task: str = "causal_lm",
+    num_labels: int | None = None,
+    attention_impl: str | None = None,
+) -> Model:
+    """Randomly initialised model (normal(0, initializer_range) weights, as HF), created sharded."""
+    _check_task(task)
+    labels = _num_labels(hf_config, task, num_labels)
+    config = config_from_hf(
+        _prepare_hf_config(hf_config, task, labels),
+        dtype=dtype,
+        param_dtype=param_dtype,
+        scan_layers=scan_layers,
+        remat_policy=remat_policy,
+        attention_impl=attention_impl,
+    )
+
+    def create() -> Model:
+        return build_model(config, nnx.Rngs(seed), task, labels)
+
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(create))
+    shardings = _shardings(abstract_state, mesh, rules)
+    # Each device computes only its shards: jit with out_shardings never builds the full model.
+    state = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+# ---------------------------------------------------------------- key mapping
+
+
+def _is_layer_stack(name: Any) -> bool:
+    return name in ("layers", "h")
+
+
+def _hf_key_template(path: tuple, config: ModelConfig) -> tuple[str, bool]:
+    """HF key for a flat-state path; "{}" stands for the layer index when the param is stacked."""
+    parts: list[str] = []
+    stacked = False
+    for i, name in enumerate(path):
+        name = _base_prefix(config) if (i == 0 and name == "backbone") else name
+        parts.append(str(name))
+        if _is_layer_stack(name) and config.scan_layers and i + 1 < len(path):
+            parts.append("{}")
+            stacked = True
+    leaf = {"kernel": "weight", "scale": "weight", "embedding": "weight"}.get(parts[-1], parts[-1])
+    return ".".join([*parts[:-1], leaf]), stacked
+
+
+def _is_conv1d(path: tuple, config: ModelConfig) -> bool:
+    return config.model_type == "gpt2" and path[-1] == "kernel" and path[-2] in CONV1D_MODULES
+
+
+def _hf_shape(path: tuple, shape: tuple[int, ...], n_in: int | None, config: ModelConfig) -> tuple:
+    """Shape of the HF tensor for one (unstacked) param of ours."""
+    if path[-1] == "kernel":
+        fan_in, fan_out = math.prod(shape[:n_in]), math.prod(shape[n_in:])
+        return (fan_in, fan_out) if _is_conv1d(path, config) else (fan_out, fan_in)
+    if path[-1] == "bias":
+        return (math.prod(shape),)
+    return shape
+
+
+def _hf_to_ours(
+    x: np.ndarray, path: tuple, shape: tuple[int, ...], config: ModelConfig
+) -> np.ndarray:
+    if path[-1] == "kernel" and not _is_conv1d(path, config):
+        x = x.T  # torch nn.Linear stores [out, in]
+    return x.reshape(shape)
+
+
+def _ours_to_hf(x: np.ndarray, path: tuple, hf_shape: tuple, config: ModelConfig) -> np.ndarray:
+    if path[-1] == "kernel" and not _is_conv1d(path, config):
+        return x.reshape(hf_shape[::-1]).T
+    return x.reshape(hf_shape)
+
+
+class _ParamEntry:
+    """One param of ours and the HF key(s) it maps to."""
+
+    def __init__(self, path: tuple, variable: nnx.Variable, config: ModelConfig):
+        self.path = path
+        self.variable = variable
+        self.template, self.stacked = _hf_key_template(path, config)
+        shape = tuple(variable.shape)
+        self.layer_shape = shape[1:] if self.stacked else shape
+        self.n_in = variable.get_metadata().get("n_in")
+        self.hf_shape = _hf_shape(path, self.layer_shape, self.n_in, config)
+        self.num_layers = shape[0] if self.stacked else 1
+
+    def keys(self) -> list[str]:
+        if self.stacked:
+            return [self.template.format(i) for i in range(self.num_layers)]
+        return [self.template]
+
+
+def _entries(state: Any, config: ModelConfig) -> list[_ParamEntry]:
+    return [_ParamEntry(tuple(p), v, config) for p, v in nnx.to_flat_state(state)]
+
+
+# ---------------------------------------------------------------- loading
+
+
+def resolve_checkpoint_dir(path_or_hub_id: str | Path) -> Path:
+    """A local directory as is; otherwise a Hub id downloaded (or found) in the HF cache."""
+    path = Path(path_or_hub_id).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(
+            f"{path} is a file; pass the directory that holds config.json and the weights."
+        )
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(
+            snapshot_download(
+                str(path_or_hub_id),
+                allow_patterns=["*.json", "*.safetensors", "*.bin", "*.model", "*.txt"],
+            )
+        )
+    except Exception as err:
+        raise FileNotFoundError(
+            f"Could not find model '{path_or_hub_id}': it is not a local directory and the "
+            f"Hugging Face Hub download failed ({type(err).__name__}: {err}). Check the name, "
+            "your network / HF_HUB_OFFLINE setting, or pass a local directory."
+        ) from err
+
+
+def _lookup_key(key: str, reader: CheckpointReader, config: ModelConfig) -> str | None:
+    if key in reader:
+        return key
+    prefix = _base_prefix(config) + "."
+    if key.startswith(prefix) and key[len(prefix) :] in reader:  # base-model checkpoints
+        return key[len(prefix) :]
+    return None
+
+
+def _read_param(
+    entry: _ParamEntry, reader: CheckpointReader, config: ModelConfig, directory: Path
+) -> np.ndarray:
+    layers = []
+    for key in entry.keys():
+        found = _lookup_key(key, reader, config)
+        if found is None:
+            raise KeyError(
+                f"Checkpoint {directory} has no weight '{key}' needed by {config.model_type} "
+                f"(config and weights disagree, or the checkpoint is incomplete)."
+            )
+        x = reader.get(found)
+        if tuple(x.shape) != tuple(entry.hf_shape):
+            raise ValueError(
+                f"Shape mismatch for '{key}' in {directory}: checkpoint has {tuple(x.shape)}, the "
+                f"model built from config.json expects {tuple(entry.hf_shape)}."
+            )
+        layers.append(
+            _hf_to_ours(x, entry.path, entry.layer_shape, config).astype(config.param_dtype)
+        )
+    return np.stack(layers) if entry.stacked else layers[0]
+
+
+def _place(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    # Each device receives only its slice of the host array.
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def from_pretrained(
+    path_or_hub_id: str | Path,
+    *,
+    dtype: Any = None,
+    param_dtype: Any = None,
+    mesh: Mesh | None = None,
+    rules: parallel.Rules | None = None,
+    scan_layers: bool = False,
+    remat_policy: str = "none",
+    task: str = "causal_lm",
+    num_labels: int | None = None,
+    attention_impl: str | None = None,
+) -> Model:
+    """Load an HF checkpoint directory (or Hub id) into a sharded jaxrl model.
+
+    For `task="sequence_classification"` from a causal-LM checkpoint the score head is freshly
+    initialised (as transformers does), with `num_labels` (default 1).
+    """
+    import transformers
+
+    _check_task(task)
+    directory = resolve_checkpoint_dir(path_or_hub_id)
+    config_file = directory / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{directory} has no config.json; is it an HF model directory?")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(directory)
+    except (KeyError, ValueError) as err:
+        raise ValueError(
+            f"model_type={model_type!r} in {config_file} is not supported by jaxrl.models "
+            f"(transformers could not read it: {err})."
+        ) from err
+    labels = _num_labels(hf_config, task, num_labels)
+    config = config_from_hf(
+        _prepare_hf_config(hf_config, task, labels),
+        dtype=dtype,
+        param_dtype=param_dtype,
+        scan_layers=scan_layers,
+        remat_policy=remat_policy,
+        attention_impl=attention_impl,
+    )
+    reader = CheckpointReader(directory)
+
+    def create() -> Model:
+        return build_model(config, nnx.Rngs(0), task, labels)
+
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(create))
+    shardings = _shardings(abstract_state, mesh, rules)
+    flat_shardings = dict(nnx.to_flat_state(shardings))
+    fresh_head = task == "sequence_classification" and "score.weight" not in reader
+    used: set[str] = set()
+    loaded = []
+    for entry in _entries(abstract_state, config):
+        sharding = flat_shardings[entry.path]
+        if fresh_head and entry.path[0] == "score":
+            init = functools.partial(
+                nnx.initializers.normal(config.initializer_range),
+                jax.random.key(0),
+                entry.variable.shape,
+                config.param_dtype,
+            )
+            value = jax.jit(init, out_shardings=sharding)()
+            warnings.warn(
+                f"{directory} has no 'score.weight': the score head ({labels} labels) is newly "
+                "initialised; train it before use.",
+                stacklevel=2,
+            )
+        else:
+            value = _place(_read_param(entry, reader, config, directory), sharding)
+            used.update(_lookup_key(k, reader, config) for k in entry.keys())
+        loaded.append((entry.path, entry.variable.replace(value=value)))
+    _warn_unused(set(reader.keys()) - used, config, task, directory)
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def _warn_unused(unused: set[str], config: ModelConfig, task: str, directory: Path) -> None:
+    expected = {"lm_head.weight"} if (config.tie_word_embeddings or task != "causal_lm") else set()
+    unused = sorted(k for k in unused if k not in expected and not k.endswith(IGNORED_KEY_SUFFIXES))
+    if unused:
+        warnings.warn(
+            f"Checkpoint {directory} has {len(unused)} weight(s) the model does not use: "
+            f"{', '.join(unused[:20])}{' ...' if len(unused) > 20 else ''}",
+            stacklevel=3,
+        )
+
+
+# ---------------------------------------------------------------- saving
+
+
+def _gather(x: jax.Array) -> np.ndarray:
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def save_pretrained(model: Model, path: str | Path, *, max_shard_size: int | str = "5GB") -> None:
+    """Write an HF directory (config.json + safetensors, sharded with an index above
+    `max_shard_size`) that transformers loads with the same logits. Tensors are gathered one at a
+    time; only process 0 writes (every process must call this, for the gathers)."""
+    config: ModelConfig = model.config
+    task = (
+        "sequence_classification" if isinstance(model, SequenceClassificationModel) else "causal_lm"
+    )
+    path = Path(path)
+    write = jax.process_index() == 0
+    state = nnx.state(model)
+    entries = _entries(state, config)
+    dtype = np.dtype(config.param_dtype)
+    specs: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+    key_to_entry: dict[str, tuple[_ParamEntry, int]] = {}
+    for entry in entries:
+        for layer, key in enumerate(entry.keys()):
+            specs[key] = (tuple(entry.hf_shape), dtype)
+            key_to_entry[key] = (entry, layer)
+
+    cache: dict[tuple, np.ndarray] = {}
+
+    def fetch(key: str) -> np.ndarray:
+        entry, layer = key_to_entry[key]
+        if entry.path not in cache:  # a stacked param is gathered once, kept for its layers
+            cache.clear()
+            cache[entry.path] = _gather(entry.variable[...])
+        x = cache[entry.path][layer] if entry.stacked else cache[entry.path]
+        return _ours_to_hf(x, entry.path, entry.hf_shape, config)
+
+    shards = list(plan_shards(specs, parse_size(max_shard_size)))
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    if write:
+        path.mkdir(parents=True, exist_ok=True)
+        _write_config(config, task, model, path)
+    for name, keys in zip(names, shards):
+        shard_specs = {k: specs[k] for k in keys}
+        if write:
+            write_safetensors(path / name, shard_specs, fetch, metadata={"format": "pt"})
+        else:
+            for k in keys:  # other processes join the collective gathers
+                fetch(k)
+    if write and len(shards) > 1:
+        total = sum(int(np.prod(s)) * d.itemsize for s, d in specs.values())
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {k: name for name, keys in zip(names, shards) for k in keys},
+        }
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _write_config(config: ModelConfig, task: str, model: Model, path: Path) -> None:
+    hf_config = copy.deepcopy(config.hf_config)
+    archs = HF_SEQ_CLS_ARCH if task == "sequence_classification" else HF_CAUSAL_ARCH
+    hf_config.architectures = [archs[config.model_type]]
+    if task == "sequence_classification":
+        hf_config.num_labels = model.num_labels
+    hf_config.dtype = str(jnp.dtype(config.param_dtype))
+    hf_config.save_pretrained(path)

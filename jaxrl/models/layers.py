@@ -1,0 +1,333 @@
+"""Building blocks shared by the model families: params with logical axes, norms, dense,
+rotary embeddings, masked attention, and the (optionally scanned, rematerialised) layer stack.
+
+Everything here holds only `nnx.Param` state; rotary tables and masks are computed on the fly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.models.config import ModelConfig
+
+Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
+
+
+def make_param(
+    rngs: nnx.Rngs | None,
+    init: Initializer,
+    shape: Sequence[int],
+    axes: Sequence[str | None],
+    dtype: Any,
+    **metadata: Any,
+) -> nnx.Param:
+    """An `nnx.Param` whose metadata `out_sharding` holds the logical axis name of every dim.
+
+    `eager_sharding=False`: shardings are applied by `jaxrl.parallel` from rules, not at creation.
+    """
+    key = rngs.params() if rngs is not None else jax.random.key(0)
+    return nnx.Param(
+        init(key, tuple(shape), dtype), out_sharding=tuple(axes), eager_sharding=False, **metadata
+    )
+
+
+def normal_init(std: float) -> Initializer:
+    return jax.nn.initializers.normal(stddev=std)
+
+
+class Dense(nnx.Module):
+    """y = x @ kernel (+ bias) over `n_in` trailing input dims; kernel shape = in_shape + out_shape.
+
+    `n_in` is recorded on the kernel as metadata so checkpoint conversion knows the fan-in dims.
+    """
+
+    def __init__(
+        self,
+        in_shape: Sequence[int],
+        out_shape: Sequence[int],
+        in_axes: Sequence[str | None],
+        out_axes: Sequence[str | None],
+        config: ModelConfig,
+        rngs: nnx.Rngs,
+        *,
+        use_bias: bool = False,
+    ):
+        self.n_in = len(in_shape)
+        self.dtype = config.dtype
+        self.kernel = make_param(
+            rngs,
+            normal_init(config.initializer_range),
+            (*in_shape, *out_shape),
+            (*in_axes, *out_axes),
+            config.param_dtype,
+            n_in=self.n_in,
+        )
+        self.bias = (
+            make_param(rngs, jax.nn.initializers.zeros, out_shape, out_axes, config.param_dtype)
+            if use_bias
+            else None
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.kernel[...].astype(self.dtype)
+        n_batch = x.ndim - self.n_in
+        in_dims = tuple(range(n_batch, x.ndim))
+        y = jax.lax.dot_general(
+            x.astype(self.dtype), kernel, ((in_dims, tuple(range(self.n_in))), ((), ()))
+        )
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """Llama RMSNorm: statistics in f32, then scale in the compute dtype."""
+
+    def __init__(self, dim: int, eps: float, config: ModelConfig, axis_name: str = "norm"):
+        self.eps = eps
+        self.dtype = config.dtype
+        self.scale = make_param(
+            None, jax.nn.initializers.ones, (dim,), (axis_name,), config.param_dtype
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return x32.astype(self.dtype) * self.scale[...].astype(self.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with bias (GPT-2): statistics in f32."""
+
+    def __init__(self, dim: int, eps: float, config: ModelConfig):
+        self.eps = eps
+        self.dtype = config.dtype
+        self.scale = make_param(
+            None, jax.nn.initializers.ones, (dim,), ("norm",), config.param_dtype
+        )
+        self.bias = make_param(
+            None, jax.nn.initializers.zeros, (dim,), ("norm",), config.param_dtype
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return y.astype(self.dtype) * self.scale[...].astype(self.dtype) + self.bias[...].astype(
+            self.dtype
+        )
+
+
+class Embed(nnx.Module):
+    """Token (or position) embedding table [num, D]; `attend` gives the tied unembedding."""
+
+    def __init__(self, num: int, dim: int, axis: str, config: ModelConfig, rngs: nnx.Rngs):
+        self.dtype = config.dtype
+        self.embedding = make_param(
+            rngs,
+            normal_init(config.initializer_range),
+            (num, dim),
+            (axis, "embed"),
+            config.param_dtype,
+        )
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+
+
+def activation(name: str) -> Callable[[jax.Array], jax.Array]:
+    """HF `hidden_act` / `activation_function` name -> function."""
+    table = {
+        "silu": jax.nn.silu,
+        "swish": jax.nn.silu,
+        "relu": jax.nn.relu,
+        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+        "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+        "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+        "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
+    }
+    if name not in table:
+        raise ValueError(f"Activation {name!r} is not supported; use one of {sorted(table)}.")
+    return table[name]
+
+
+# ---------------------------------------------------------------- positions, rope and masks
+
+
+def default_positions(
+    attention_mask_BT: jax.Array | None, segment_ids_BT: jax.Array | None, seq_len: int
+) -> jax.Array:
+    """Position ids when the caller gives none.
+
+    With `segment_ids`: restart at 0 at each new segment. With `attention_mask`:
+    cumsum(mask) - 1 clipped at 0, so left- and right-padded real tokens get the same positions.
+    Otherwise 0..T-1.
+    """
+    idx_T = jnp.arange(seq_len, dtype=jnp.int32)
+    if segment_ids_BT is not None:
+        prev_BT = jnp.pad(segment_ids_BT[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+        start_BT = jnp.where(segment_ids_BT != prev_BT, idx_T[None, :], 0)
+        return idx_T[None, :] - jax.lax.cummax(start_BT, axis=1)
+    if attention_mask_BT is not None:
+        return jnp.maximum(jnp.cumsum(attention_mask_BT.astype(jnp.int32), axis=1) - 1, 0)
+    return jnp.broadcast_to(idx_T, (1, seq_len))
+
+
+def rope_inv_freq(config: ModelConfig) -> jax.Array:
+    """Inverse frequencies [head_dim/2] for rope types default, linear and llama3 (Llama 3.1)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    if config.rope_type == "linear":
+        return inv_freq / config.rope_factor
+    if config.rope_type == "llama3":
+        # Llama 3.1 frequency smoothing (transformers `_compute_llama3_parameters`).
+        factor = config.rope_factor
+        low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+        old_len = config.rope_original_max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return jnp.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_tables(positions_BT: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, head_dim] in f32 (HF layout: the half-frequency table repeated twice)."""
+    freqs_BTF = positions_BT.astype(jnp.float32)[..., None] * rope_inv_freq(config)
+    emb_BTH = jnp.concatenate([freqs_BTF, freqs_BTF], axis=-1)
+    return jnp.cos(emb_BTH), jnp.sin(emb_BTH)
+
+
+def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax.Array:
+    """Rotary embedding with HF's rotate_half convention, computed in f32."""
+    x = x_BTNH.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    out = x * cos_BTH[:, :, None, :] + rotated * sin_BTH[:, :, None, :]
+    return out.astype(x_BTNH.dtype)
+
+
+def attention_mask_BTS(
+    attention_mask_BT: jax.Array | None, segment_ids_BT: jax.Array | None
+) -> jax.Array | None:
+    """[B, 1, T, S] bool: which keys each query may see (causality is added by the kernel).
+
+    Tokens see only keys of their own segment (padding = segment 0). Every query also sees
+    itself, so padding rows are never fully masked (no NaN on any backend).
+    """
+    if segment_ids_BT is None and attention_mask_BT is None:
+        return None
+    seg_BT = segment_ids_BT if segment_ids_BT is not None else attention_mask_BT
+    if segment_ids_BT is not None and attention_mask_BT is not None:
+        seg_BT = jnp.where(attention_mask_BT.astype(bool), segment_ids_BT, 0)
+    same_BTS = seg_BT[:, :, None] == seg_BT[:, None, :]
+    seq_len = seg_BT.shape[1]
+    return (same_BTS | jnp.eye(seq_len, dtype=bool)[None])[:, None]
+
+
+def dot_product_attention(
+    q_BTNH: jax.Array,
+    k_BSKH: jax.Array,
+    v_BSKH: jax.Array,
+    mask_B1TS: jax.Array | None,
+    sliding: bool | jax.Array,
+    config: ModelConfig,
+) -> jax.Array:
+    """Causal GQA attention via `jax.nn.dot_product_attention` (K/V heads are not repeated).
+
+    `sliding` is a Python bool (static window) or a traced bool (scanned stacks whose layers
+    mix full and sliding attention): then the window is folded into the mask.
+    """
+    window = config.sliding_window
+    local_window = None
+    if isinstance(sliding, bool):
+        if sliding:
+            # HF keeps key j for query i when j > i - window, i.e. `window - 1` keys to the left.
+            local_window = (window - 1, 0)
+    else:
+        seq_len = q_BTNH.shape[1]
+        idx = jnp.arange(seq_len)
+        in_window_TS = idx[None, :] > idx[:, None] - window
+        window_TS = in_window_TS | ~sliding
+        mask_B1TS = window_TS[None, None] if mask_B1TS is None else mask_B1TS & window_TS
+    return jax.nn.dot_product_attention(
+        q_BTNH,
+        k_BSKH,
+        v_BSKH,
+        mask=mask_B1TS,
+        is_causal=True,
+        local_window_size=local_window,
+        implementation=config.attention_impl,
+    )
+
+
+# ---------------------------------------------------------------- layer stack
+
+
+def remat_wrap(fn: Callable, policy: str) -> Callable:
+    """Apply `jax.checkpoint` for a `remat_policy` name ("none" returns `fn` unchanged)."""
+    if policy == "none":
+        return fn
+    policies = {
+        "full": None,
+        "dots_saveable": jax.checkpoint_policies.dots_saveable,
+        "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    }
+    return jax.checkpoint(fn, policy=policies[policy])
+
+
+def make_layers(
+    make_block: Callable[[nnx.Rngs], nnx.Module], config: ModelConfig, rngs: nnx.Rngs
+) -> nnx.Module:
+    """`num_layers` blocks: an `nnx.List`, or one block with params stacked on a `layers` axis."""
+    if not config.scan_layers:
+        return nnx.List([make_block(rngs) for _ in range(config.num_layers)])
+
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def stacked(layer_rngs: nnx.Rngs) -> nnx.Module:
+        return make_block(layer_rngs)
+
+    return stacked(rngs.fork(split=config.num_layers))
+
+
+def apply_layers(
+    layers: nnx.Module, h_BTD: jax.Array, context: tuple, config: ModelConfig
+) -> jax.Array:
+    """Run the block stack: `block(h, *context, sliding) -> h` for every layer.
+
+    Scanned stacks run under `jax.lax.scan`, so compile time does not grow with depth. The
+    per-layer `sliding` flag is static when all layers agree, scanned otherwise.
+    """
+
+    def block_fn(graphdef: nnx.GraphDef, static_sliding: bool | None) -> Callable:
+        def fn(h, block_state, ctx, sliding):
+            block = nnx.merge(graphdef, block_state)
+            return block(h, *ctx, sliding if static_sliding is None else static_sliding)
+
+        return remat_wrap(fn, config.remat_policy)
+
+    if not config.scan_layers:
+        for block, sliding in zip(layers, config.sliding_layers):
+            graphdef, block_state = nnx.split(block)
+            h_BTD = block_fn(graphdef, sliding)(h_BTD, block_state, context, None)
+        return h_BTD
+
+    graphdef, stacked_state = nnx.split(layers)
+    uniform = len(set(config.sliding_layers)) == 1
+    fn = block_fn(graphdef, config.sliding_layers[0] if uniform else None)
+
+    def body(h, xs):
+        block_state, sliding = xs
+        return fn(h, block_state, context, sliding), None
+
+    h_BTD, _ = jax.lax.scan(body, h_BTD, (stacked_state, jnp.asarray(config.sliding_layers)))
+    return h_BTD

@@ -1,0 +1,174 @@
+"""Llama-family decoder (Llama 1-3, Mistral, Qwen2/2.5, Qwen3): one implementation, config switches.
+
+Switches (from `ModelConfig`): `qkv_bias`/`o_bias` (Qwen2 has q/k/v biases), `qk_norm` (Qwen3's
+per-head RMSNorm on q and k before rope), `sliding_window` + `sliding_layers` (Mistral),
+`tie_word_embeddings` (Qwen2.5 small models), rope type default / linear / llama3.
+Attribute names follow the HF module tree so checkpoint keys map one to one (see `hf.py`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.layers import (
+    Dense,
+    Embed,
+    RMSNorm,
+    activation,
+    apply_layers,
+    apply_rope,
+    attention_mask_BTS,
+    default_positions,
+    dot_product_attention,
+    make_layers,
+    rope_tables,
+)
+
+
+class LlamaAttention(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        self.config = config
+        self.q_proj = Dense(
+            (d,), (n, h), ("embed",), ("heads", "head_dim"), config, rngs, use_bias=config.qkv_bias
+        )
+        self.k_proj = Dense(
+            (d,),
+            (k, h),
+            ("embed",),
+            ("kv_heads", "head_dim"),
+            config,
+            rngs,
+            use_bias=config.qkv_bias,
+        )
+        self.v_proj = Dense(
+            (d,),
+            (k, h),
+            ("embed",),
+            ("kv_heads", "head_dim"),
+            config,
+            rngs,
+            use_bias=config.qkv_bias,
+        )
+        self.o_proj = Dense(
+            (n, h), (d,), ("heads", "head_dim"), ("embed",), config, rngs, use_bias=config.o_bias
+        )
+        if config.qk_norm:
+            self.q_norm = RMSNorm(h, config.norm_eps, config, axis_name="head_dim")
+            self.k_norm = RMSNorm(h, config.norm_eps, config, axis_name="head_dim")
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(self, x_BTD, cos_BTH, sin_BTH, mask_B1TS, sliding) -> jax.Array:
+        q_BTNH, k_BTKH, v_BTKH = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
+        if self.q_norm is not None:
+            q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+        q_BTNH = apply_rope(q_BTNH, cos_BTH, sin_BTH)
+        k_BTKH = apply_rope(k_BTKH, cos_BTH, sin_BTH)
+        out_BTNH = dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask_B1TS, sliding, self.config)
+        return self.o_proj(out_BTNH)
+
+
+class LlamaMLP(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = Dense((d,), (f,), ("embed",), ("mlp",), config, rngs, use_bias=bias)
+        self.up_proj = Dense((d,), (f,), ("embed",), ("mlp",), config, rngs, use_bias=bias)
+        self.down_proj = Dense((f,), (d,), ("mlp",), ("embed",), config, rngs, use_bias=bias)
+        self.act = activation(config.hidden_act)
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        return self.down_proj(self.act(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
+
+
+class LlamaDecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, config)
+        self.self_attn = LlamaAttention(config, rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, config)
+        self.mlp = LlamaMLP(config, rngs)
+
+    def __call__(self, h_BTD, cos_BTH, sin_BTH, mask_B1TS, sliding) -> jax.Array:
+        h_BTD = h_BTD + self.self_attn(
+            self.input_layernorm(h_BTD), cos_BTH, sin_BTH, mask_B1TS, sliding
+        )
+        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
+
+
+class LlamaModel(nnx.Module):
+    """The decoder backbone: embeddings, layers, final norm. Returns hidden states [B, T, D]."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, "vocab", config, rngs)
+        self.layers = make_layers(lambda r: LlamaDecoderLayer(config, r), config, rngs)
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps, config)
+
+    def __call__(
+        self,
+        input_ids_BT: jax.Array,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        seq_len = input_ids_BT.shape[1]
+        if positions is None:
+            positions = default_positions(attention_mask, segment_ids, seq_len)
+        cos_BTH, sin_BTH = rope_tables(positions, self.config)
+        mask_B1TS = attention_mask_BTS(attention_mask, segment_ids)
+        h_BTD = self.embed_tokens(input_ids_BT)
+        h_BTD = apply_layers(self.layers, h_BTD, (cos_BTH, sin_BTH, mask_B1TS), self.config)
+        return self.norm(h_BTD)
+
+    def input_embedding(self) -> jax.Array:
+        return self.embed_tokens.embedding[...]
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Llama/Mistral/Qwen2/Qwen3 causal LM: `model(input_ids, attention_mask) -> logits_BTV`."""
+
+    base_model_prefix = "model"
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.config = config
+        self.model = LlamaModel(config, rngs)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Dense(
+                (config.hidden_size,), (config.vocab_size,), ("embed",), ("vocab",), config, rngs
+            )
+        )
+
+    @property
+    def backbone(self) -> LlamaModel:
+        return self.model
+
+    def hidden_states(
+        self,
+        input_ids_BT: jax.Array,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """Final-norm hidden states [B, T, D] (the input of the LM head)."""
+        return self.model(input_ids_BT, attention_mask, positions, segment_ids)
+
+    def unembed_weight(self) -> jax.Array:
+        """W [D, V] in the compute dtype with logits == hidden_states @ W."""
+        if self.lm_head is None:
+            return self.model.input_embedding().T.astype(self.config.dtype)
+        return self.lm_head.kernel[...].astype(self.config.dtype)
+
+    def __call__(
+        self,
+        input_ids_BT: jax.Array,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        h_BTD = self.hidden_states(input_ids_BT, attention_mask, positions, segment_ids)
+        return jnp.dot(h_BTD, self.unembed_weight())

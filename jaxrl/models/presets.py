@@ -1,0 +1,108 @@
+"""Named model shapes for benchmarks (random weights), parameter counts and FLOPs per token (MFU).
+
+Presets are transformers configs, so `from_config(get_preset(name))` builds them with jaxrl and
+the same object builds the PyTorch reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import transformers
+from flax import nnx
+
+from jaxrl.models.config import ModelConfig, config_from_hf
+
+
+def _qwen25_05b() -> Any:
+    # Values of Qwen/Qwen2.5-0.5B's config.json.
+    return transformers.Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        hidden_act="silu",
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        sliding_window=32768,
+        max_window_layers=24,
+        bos_token_id=151643,
+        eos_token_id=151643,
+        initializer_range=0.02,
+    )
+
+
+def _llama_tiny() -> Any:
+    return transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+    )
+
+
+def _qwen2_tiny() -> Any:
+    return transformers.Qwen2Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    )
+
+
+def _gpt2_tiny() -> Any:
+    return transformers.GPT2Config(
+        vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=512, pad_token_id=0
+    )
+
+
+PRESETS: dict[str, Callable[[], Any]] = {
+    "qwen2.5-0.5b": _qwen25_05b,
+    "llama-tiny": _llama_tiny,
+    "qwen2-tiny": _qwen2_tiny,
+    "gpt2-tiny": _gpt2_tiny,
+}
+
+
+def get_preset(name: str) -> Any:
+    """The transformers config of a named preset."""
+    if name not in PRESETS:
+        raise ValueError(f"Unknown model preset {name!r}; choose one of {sorted(PRESETS)}.")
+    return PRESETS[name]()
+
+
+def count_params(model: nnx.Module) -> int:
+    """Number of parameter elements in `model`."""
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def flops_per_token(config: Any, seq_len: int) -> float:
+    """Training FLOPs per token: 6 * N_matmul + 12 * L * heads * head_dim * seq_len.
+
+    PaLM appendix B / MaxText MFU formula: N counts the weights used in matmuls (all layer
+    projections and the unembedding, not the embedding lookup); the second term is attention
+    scores and weighted values (forward + backward).
+    """
+    c = config if isinstance(config, ModelConfig) else config_from_hf(config)
+    d, n, k, h, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+    attn = d * n * h + 2 * d * k * h + n * h * d
+    mlp = (2 if c.model_type == "gpt2" else 3) * d * f
+    n_matmul = c.num_layers * (attn + mlp) + d * c.vocab_size
+    return 6.0 * n_matmul + 12.0 * c.num_layers * n * h * seq_len

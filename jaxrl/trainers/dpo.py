@@ -1,0 +1,273 @@
+"""DPOTrainer: direct preference optimisation with TRL `DPOTrainer` semantics.
+
+One jitted step does the concatenated forward (chosen and rejected rows in one pass), the
+reference forward without gradients (frozen copy of the initial policy held in the train state,
+an explicit `ref_model`, an int8 weight-only copy, or log-probs precomputed once and cached on
+disk), and the loss from `jaxrl.losses.dpo_multi_loss`. Metrics use TRL's names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from typing import Any
+
+import datasets
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from jaxrl.config import DPOConfig
+from jaxrl.core import quant
+from jaxrl.data.collate import collate_preference
+from jaxrl.data.loading import load_dataset_any
+from jaxrl.data.preference import prepare_preference_dataset
+from jaxrl.losses.dpo import dpo_multi_loss
+from jaxrl.trainers.base import Trainer
+from jaxrl.trainers.sft import lm_forward
+
+logger = logging.getLogger("jaxrl")
+
+
+def pairs_to_rows(mb: dict) -> dict:
+    """[B, 2, ...] (chosen, rejected) pairs -> [2B, ...] rows: B chosen then B rejected."""
+    return {k: jnp.concatenate([v[:, 0], v[:, 1]], axis=0) for k, v in mb.items() if v.ndim >= 2}
+
+
+def sequence_logps(model, rows: dict, chunk: int, with_stats: bool):
+    """Summed completion log-probs [2B] (and per-token stats) of collated preference rows."""
+    out = lm_forward(model, rows, chunk, with_stats)
+    logps_BT, stats = out if with_stats else (out, None)
+    mask_BT = rows["loss_mask"]
+    return jnp.sum(logps_BT * mask_BT, axis=-1), stats
+
+
+class DPOTrainer(Trainer):
+    """Direct preference optimisation (TRL `DPOTrainer` API; `args` is a `DPOConfig`)."""
+
+    config_class = DPOConfig
+
+    def __init__(self, model: Any, ref_model: Any = None, args: DPOConfig | None = None, *a, **kw):
+        self._ref_model_arg = ref_model
+        args = args if args is not None else DPOConfig(output_dir="trainer_output")
+        self._validate(args, ref_model)
+        super().__init__(model, args, *a, **kw)
+        self._explicit_ref = None
+        if ref_model is not None and not args.precompute_ref_log_probs:
+            self._explicit_ref = self._load_model(ref_model, task="causal_lm")
+        if args.precompute_ref_log_probs:
+            self._precompute_all()
+        if args.sync_ref_model:
+            from jaxrl.callbacks.sync_ref import SyncRefModelCallback
+
+            self.callback_handler.add_callback(SyncRefModelCallback())
+
+    @staticmethod
+    def _validate(args: DPOConfig, ref_model: Any):
+        if args.reference_free and (args.precompute_ref_log_probs or ref_model is not None):
+            raise ValueError(
+                "reference_free=True uses no reference model; drop ref_model and "
+                "precompute_ref_log_probs."
+            )
+        if args.sync_ref_model and (args.precompute_ref_log_probs or args.reference_free):
+            raise ValueError(
+                "sync_ref_model=True needs a live reference model; it cannot be combined with "
+                "precompute_ref_log_probs=True or reference_free=True."
+            )
+
+    @property
+    def uses_ref_params(self) -> bool:
+        a = self.args
+        return not (a.reference_free or a.precompute_ref_log_probs)
+
+    # ----------------------------------------------------------------- data
+    def _prepare_dataset(self, dataset: Any, split: str) -> datasets.Dataset:
+        a = self.args
+        if isinstance(dataset, str):
+            dataset = load_dataset_any(dataset, split=split)
+        return prepare_preference_dataset(
+            dataset, self.processing_class, max_prompt_length=a.max_prompt_length,
+            max_completion_length=a.max_completion_length, max_length=a.max_length,
+            truncation_mode=a.truncation_mode, num_proc=a.dataset_num_proc,
+        )
+
+    def _example_lengths(self, dataset: datasets.Dataset) -> list[int]:
+        p, c, r = (dataset[k] for k in ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids"))
+        return [len(pi) + max(len(ci), len(ri)) for pi, ci, ri in zip(p, c, r)]
+
+    def _pad_id(self) -> int:
+        v = self.args.padding_value
+        return self.processing_class.pad_token_id if v is None else v
+
+    def _collate(self, examples: list[dict]) -> dict[str, np.ndarray]:
+        rows = collate_preference(examples, self.seq_len, self._pad_id())
+        b = len(examples)
+        batch = {k: np.stack([v[:b], v[b:]], axis=1) for k, v in rows.items()}
+        if self.args.precompute_ref_log_probs:
+            batch["ref_logps"] = np.asarray(
+                [[ex["ref_chosen_logps"], ex["ref_rejected_logps"]] for ex in examples], np.float32
+            )
+        return batch
+
+    # ----------------------------------------------------------------- reference model
+    def _ref_params(self, params: Any) -> Any:
+        if not self.uses_ref_params:
+            return None
+        if self._explicit_ref is not None:
+            ref = nnx.state(self._explicit_ref)
+            self._ref_graphdef = nnx.graphdef(self._explicit_ref)
+        else:
+            ref = jax.tree.map(jnp.copy, params)  # frozen copy, sharded like the policy
+            self._ref_graphdef = None
+        if self.args.ref_model_quantization == "int8":
+            ref = quant.quantize_params(ref)
+        return ref
+
+    def ref_model_apply(self, ref_params: Any):
+        if self.args.ref_model_quantization == "int8":
+            ref_params = quant.dequantize_params(ref_params)
+        graphdef = self._ref_graphdef if self._ref_graphdef is not None else self.graphdef
+        return nnx.merge(graphdef, ref_params)
+
+    def _ref_seq_logps(self, state, rows):
+        model = self.ref_model_apply(state.ref_params)
+        logps, _ = sequence_logps(model, rows, self.args.logprob_chunk_size, with_stats=False)
+        return jax.lax.stop_gradient(logps)
+
+    # ----------------------------------------------------------------- loss
+    def _loss_fn(self):
+        a = self.args
+        chunk = a.logprob_chunk_size
+        loss_types = a.loss_type if isinstance(a.loss_type, list) else [a.loss_type]
+
+        def loss_fn(params, state, mb, rng, extras):
+            rows = pairs_to_rows(mb)
+            model = self.apply_model(params)
+            logps_2B, stats = sequence_logps(model, rows, chunk, with_stats=True)
+            b = logps_2B.shape[0] // 2
+            mask_2BT = rows["loss_mask"]
+            lengths_2B = jnp.sum(mask_2BT, axis=-1)
+            if a.precompute_ref_log_probs:
+                ref_2B = jnp.concatenate([mb["ref_logps"][:, 0], mb["ref_logps"][:, 1]])
+            elif a.reference_free:
+                ref_2B = jnp.zeros_like(logps_2B)
+            else:
+                ref_2B = self._ref_seq_logps(state, rows)
+            losses_B, cr_B, rr_B = dpo_multi_loss(
+                logps_2B[:b], logps_2B[b:], ref_2B[:b], ref_2B[b:], loss_types=loss_types,
+                loss_weights=a.loss_weights, beta=a.beta, label_smoothing=a.label_smoothing,
+                chosen_lengths=lengths_2B[:b], rejected_lengths=lengths_2B[b:],
+                discopop_tau=a.discopop_tau, reference_free=a.reference_free,
+            )
+            w_B = mb["example_mask"] if "example_mask" in mb else jnp.ones_like(losses_B)
+            w_2B = jnp.concatenate([w_B, w_B])
+            tok_2BT = mask_2BT * w_2B[:, None]
+            n = jnp.sum(w_B)
+            n_c, n_r = jnp.sum(tok_2BT[:b]), jnp.sum(tok_2BT[b:])
+            loss_sum = jnp.sum(losses_B * w_B)
+            sums = {
+                "loss": loss_sum,
+                "rewards/chosen": jnp.sum(cr_B * w_B),
+                "rewards/rejected": jnp.sum(rr_B * w_B),
+                "rewards/accuracies": jnp.sum((cr_B > rr_B) * w_B),
+                "rewards/margins": jnp.sum((cr_B - rr_B) * w_B),
+                "logps/chosen": jnp.sum(logps_2B[:b] * w_B),
+                "logps/rejected": jnp.sum(logps_2B[b:] * w_B),
+                "logits/chosen": jnp.sum(stats["logit_mean"][:b] * tok_2BT[:b]),
+                "logits/rejected": jnp.sum(stats["logit_mean"][b:] * tok_2BT[b:]),
+                "mean_token_accuracy": jnp.sum(stats["argmax_correct"][:b] * tok_2BT[:b]),
+                "entropy": jnp.sum(stats["entropy"] * tok_2BT),
+            }
+            counts = {k: n for k in sums}
+            counts.update({
+                "logits/chosen": n_c, "logits/rejected": n_r, "mean_token_accuracy": n_c,
+                "entropy": n_c + n_r,
+            })
+            aux = {
+                "sum": sums, "count": counts,
+                "total": {"num_tokens": jnp.sum(rows["attention_mask"]).astype(jnp.float32)},
+            }
+            return loss_sum, (aux, extras)
+
+        return loss_fn
+
+    def _predict_fn(self):
+        chunk = self.args.logprob_chunk_size
+
+        def predict(params, batch_A):
+            rows = pairs_to_rows({k: v[0] for k, v in batch_A.items()})
+            b = rows["input_ids"].shape[0] // 2
+            chosen = {k: v[:b] for k, v in rows.items()}
+            model = self.apply_model(params)
+            _, stats = lm_forward(model, chosen, chunk, with_stats=True)
+            preds = jnp.where(stats["argmax_correct"], chosen["targets"], -1)
+            labels = jnp.where(chosen["loss_mask"] > 0, chosen["targets"], -100)
+            return preds, labels
+
+        return predict
+
+    # ----------------------------------------------------------------- precompute
+    def _cache_key(self, dataset: datasets.Dataset) -> str:
+        h = hashlib.sha256()
+        h.update(json.dumps({
+            "model": self.model_path or "object", "ref": str(self._ref_model_arg),
+            "seq_len": self.seq_len, "chunk": self.args.logprob_chunk_size,
+            "dtype": str(self.compute_dtype), "data": dataset._fingerprint,
+        }, sort_keys=True).encode())
+        return h.hexdigest()[:16]
+
+    def _precompute_all(self):
+        """One pass of the reference model over the data; results cached on disk."""
+        ref = self._ref_model_arg if self._ref_model_arg is not None else None
+        ref_model = self._load_model(ref, task="causal_lm") if ref is not None else self.model
+        graphdef, params = nnx.split(ref_model)
+        chunk = self.args.logprob_chunk_size
+
+        @jax.jit
+        def ref_logps(params, batch):
+            rows = pairs_to_rows(batch)
+            model = nnx.merge(graphdef, params)
+            logps, _ = sequence_logps(model, rows, chunk, with_stats=False)
+            b = logps.shape[0] // 2
+            return jnp.stack([logps[:b], logps[b:]], axis=1)
+
+        bs = (self.args.precompute_ref_batch_size or self.args.per_device_train_batch_size) * self.dp
+        cache_dir = os.path.join(self.args.output_dir, "ref_logps_cache")
+        for name in ("train_dataset", "eval_dataset"):
+            ds = getattr(self, name)
+            if ds is None:
+                continue
+            path = os.path.join(cache_dir, f"{self._cache_key(ds)}.npy")
+            if os.path.exists(path):
+                out = np.load(path)
+            else:
+                out = self._run_precompute(ds, bs, params, ref_logps)
+                if jax.process_index() == 0:
+                    os.makedirs(cache_dir, exist_ok=True)
+                    np.save(path + ".tmp.npy", out)
+                    os.replace(path + ".tmp.npy", path)
+            ds = ds.add_column("ref_chosen_logps", out[:, 0].tolist())
+            setattr(self, name, ds.add_column("ref_rejected_logps", out[:, 1].tolist()))
+
+    def _run_precompute(self, ds, bs, params, fn) -> np.ndarray:
+        n = len(ds)
+        out = []
+        per_host = bs // jax.process_count()
+        flag = self.args.precompute_ref_log_probs
+        self.args.precompute_ref_log_probs = False  # collate without the not-yet-existing columns
+        try:
+            for start in range(0, n, bs):
+                idx = [min(start + i, n - 1) for i in range(bs)]
+                lo = jax.process_index() * per_host
+                host = self._collate([ds[i] for i in idx[lo : lo + per_host]])
+                batch = {k: v[None] for k, v in host.items()}
+                dev = {k: v[0] for k, v in self._to_device(batch).items()}
+                res = np.asarray(multihost_utils.process_allgather(fn(params, dev), tiled=True))
+                out.append(res[: min(bs, n - start)])
+        finally:
+            self.args.precompute_ref_log_probs = flag
+        return np.concatenate(out).astype(np.float32)

@@ -1,0 +1,86 @@
+"""RewardTrainer: Bradley-Terry reward modelling with TRL `RewardTrainer` semantics.
+
+The model is a sequence-classification model (score head on any supported family, read at the
+last non-pad token). Chosen and rejected rows go through one forward; the loss is
+`-log_sigmoid(r_c - r_r - margin)` (+ `center_rewards_coefficient * (r_c + r_r)^2`).
+Metrics: `accuracy`, `margin`, `min_reward`, `mean_reward`, `max_reward`, `num_tokens`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import datasets
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl.config import RewardConfig
+from jaxrl.data.collate import collate_reward
+from jaxrl.data.loading import load_dataset_any
+from jaxrl.data.reward import prepare_reward_dataset
+from jaxrl.losses.reward import reward_loss
+from jaxrl.trainers.base import Trainer
+
+
+class RewardTrainer(Trainer):
+    """Reward-model training (TRL `RewardTrainer` API; `args` is a `RewardConfig`)."""
+
+    config_class = RewardConfig
+    model_task = "sequence_classification"
+
+    def _prepare_dataset(self, dataset: Any, split: str) -> datasets.Dataset:
+        if isinstance(dataset, str):
+            dataset = load_dataset_any(dataset, split=split)
+        return prepare_reward_dataset(
+            dataset, self.processing_class, max_length=self.args.max_length,
+            num_proc=self.args.dataset_num_proc,
+        )
+
+    def _example_lengths(self, dataset: datasets.Dataset) -> list[int]:
+        c, r = dataset["chosen_input_ids"], dataset["rejected_input_ids"]
+        return [max(len(a), len(b)) for a, b in zip(c, r)]
+
+    def _collate(self, examples: list[dict]) -> dict[str, np.ndarray]:
+        rows = collate_reward(examples, self.seq_len, self.processing_class.pad_token_id)
+        b = len(examples)
+        batch = {k: np.stack([v[:b], v[b:]], axis=1) for k, v in rows.items() if k != "margin"}
+        batch["margin"] = rows["margin"]
+        return batch
+
+    def _loss_fn(self):
+        coef = self.args.center_rewards_coefficient
+
+        def loss_fn(params, state, mb, rng, extras):
+            rows = {
+                k: jnp.concatenate([v[:, 0], v[:, 1]], axis=0)
+                for k, v in mb.items() if v.ndim >= 3 or k in ("input_ids", "attention_mask")
+            }
+            model = self.apply_model(params)
+            scores_2B = model(
+                rows["input_ids"], rows["attention_mask"], rows["positions"], rows["segment_ids"]
+            )[:, 0].astype(jnp.float32)
+            b = scores_2B.shape[0] // 2
+            rc_B, rr_B = scores_2B[:b], scores_2B[b:]
+            losses_B = reward_loss(
+                rc_B, rr_B, margin_B=mb["margin"], center_rewards_coefficient=coef
+            )
+            w_B = mb["example_mask"] if "example_mask" in mb else jnp.ones_like(losses_B)
+            n = jnp.sum(w_B)
+            loss_sum = jnp.sum(losses_B * w_B)
+            both_w = jnp.concatenate([w_B, w_B])
+            big = jnp.finfo(jnp.float32).max
+            aux = {
+                "sum": {
+                    "loss": loss_sum,
+                    "accuracy": jnp.sum((rc_B > rr_B) * w_B),
+                    "margin": jnp.sum((rc_B - rr_B) * w_B),
+                    "mean_reward": jnp.sum(scores_2B * both_w),
+                },
+                "count": {"loss": n, "accuracy": n, "margin": n, "mean_reward": 2 * n},
+                "min": {"min_reward": jnp.min(jnp.where(both_w > 0, scores_2B, big))},
+                "max": {"max_reward": jnp.max(jnp.where(both_w > 0, scores_2B, -big))},
+                "total": {"num_tokens": jnp.sum(rows["attention_mask"]).astype(jnp.float32)},
+            }
+            return loss_sum, (aux, extras)
+
+        return loss_fn

@@ -1,0 +1,102 @@
+"""SFTTrainer: supervised fine-tuning with TRL `SFTTrainer` semantics on the generic step.
+
+The loss is token-weighted NLL over `loss_mask` tokens (completion-only / assistant-only masks
+come from the data layer), computed from hidden states with chunked log-probs so no full f32
+[B, T, V] exists. Logged metrics use TRL's names: `loss`, `mean_token_accuracy`, `entropy`,
+`num_tokens`, `grad_norm`, `learning_rate`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import datasets
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl.config import SFTConfig
+from jaxrl.core.logprobs import token_logprobs
+from jaxrl.data.collate import collate_sft
+from jaxrl.data.loading import load_dataset_any
+from jaxrl.data.sft import prepare_sft_dataset
+from jaxrl.losses.sft import entropy, mean_token_accuracy, sft_loss_sum
+from jaxrl.trainers.base import Trainer
+
+
+def lm_forward(model, mb: dict, chunk_size: int, with_stats: bool):
+    """Per-token target log-probs (and stats) of a collated LM batch."""
+    h_BTD = model.hidden_states(
+        mb["input_ids"], mb["attention_mask"], mb["positions"], mb["segment_ids"]
+    )
+    return token_logprobs(
+        h_BTD, model.unembed_weight(), mb["targets"], chunk_size=chunk_size, with_stats=with_stats
+    )
+
+
+def example_weighted_mask(mb: dict) -> jnp.ndarray:
+    """`loss_mask` with the rows of eval padding examples zeroed."""
+    mask_BT = mb["loss_mask"]
+    if "example_mask" in mb:
+        mask_BT = mask_BT * mb["example_mask"][:, None]
+    return mask_BT
+
+
+class SFTTrainer(Trainer):
+    """Supervised fine-tuning (TRL `SFTTrainer` API; `args` is an `SFTConfig`)."""
+
+    config_class = SFTConfig
+
+    def __init__(self, model: Any, args: SFTConfig | None = None, *a, formatting_func=None, **kw):
+        self.formatting_func = formatting_func
+        super().__init__(model, args, *a, **kw)
+
+    def _prepare_dataset(self, dataset: Any, split: str) -> datasets.Dataset:
+        a = self.args
+        if isinstance(dataset, str):
+            dataset = load_dataset_any(dataset, split=split)
+        return prepare_sft_dataset(
+            dataset, self.processing_class, dataset_text_field=a.dataset_text_field,
+            max_length=a.max_length, formatting_func=self.formatting_func,
+            completion_only_loss=a.completion_only_loss, assistant_only_loss=a.assistant_only_loss,
+            packing=a.packing, packing_strategy=a.packing_strategy, eos_token=a.eos_token,
+            num_proc=a.dataset_num_proc,
+        )
+
+    def _example_lengths(self, dataset: datasets.Dataset) -> list[int]:
+        return [len(x) for x in dataset["input_ids"]]
+
+    def _collate(self, examples: list[dict]) -> dict[str, np.ndarray]:
+        return collate_sft(examples, self.seq_len, self.processing_class.pad_token_id)
+
+    def _loss_fn(self):
+        chunk = self.args.logprob_chunk_size
+        loss_type = getattr(self.args, "loss_type", "nll")
+
+        def loss_fn(params, state, mb, rng, extras):
+            model = self.apply_model(params)
+            logps_BT, stats = lm_forward(model, mb, chunk, with_stats=True)
+            mask_BT = example_weighted_mask(mb)
+            loss_sum, n_tok = sft_loss_sum(logps_BT, mask_BT, loss_type=loss_type)
+            correct, _ = mean_token_accuracy(stats["argmax_correct"], mask_BT)
+            ent, _ = entropy(stats["entropy"], mask_BT)
+            aux = {
+                "sum": {"loss": loss_sum, "mean_token_accuracy": correct, "entropy": ent},
+                "count": {"loss": n_tok, "mean_token_accuracy": n_tok, "entropy": n_tok},
+                "total": {"num_tokens": jnp.sum(mb["attention_mask"]).astype(jnp.float32)},
+            }
+            return loss_sum, (aux, extras)
+
+        return loss_fn
+
+    def _predict_fn(self):
+        chunk = self.args.logprob_chunk_size
+
+        def predict(params, batch_A):
+            mb = {k: v[0] for k, v in batch_A.items()}
+            model = self.apply_model(params)
+            _, stats = lm_forward(model, mb, chunk, with_stats=True)
+            preds = jnp.where(stats["argmax_correct"], mb["targets"], -1)
+            labels = jnp.where(mb["loss_mask"] > 0, mb["targets"], -100)
+            return preds, labels
+
+        return predict

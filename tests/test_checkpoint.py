@@ -1,0 +1,125 @@
+"""Checkpointer: sharded round trip, keep-N, mismatch errors, torn saves, SIGTERM flag."""
+
+import os
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrl.checkpoint import CheckpointMismatchError, Checkpointer, install_sigterm_handler
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((4, 2), ("data", "fsdp"))
+
+
+def _state(mesh, scale=1.0):
+    w_sharding = NamedSharding(mesh, P("data", "fsdp"))
+    return {
+        "params": {
+            "w": jax.device_put(scale * jnp.arange(64.0).reshape(8, 8), w_sharding),
+            "b": jax.device_put(scale * jnp.ones(4), NamedSharding(mesh, P())),
+        },
+        "step": jnp.array(int(scale), jnp.int32),
+    }
+
+
+def _abstract(mesh, w_shape=(8, 8), w_spec=P(None, "data")):
+    replicated = NamedSharding(mesh, P())
+    return {
+        "params": {
+            "w": jax.ShapeDtypeStruct(w_shape, jnp.float32, sharding=NamedSharding(mesh, w_spec)),
+            "b": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=replicated),
+        },
+        "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+    }
+
+
+def test_round_trip_restores_into_target_sharding(tmp_path, mesh):
+    saver = Checkpointer(tmp_path / "ckpt")
+    saver.save(3, _state(mesh, 3.0), {"trainer_state": {"global_step": 3}, "data_position": 24})
+    saver.wait_until_finished()
+    saver.close()
+
+    # A fresh Checkpointer, as after a restart; restore into a different sharding than saved.
+    loader = Checkpointer(tmp_path / "ckpt")
+    abstract = _abstract(mesh)
+    state, metadata = loader.restore(abstract_state=abstract)
+    loader.close()
+
+    assert metadata == {"trainer_state": {"global_step": 3}, "data_position": 24}
+    np.testing.assert_array_equal(state["params"]["w"], 3.0 * np.arange(64.0).reshape(8, 8))
+    np.testing.assert_array_equal(state["params"]["b"], 3.0 * np.ones(4))
+    assert int(state["step"]) == 3
+    for restored, target in zip(jax.tree.leaves(state), jax.tree.leaves(abstract)):
+        assert restored.sharding == target.sharding
+
+
+def test_keeps_newest_n_and_restores_by_step(tmp_path, mesh):
+    ckpt = Checkpointer(tmp_path, save_total_limit=2)
+    for step in (1, 2, 3):
+        ckpt.save(step, _state(mesh, float(step)), {"step": step})
+    ckpt.wait_until_finished()
+    assert ckpt.all_steps() == [2, 3] and ckpt.latest_step() == 3
+    state, metadata = ckpt.restore(2, abstract_state=_abstract(mesh))
+    assert metadata == {"step": 2} and float(state["params"]["b"][0]) == 2.0
+    with pytest.raises(FileNotFoundError, match=r"No checkpoint for step 1 .*available: \[2, 3\]"):
+        ckpt.restore(1, abstract_state=_abstract(mesh))
+    ckpt.close()
+
+
+def test_leftover_tmp_dir_from_interrupted_save_is_ignored(tmp_path, mesh):
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(2, _state(mesh, 2.0), {"step": 2})
+    ckpt.wait_until_finished()
+    ckpt.close()
+    # What a save killed mid-write leaves behind: an uncommitted temporary step directory.
+    torn = tmp_path / "5.orbax-checkpoint-tmp-1234567"
+    (torn / "state").mkdir(parents=True)
+    (torn / "state" / "garbage").write_bytes(b"\x00partial")
+
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.latest_step() == 2 and ckpt.all_steps() == [2]
+    _, metadata = ckpt.restore(abstract_state=_abstract(mesh))
+    assert metadata == {"step": 2}
+    ckpt.close()
+
+
+def test_mismatch_names_key_and_both_shapes(tmp_path, mesh):
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(1, _state(mesh), {})
+    with pytest.raises(CheckpointMismatchError, match=r"'params/w' has shape \(8, 8\).*\(8, 16\)"):
+        ckpt.restore(abstract_state=_abstract(mesh, w_shape=(8, 16)))
+    extra = _abstract(mesh)
+    extra["params"]["c"] = extra["params"]["b"]
+    with pytest.raises(CheckpointMismatchError, match=r"'params/c' \(shape \(4,\)\) is missing"):
+        ckpt.restore(abstract_state=extra)
+    fewer = _abstract(mesh)
+    del fewer["step"]
+    with pytest.raises(CheckpointMismatchError, match=r"'step' .* not in the target state"):
+        ckpt.restore(abstract_state=fewer)
+    ckpt.close()
+
+
+def test_restore_without_checkpoints_is_clear(tmp_path, mesh):
+    ckpt = Checkpointer(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="No checkpoint found"):
+        ckpt.restore(abstract_state=_abstract(mesh))
+    ckpt.close()
+
+
+def test_sigterm_sets_flag_instead_of_exiting():
+    previous = signal.getsignal(signal.SIGTERM)
+    flag = install_sigterm_handler()
+    try:
+        assert flag.received is False
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert flag.received is True
+    finally:
+        flag.uninstall()
+    assert signal.getsignal(signal.SIGTERM) == previous
