@@ -7,6 +7,7 @@ are never listed as steps. Also provides the SIGTERM flag a training loop polls 
 job saves before it exits. HF-format model export lives with the models, not here.
 """
 
+import logging
 import signal
 import threading
 from pathlib import Path
@@ -16,6 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 
 PyTree = Any
+logger = logging.getLogger(__name__)
 
 
 class CheckpointMismatchError(ValueError):
@@ -99,7 +101,16 @@ class Checkpointer:
         )
 
     def save(self, step: int, state_pytree: PyTree, metadata: dict[str, Any]) -> None:
-        """Start saving `state_pytree` and the JSON-serialisable `metadata` as checkpoint `step`."""
+        """Start saving `state_pytree` and the JSON-serialisable `metadata` as checkpoint `step`.
+
+        A step that is already committed is kept as is: it holds this same state (e.g. the final
+        save of a run resumed at its last step).
+        """
+        if step in self._manager.all_steps():
+            logger.info(
+                "Checkpoint %d already exists in %s; not saving it again.", step, self.directory
+            )
+            return
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -118,14 +129,18 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def restore(
-        self, step: int | None = None, *, abstract_state: PyTree
+        self, step: int | None = None, abstract_state: PyTree = None
     ) -> tuple[PyTree, dict[str, Any]]:
         """Restore `step` (default: latest) into `abstract_state`'s shapes, dtypes and shardings.
 
         `abstract_state` is a pytree of `jax.ShapeDtypeStruct` with `.sharding` set (e.g. from
         `jax.eval_shape` plus the param shardings); each array is read straight into its target
-        sharding. Raises CheckpointMismatchError naming the first key whose shape differs.
+        sharding; a leaf without a sharding comes back as a host numpy array (e.g. callback
+        buffers kept on the CPU). Raises CheckpointMismatchError naming the first key whose shape
+        differs.
         """
+        if abstract_state is None:
+            raise TypeError("restore() needs `abstract_state`, the pytree to restore into.")
         if step is None:
             step = self.latest_step()
             if step is None:

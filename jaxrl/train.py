@@ -97,8 +97,12 @@ def build_trainer(argv: list[str]) -> Any:
         eval_ds = None
     cls = {"sft": trainers.SFTTrainer, "reward": trainers.RewardTrainer, "dpo": trainers.DPOTrainer}
     return cls[algo](
-        model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-        processing_class=tokenizer, compute_metrics=compute_metrics,
+        model=model,
+        args=args,
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        processing_class=tokenizer,
+        compute_metrics=compute_metrics,
     )
 
 
@@ -116,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError, TypeError, FloatingPointError) as e:
         print(f"jaxrl.train: error: {e}", file=sys.stderr)
         return 2
-    print(f"jaxrl.train: done; metrics in {os.path.join(trainer.args.output_dir, 'metrics.jsonl')},"
-          f" model in {out}")
+    print(
+        f"jaxrl.train: done; metrics in {os.path.join(trainer.args.output_dir, 'metrics.jsonl')},"
+        f" model in {out}"
+    )
     return 0
 
 

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.checkpoint import CheckpointMismatchError, Checkpointer, install_sigterm_handler
+from jaxrl.checkpoint import Checkpointer, CheckpointMismatchError, install_sigterm_handler
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +29,13 @@ def _state(mesh, scale=1.0):
     }
 
 
-def _abstract(mesh, w_shape=(8, 8), w_spec=P(None, "data")):
+def _abstract(mesh, w_shape=(8, 8)):
     replicated = NamedSharding(mesh, P())
     return {
         "params": {
-            "w": jax.ShapeDtypeStruct(w_shape, jnp.float32, sharding=NamedSharding(mesh, w_spec)),
+            "w": jax.ShapeDtypeStruct(
+                w_shape, jnp.float32, sharding=NamedSharding(mesh, P(None, "data"))
+            ),
             "b": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=replicated),
         },
         "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
@@ -123,3 +125,22 @@ def test_sigterm_sets_flag_instead_of_exiting():
     finally:
         flag.uninstall()
     assert signal.getsignal(signal.SIGTERM) == previous
+
+
+def test_saving_an_existing_step_keeps_the_committed_one(tmp_path, mesh):
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(4, _state(mesh, 4.0), {"first": True})
+    ckpt.save(4, _state(mesh, 9.0), {"first": False})
+    state, metadata = ckpt.restore(4, abstract_state=_abstract(mesh))
+    assert metadata == {"first": True} and float(state["params"]["b"][0]) == 4.0
+    ckpt.close()
+
+
+def test_leaves_without_sharding_restore_as_host_arrays(tmp_path, mesh):
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(1, {"state": _state(mesh), "host": {"ema": np.arange(3, dtype=np.float32)}}, {})
+    abstract = {"state": _abstract(mesh), "host": {"ema": jax.ShapeDtypeStruct((3,), np.float32)}}
+    tree, _ = ckpt.restore(1, abstract)
+    assert isinstance(tree["host"]["ema"], np.ndarray)
+    np.testing.assert_array_equal(tree["host"]["ema"], [0.0, 1.0, 2.0])
+    ckpt.close()

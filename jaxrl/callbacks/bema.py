@@ -40,8 +40,12 @@ class BEMACallback(TrainerCallback):
         if update_freq < 1:
             raise ValueError(f"BEMACallback update_freq must be >= 1, got {update_freq}.")
         self.hparams = dict(
-            update_freq=update_freq, update_after=update_after, ema_power=ema_power,
-            bias_power=bias_power, lag=lag, multiplier=multiplier,
+            update_freq=update_freq,
+            update_after=update_after,
+            ema_power=ema_power,
+            bias_power=bias_power,
+            lag=lag,
+            multiplier=multiplier,
             min_ema_multiplier=min_ema_multiplier,
         )
         self.on_host = device == "cpu"
@@ -64,7 +68,9 @@ class BEMACallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, trainer=None, **kwargs):
         step = state.global_step
-        if averaging.bema_should_update(step, self.hparams["update_freq"], self.hparams["update_after"]):
+        if averaging.bema_should_update(
+            step, self.hparams["update_freq"], self.hparams["update_after"]
+        ):
             params = self._place(trainer.train_state.params)
             self.buffers = self._update(self.buffers, params, np.int32(step))
         return control

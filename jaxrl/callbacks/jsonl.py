@@ -17,6 +17,14 @@ def _to_python(value: Any) -> Any:
     return value.item() if hasattr(value, "item") else value
 
 
+def _parse(line: str) -> dict | None:
+    # A run killed mid-write can leave a torn last line; it lies past any resume point.
+    try:
+        return json.loads(line) if line.endswith("\n") else None
+    except json.JSONDecodeError:
+        return None
+
+
 class JsonlMetricsCallback(TrainerCallback):
     """Appends `{"step": ..., "epoch": ..., **logs}` to `path` on every `on_log`, flushed per line."""
 
@@ -35,7 +43,7 @@ class JsonlMetricsCallback(TrainerCallback):
             kept = [
                 line
                 for line in self.path.read_text().splitlines(keepends=True)
-                if line.strip() and json.loads(line)["step"] <= state.global_step
+                if (record := _parse(line)) is not None and record["step"] <= state.global_step
             ]
             tmp_path = self.path.with_name(self.path.name + ".tmp")
             tmp_path.write_text("".join(kept))

@@ -6,11 +6,14 @@ the same W&B run. Keys are rewritten like HF's WandbCallback: `eval_x` -> `eval/
 """
 
 import os
+import secrets
+import string
 from pathlib import Path
 
 from jaxrl.callbacks.base import TrainerCallback, TrainerControl, TrainerState
 
 RUN_ID_FILE = "wandb_run_id.txt"
+_ID_CHARS = string.ascii_lowercase + string.digits  # the alphabet of W&B run ids
 
 
 def rewrite_logs(logs: dict) -> dict:
@@ -45,7 +48,7 @@ class WandbCallback(TrainerCallback):
         if id_path.exists():
             run_id = id_path.read_text().strip()
         else:
-            run_id = self._wandb.util.generate_id()
+            run_id = "".join(secrets.choice(_ID_CHARS) for _ in range(8))
             id_path.write_text(run_id + "\n")
         self.run = self._wandb.init(
             project=self.project,

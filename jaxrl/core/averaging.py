@@ -52,10 +52,16 @@ def bema_init(params: PyTree, *, dtype: jnp.dtype | None = None) -> BEMAState:
     def copy(x):
         return jnp.array(x, dtype=dtype or x.dtype, copy=True)
 
-    return BEMAState(theta0=jax.tree.map(copy, params), ema=jax.tree.map(copy, params), bema=jax.tree.map(copy, params))
+    return BEMAState(
+        theta0=jax.tree.map(copy, params),
+        ema=jax.tree.map(copy, params),
+        bema=jax.tree.map(copy, params),
+    )
 
 
-def bema_should_update(step: int | jax.Array, update_freq: int = 400, update_after: int = 0) -> bool | jax.Array:
+def bema_should_update(
+    step: int | jax.Array, update_freq: int = 400, update_after: int = 0
+) -> bool | jax.Array:
     """Whether `bema_update` changes the state after optimizer step `step` (TRL global_step >= 1).
 
     True at the snapshot step `step == update_after` and at `step = update_after + k * update_freq`

@@ -24,7 +24,9 @@ def shift_targets(input_ids_BT: jax.Array, mask_BT: jax.Array) -> tuple[jax.Arra
 
 
 def _chunk_outputs(hidden_BCD, unembed_DV, targets_BC, temperature, logit_softcap, with_stats):
-    logits_BCV = jnp.einsum("bcd,dv->bcv", hidden_BCD, unembed_DV, preferred_element_type=jnp.float32)
+    logits_BCV = jnp.einsum(
+        "bcd,dv->bcv", hidden_BCD, unembed_DV, preferred_element_type=jnp.float32
+    )
     if logit_softcap is not None:
         # Gemma-style final-logit soft-capping, as in TRL's fused head (scale, softcap, temperature).
         logits_BCV = logit_softcap * jnp.tanh(logits_BCV / logit_softcap)
@@ -89,7 +91,9 @@ def token_logprobs(
 
     @jax.checkpoint
     def body(hidden_BCD, targets_BC):
-        return _chunk_outputs(hidden_BCD, unembed_DV, targets_BC, temperature, logit_softcap, with_stats)
+        return _chunk_outputs(
+            hidden_BCD, unembed_DV, targets_BC, temperature, logit_softcap, with_stats
+        )
 
     def step(carry, xs):
         return carry, body(*xs)

@@ -97,8 +97,12 @@ def make_optimizer(
         tx = user_tx
     elif optim in ("adamw_torch", "adamw_torch_fused", "adamw"):
         tx = optax.adamw(
-            schedule, b1=adam_beta1, b2=adam_beta2, eps=adam_epsilon,
-            weight_decay=weight_decay, mask=decay_mask,
+            schedule,
+            b1=adam_beta1,
+            b2=adam_beta2,
+            eps=adam_epsilon,
+            weight_decay=weight_decay,
+            mask=decay_mask,
         )
     elif optim == "sgd":
         tx = optax.chain(
@@ -107,8 +111,10 @@ def make_optimizer(
     elif optim == "adafactor":
         # HF's Adafactor with an external lr: no relative step, no parameter scaling.
         tx = optax.adafactor(
-            schedule, multiply_by_parameter_scale=False,
-            weight_decay_rate=weight_decay or None, weight_decay_mask=decay_mask,
+            schedule,
+            multiply_by_parameter_scale=False,
+            weight_decay_rate=weight_decay or None,
+            weight_decay_mask=decay_mask,
         )
     elif optim in ("lion", "lion_32bit"):
         tx = optax.lion(

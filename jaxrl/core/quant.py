@@ -19,6 +19,7 @@ model code can consume after `dequantize_params`, with the original shardings ke
 few lines of `jnp` and needs no extra dependency.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -60,17 +61,28 @@ def _scale_sharding(x: jax.Array, keep: tuple[int, ...]) -> NamedSharding | None
     if isinstance(x, jax.core.Tracer) or not isinstance(sharding, NamedSharding):
         return None
     spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
-    return NamedSharding(sharding.mesh, PartitionSpec(*(s if i in keep else None for i, s in enumerate(spec))))
+    return NamedSharding(
+        sharding.mesh, PartitionSpec(*(s if i in keep else None for i, s in enumerate(spec)))
+    )
+
+
+@functools.partial(jax.jit, static_argnames="keep")
+def _absmax_int8(x: jax.Array, keep: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    reduce_axes = tuple(i for i in range(x.ndim) if i not in keep)
+    x32 = x.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(x32), axis=reduce_axes, keepdims=True)
+    # An all-zero channel gets scale 1 (its values quantize to 0 either way).
+    scale = jnp.where(absmax > 0, absmax / _INT8_MAX, 1.0)
+    values = jnp.clip(jnp.round(x32 / scale), -_INT8_MAX, _INT8_MAX).astype(jnp.int8)
+    return values, scale
 
 
 def _quantize_leaf(x: jax.Array, keep: tuple[int, ...]) -> QuantizedArray:
-    reduce_axes = tuple(i for i in range(x.ndim) if i not in keep)
-    absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=reduce_axes, keepdims=True)
-    # An all-zero channel gets scale 1 (its values quantize to 0 either way).
-    scale = jnp.where(absmax > 0, absmax / _INT8_MAX, 1.0)
-    values = jnp.clip(jnp.round(x.astype(jnp.float32) / scale), -_INT8_MAX, _INT8_MAX).astype(jnp.int8)
+    values, scale = _absmax_int8(x, keep)
     scale_sharding = _scale_sharding(x, keep)
     if scale_sharding is not None:
+        # Pin the layout explicitly rather than rely on propagation: values like the leaf,
+        # scales like the leaf on the kept axes.
         values = jax.device_put(values, x.sharding)
         scale = jax.device_put(scale, scale_sharding)
     return QuantizedArray(values=values, scale=scale, dtype=jnp.dtype(x.dtype).name)
@@ -109,4 +121,6 @@ def dequantize_params(qparams: PyTree, dtype: jnp.dtype | None = None) -> PyTree
 
 def param_bytes(tree: PyTree) -> int:
     """Total bytes of all array leaves (int8 values and scales of quantized leaves included)."""
-    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
+    return sum(
+        x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype")
+    )

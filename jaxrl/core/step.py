@@ -100,7 +100,10 @@ def make_train_step(
             scale = jnp.where(finite, jnp.where(grow, scale * 2, scale), scale / 2)
             loss_scale = (scale, jnp.where(grow, 0, good))
         new_state = state.replace(
-            step=state.step + 1, params=params, opt_state=opt_state, extras=extras,
+            step=state.step + 1,
+            params=params,
+            opt_state=opt_state,
+            extras=extras,
             loss_scale=loss_scale,
         )
         metrics = reduce_aux(aux_A)

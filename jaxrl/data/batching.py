@@ -92,7 +92,9 @@ class BatchIterator:
     def indices_at(self, step: int) -> np.ndarray:
         """Dataset indices of this host's share of global batch `step` (counted from 0)."""
         epoch, b = divmod(step, self.steps_per_epoch)
-        global_idx = self._order(epoch)[b * self.global_batch_size : (b + 1) * self.global_batch_size]
+        global_idx = self._order(epoch)[
+            b * self.global_batch_size : (b + 1) * self.global_batch_size
+        ]
         return np.array_split(global_idx, self.process_count)[self.process_index]
 
     def batch_at(self, step: int) -> Any:

@@ -9,6 +9,8 @@ Formats follow TRL's vocabulary: *standard* examples hold strings (`text`, `prom
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import datasets
+
 CONVERSATIONAL_KEYS = ("prompt", "chosen", "rejected", "completion", "messages")
 
 
@@ -78,3 +80,15 @@ def tokenize_text_or_messages(tokenizer: Any, value: str | list, **chat_kwargs: 
             tokenizer.apply_chat_template(value, tokenize=True, return_dict=True, **chat_kwargs)
         )
     return dict(tokenizer(value))
+
+
+def token_features(
+    names: Sequence[str], keep: datasets.Features | None = None
+) -> datasets.Features:
+    """Arrow schema for tokenized output: each name an int32 list, plus columns kept from `keep`.
+
+    Declared up front so a first batch of empty lists (examples about to be dropped) cannot make
+    `datasets` infer a null type that later batches fail to cast into.
+    """
+    features = {name: datasets.List(datasets.Value("int32")) for name in names}
+    return datasets.Features({**features, **(keep or {})})

@@ -17,6 +17,7 @@ from jaxrl.data.formats import (
     extract_prompt,
     is_conversational,
     require_columns,
+    token_features,
     tokenize_text_or_messages,
 )
 
@@ -153,6 +154,7 @@ def prepare_preference_dataset(
             "truncation": truncation,
         },
         remove_columns=dataset.column_names,
+        features=token_features(list(_EMPTY)),
         num_proc=num_proc,
     )
     dataset = dataset.filter(lambda ex: len(ex["chosen_input_ids"]) > 0, num_proc=num_proc)

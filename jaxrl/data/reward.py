@@ -13,7 +13,12 @@ from typing import Any
 
 import datasets
 
-from jaxrl.data.formats import is_conversational, require_columns, tokenize_text_or_messages
+from jaxrl.data.formats import (
+    is_conversational,
+    require_columns,
+    token_features,
+    tokenize_text_or_messages,
+)
 
 _PRETOKENIZED = {
     ("input_ids_chosen", "input_ids_rejected"): (
@@ -76,11 +81,15 @@ def prepare_reward_dataset(
     n_before = len(dataset)
     pretokenized = next((k for k in _PRETOKENIZED if all(c in columns for c in k)), None)
     keep = ["margin"] if "margin" in columns else []
+    features = token_features(
+        ["chosen_input_ids", "rejected_input_ids"], {k: dataset.features[k] for k in keep}
+    )
     if pretokenized is not None:
         dataset = dataset.map(
             _unpad_pair,
             fn_kwargs={"ids_cols": pretokenized, "mask_cols": _PRETOKENIZED[pretokenized]},
             remove_columns=[c for c in columns if c not in keep],
+            features=features,
             num_proc=num_proc,
         )
     else:
@@ -98,6 +107,7 @@ def prepare_reward_dataset(
             _tokenize_pair,
             fn_kwargs={"tokenizer": tokenizer, "eos_token": tokenizer.eos_token},
             remove_columns=[c for c in columns if c not in keep],
+            features=features,
             num_proc=num_proc,
         )
     dataset = dataset.filter(

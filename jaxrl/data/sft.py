@@ -16,6 +16,7 @@ from jaxrl.data.formats import (
     common_prefix_length,
     is_conversational,
     require_columns,
+    token_features,
     tokenize_text_or_messages,
 )
 from jaxrl.data.packing import pack_bfd, pack_wrapped
@@ -193,6 +194,7 @@ def prepare_sft_dataset(
             "assistant_only_loss": assistant_only_loss,
         },
         remove_columns=dataset.column_names,
+        features=token_features(["input_ids", "loss_mask"]),
         num_proc=num_proc,
     )
     if max_length is not None and not packing:

@@ -63,7 +63,9 @@ def operand_pairs(split: str) -> np.ndarray:
 def _sample_pairs(split: str, n: int, seed: int) -> np.ndarray:
     pool = operand_pairs(split)
     if n > len(pool):
-        raise ValueError(f"Asked for {n} {split} examples but the {split} pool has {len(pool)} pairs.")
+        raise ValueError(
+            f"Asked for {n} {split} examples but the {split} pool has {len(pool)} pairs."
+        )
     return pool[np.random.default_rng([seed, len(pool)]).permutation(len(pool))[:n]]
 
 

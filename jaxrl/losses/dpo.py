@@ -41,7 +41,16 @@ LOSS_TYPES = (
 )
 F_DIVERGENCE_TYPES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 # TRL: the f-DPO reparameterisation only cancels log Z(x) in the chosen-rejected score difference.
-F_DIVERGENCE_LOSS_TYPES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
+F_DIVERGENCE_LOSS_TYPES = (
+    "sigmoid",
+    "sigmoid_norm",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "robust",
+    "discopop",
+    "sft",
+)
 _LENGTH_LOSS_TYPES = ("ipo", "sigmoid_norm", "sft")
 
 
@@ -58,7 +67,10 @@ def running_moments_init() -> RunningMoments:
     """TRL's initial moments: mean 0, std 1, var 1, count 1e-24 (so the first batch dominates)."""
     f32 = jnp.float32
     return RunningMoments(
-        mean=jnp.zeros((), f32), std=jnp.ones((), f32), var=jnp.ones((), f32), count=jnp.array(1e-24, f32)
+        mean=jnp.zeros((), f32),
+        std=jnp.ones((), f32),
+        var=jnp.ones((), f32),
+        count=jnp.array(1e-24, f32),
     )
 
 
@@ -86,7 +98,9 @@ def running_moments_update(state: RunningMoments, xs: jax.Array) -> RunningMomen
     )
 
 
-def _f_divergence_scores(logratios: jax.Array, f_divergence_type: str, alpha_coef: float) -> jax.Array:
+def _f_divergence_scores(
+    logratios: jax.Array, f_divergence_type: str, alpha_coef: float
+) -> jax.Array:
     """f'(pi/pi_ref) of the f-DPO paper (Wang et al. 2023), TRL `f_divergence_type`."""
     if f_divergence_type == "reverse_kl":
         return logratios
@@ -109,7 +123,9 @@ def _validate(
     rejected_lengths: jax.Array | None,
 ) -> None:
     if loss_type not in LOSS_TYPES:
-        raise ValueError(f"Unknown DPO loss_type {loss_type!r}; valid loss types are {list(LOSS_TYPES)}.")
+        raise ValueError(
+            f"Unknown DPO loss_type {loss_type!r}; valid loss types are {list(LOSS_TYPES)}."
+        )
     if f_divergence_type not in F_DIVERGENCE_TYPES:
         raise ValueError(
             f"Unknown f_divergence_type {f_divergence_type!r}; valid values are {list(F_DIVERGENCE_TYPES)}."
@@ -119,7 +135,11 @@ def _validate(
             f"f_divergence_type={f_divergence_type!r} is only defined for loss types "
             f"{list(F_DIVERGENCE_LOSS_TYPES)}, not {loss_type!r}; use f_divergence_type='reverse_kl'."
         )
-    if loss_type == "exo_pair" and isinstance(label_smoothing, (int, float)) and label_smoothing <= 0:
+    if (
+        loss_type == "exo_pair"
+        and isinstance(label_smoothing, (int, float))
+        and label_smoothing <= 0
+    ):
         raise ValueError(
             "loss_type='exo_pair' needs label_smoothing > 0 (it takes log(label_smoothing)); "
             "the EXO paper recommends label_smoothing=1e-3."
@@ -170,8 +190,12 @@ def dpo_loss(
         ref_rejected_logps = jnp.zeros_like(policy_rejected_logps)
     chosen_logratios = policy_chosen_logps - ref_chosen_logps
     rejected_logratios = policy_rejected_logps - ref_rejected_logps
-    chosen_scores = _f_divergence_scores(chosen_logratios, f_divergence_type, f_alpha_divergence_coef)
-    rejected_scores = _f_divergence_scores(rejected_logratios, f_divergence_type, f_alpha_divergence_coef)
+    chosen_scores = _f_divergence_scores(
+        chosen_logratios, f_divergence_type, f_alpha_divergence_coef
+    )
+    rejected_scores = _f_divergence_scores(
+        rejected_logratios, f_divergence_type, f_alpha_divergence_coef
+    )
     delta = chosen_scores - rejected_scores
     ls = label_smoothing
     log_sig = jax.nn.log_sigmoid
@@ -190,9 +214,9 @@ def dpo_loss(
     elif loss_type == "exo_pair":
         # EXO-pref (Ji 2024) Eq. 16: KL(softmax(beta * scores) || [1 - eps, eps]).
         logits = beta * delta
-        losses = jax.nn.sigmoid(logits) * (log_sig(logits) - jnp.log1p(-ls)) + jax.nn.sigmoid(-logits) * (
-            log_sig(-logits) - jnp.log(ls)
-        )
+        losses = jax.nn.sigmoid(logits) * (log_sig(logits) - jnp.log1p(-ls)) + jax.nn.sigmoid(
+            -logits
+        ) * (log_sig(-logits) - jnp.log(ls))
     elif loss_type == "nca_pair":
         # NCA (Chen 2024), pairwise form.
         chosen_r, rejected_r = beta * chosen_logratios, beta * rejected_logratios
@@ -204,10 +228,14 @@ def dpo_loss(
         losses = (clean - flipped) / (1 - 2 * ls)
     elif loss_type == "bco_pair":
         # BCO (Jung 2024), pairwise, with reward baseline `bco_delta`.
-        losses = -log_sig(beta * chosen_logratios - bco_delta) - log_sig(-(beta * rejected_logratios - bco_delta))
+        losses = -log_sig(beta * chosen_logratios - bco_delta) - log_sig(
+            -(beta * rejected_logratios - bco_delta)
+        )
     elif loss_type == "sppo_hard":
         # SPPO (Wu 2024) Eq. 4.7 with hard win probabilities P(chosen) = 1, P(rejected) = 0.
-        losses = jnp.square(chosen_logratios - 0.5 / beta) + jnp.square(rejected_logratios + 0.5 / beta)
+        losses = jnp.square(chosen_logratios - 0.5 / beta) + jnp.square(
+            rejected_logratios + 0.5 / beta
+        )
     elif loss_type in ("aot", "aot_unpaired"):
         # AOT (Melnyk 2024): align the sorted (quantile) distributions over the batch.
         if loss_type == "aot":
@@ -219,7 +247,9 @@ def dpo_loss(
         losses = -log_sig(beta * d) * (1 - ls) - log_sig(-beta * d) * ls
     elif loss_type == "apo_zero":
         # APO-zero (D'Oosterlinck 2024) Eq. 7: raise chosen, lower rejected likelihood.
-        losses = (1 - jax.nn.sigmoid(beta * chosen_logratios)) + jax.nn.sigmoid(beta * rejected_logratios)
+        losses = (1 - jax.nn.sigmoid(beta * chosen_logratios)) + jax.nn.sigmoid(
+            beta * rejected_logratios
+        )
     elif loss_type == "apo_down":
         # APO-down Eq. 8: lower both, rejected more.
         losses = jax.nn.sigmoid(beta * chosen_logratios) + (

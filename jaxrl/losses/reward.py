@@ -26,11 +26,15 @@ def reward_loss(
         diff_B = diff_B - margin_B
     losses_B = -jax.nn.log_sigmoid(diff_B)
     if center_rewards_coefficient is not None:
-        losses_B = losses_B + center_rewards_coefficient * jnp.square(rewards_chosen_B + rewards_rejected_B)
+        losses_B = losses_B + center_rewards_coefficient * jnp.square(
+            rewards_chosen_B + rewards_rejected_B
+        )
     return losses_B
 
 
-def reward_metrics(rewards_chosen_B: jax.Array, rewards_rejected_B: jax.Array) -> dict[str, jax.Array]:
+def reward_metrics(
+    rewards_chosen_B: jax.Array, rewards_rejected_B: jax.Array
+) -> dict[str, jax.Array]:
     """TRL `RewardTrainer` metrics for one batch.
 
     `min_reward` / `mean_reward` / `max_reward` are over chosen and rejected rewards together;

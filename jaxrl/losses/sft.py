@@ -21,7 +21,9 @@ def sft_loss_sum(
     `-log p * stop_gradient(p)`. The loss is `sum / count` over all micro-batches of a step.
     """
     if loss_type not in SFT_LOSS_TYPES:
-        raise ValueError(f"Unknown SFT loss_type {loss_type!r}; valid values are {list(SFT_LOSS_TYPES)}.")
+        raise ValueError(
+            f"Unknown SFT loss_type {loss_type!r}; valid values are {list(SFT_LOSS_TYPES)}."
+        )
     mask_BT = loss_mask_BT.astype(jnp.float32)
     logps_BT = logps_BT.astype(jnp.float32)
     per_token_BT = -logps_BT
@@ -30,7 +32,9 @@ def sft_loss_sum(
     return jnp.sum(per_token_BT * mask_BT), jnp.sum(mask_BT)
 
 
-def mean_token_accuracy(argmax_correct_BT: jax.Array, mask_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+def mean_token_accuracy(
+    argmax_correct_BT: jax.Array, mask_BT: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """`(num_correct, num_tokens)` for TRL's `mean_token_accuracy` (target is the argmax)."""
     mask_BT = mask_BT.astype(jnp.float32)
     return jnp.sum(argmax_correct_BT.astype(jnp.float32) * mask_BT), jnp.sum(mask_BT)
@@ -39,7 +43,9 @@ def mean_token_accuracy(argmax_correct_BT: jax.Array, mask_BT: jax.Array) -> tup
 def entropy(entropy_BT: jax.Array, mask_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`(entropy_sum, num_tokens)` for TRL's `entropy` metric (next-token entropy in nats)."""
     mask_BT = mask_BT.astype(jnp.float32)
-    return jnp.sum(jax.lax.stop_gradient(entropy_BT).astype(jnp.float32) * mask_BT), jnp.sum(mask_BT)
+    return jnp.sum(jax.lax.stop_gradient(entropy_BT).astype(jnp.float32) * mask_BT), jnp.sum(
+        mask_BT
+    )
 
 
 def mean_of(total: jax.Array, count: jax.Array) -> jax.Array:

@@ -69,7 +69,14 @@ def _qwen2_tiny() -> Any:
 
 def _gpt2_tiny() -> Any:
     return transformers.GPT2Config(
-        vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=512, pad_token_id=0
+        vocab_size=256,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=512,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
     )
 
 

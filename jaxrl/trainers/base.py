@@ -120,8 +120,13 @@ class Trainer:
     def _event(self, name: str, **kwargs):
         """Dispatch a lifecycle event; callbacks get `trainer=self` besides HF's kwargs."""
         self.control = self.callback_handler.call_event(
-            name, self.args, self.state, self.control, trainer=self,
-            processing_class=self.processing_class, **kwargs,
+            name,
+            self.args,
+            self.state,
+            self.control,
+            trainer=self,
+            processing_class=self.processing_class,
+            **kwargs,
         )
 
     # ----------------------------------------------------------------- setup helpers
@@ -141,15 +146,23 @@ class Trainer:
 
         a = self.args
         kw = dict(
-            dtype=self.compute_dtype, param_dtype=self._param_dtype(), mesh=self.mesh,
-            rules=self.rules, scan_layers=a.scan_layers, remat_policy=a.remat_policy or ("full" if a.gradient_checkpointing else "none"),
+            dtype=self.compute_dtype,
+            param_dtype=self._param_dtype(),
+            mesh=self.mesh,
+            rules=self.rules,
+            scan_layers=a.scan_layers,
+            remat_policy=a.remat_policy or ("full" if a.gradient_checkpointing else "none"),
         )
         if isinstance(model, str):
             return models.from_pretrained(model, task=task, **kw)
         if isinstance(model, PretrainedConfig):  # random init from a config (from scratch)
             return models.from_config(model, seed=a.seed, task=task, **kw)
         if isinstance(model, nnx.Module):
-            return models.reshard(model, mesh=self.mesh, rules=self.rules)
+            # Place a user-built model's params on this trainer's mesh by the sharding rules.
+            params = nnx.state(model)
+            shardings = parallel.param_shardings(params, self.mesh, self.rules)
+            nnx.update(model, jax.device_put(params, shardings))
+            return model
         raise TypeError(
             "model must be a path/hub id, a transformers config (random init) or a jaxrl nnx "
             f"model, got {type(model).__name__}."
@@ -196,6 +209,16 @@ class Trainer:
     def _max_length(self) -> int:
         return getattr(self.args, "max_length", None) or 1024
 
+    @staticmethod
+    def _load_data(dataset: Any, split: str) -> Any:
+        """A dataset object passes through; a path or hub id is loaded (a single file is the
+        whole split)."""
+        if not isinstance(dataset, str):
+            return dataset
+        from jaxrl.data.loading import load_dataset_any
+
+        return load_dataset_any(dataset, split="train" if os.path.isfile(dataset) else split)
+
     # ----------------------------------------------------------------- subclass hooks
     def _prepare_dataset(self, dataset: Any, split: str) -> Any:
         raise NotImplementedError
@@ -239,9 +262,14 @@ class Trainer:
                 a.lr_scheduler_type, a.learning_rate, max_steps, warmup, a.lr_scheduler_kwargs
             )
         self.tx = optim.make_optimizer(
-            optim=a.optim, schedule=self.schedule, weight_decay=a.weight_decay,
-            adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, adam_epsilon=a.adam_epsilon,
-            max_grad_norm=a.max_grad_norm, user_tx=self.user_tx,
+            optim=a.optim,
+            schedule=self.schedule,
+            weight_decay=a.weight_decay,
+            adam_beta1=a.adam_beta1,
+            adam_beta2=a.adam_beta2,
+            adam_epsilon=a.adam_epsilon,
+            max_grad_norm=a.max_grad_norm,
+            user_tx=self.user_tx,
         )
         ref = self._ref_params(params)
         extras = self._init_extras()
@@ -257,7 +285,8 @@ class Trainer:
         return jax.tree.map(lambda x: x.sharding, state)
 
     def _batch_sharding(self, ndim: int) -> NamedSharding:
-        batch_axes = parallel.batch_axes(self.rules)
+        # Leading micro-batch axis A stays whole; the batch axis is split by the `batch` rule.
+        (batch_axes,) = parallel.logical_to_spec(("batch",), self.rules)
         return NamedSharding(self.mesh, P(None, batch_axes, *([None] * (ndim - 2))))
 
     def _to_device(self, host_batch_A: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -282,7 +311,9 @@ class Trainer:
     @property
     def train_batch_size(self) -> int:
         """Examples per optimizer step over all hosts (TRL's effective batch size)."""
-        return self.args.per_device_train_batch_size * self.dp * self.args.gradient_accumulation_steps
+        return (
+            self.args.per_device_train_batch_size * self.dp * self.args.gradient_accumulation_steps
+        )
 
     @property
     def steps_per_epoch(self) -> int:
@@ -304,9 +335,14 @@ class Trainer:
 
     def _train_iterator(self) -> BatchIterator:
         return BatchIterator(
-            self.train_dataset, global_batch_size=self.train_batch_size, seed=self.args.seed,
-            shuffle=True, drop_last=True, process_index=jax.process_index(),
+            self.train_dataset,
+            global_batch_size=self.train_batch_size,
+            seed=self.args.seed,
+            shuffle=True,
+            drop_last=True,
+            process_index=jax.process_index(),
             process_count=jax.process_count(),
+            collate_fn=list,
         )
 
     # ----------------------------------------------------------------- compile
@@ -317,7 +353,9 @@ class Trainer:
         step = make_train_step(loss_fn, self.tx, self.schedule)
         # State donated: params and optimizer moments are updated in place on device.
         self._jit_train_step = jax.jit(
-            step, in_shardings=(state_sh, None), out_shardings=(state_sh, repl),
+            step,
+            in_shardings=(state_sh, None),
+            out_shardings=(state_sh, repl),
             donate_argnums=0,
         )
         self._jit_eval_step = jax.jit(make_eval_step(loss_fn), out_shardings=repl)
@@ -455,8 +493,10 @@ class Trainer:
             s.eval_steps = s.logging_steps  # HF: eval_steps defaults to logging_steps
         s.num_train_epochs = math.ceil(max_steps / spe)
         s.train_batch_size = self.train_batch_size
-        resume = resume_from_checkpoint if resume_from_checkpoint is not None else (
-            a.resume_from_checkpoint
+        resume = (
+            resume_from_checkpoint
+            if resume_from_checkpoint is not None
+            else (a.resume_from_checkpoint)
         )
         step0 = self._resolve_resume(resume)
         if step0 is not None:
@@ -499,7 +539,7 @@ class Trainer:
             if self._log_window:
                 self._emit_log(self.state.global_step)
         finally:
-            sigterm.restore()
+            sigterm.uninstall()
             if getattr(self, "_ckpt", None) is not None:
                 self._ckpt.wait_until_finished()
         runtime = time.time() - t0
@@ -548,7 +588,11 @@ class Trainer:
         if self.train_state is None:
             self.train_state = self._build_state()
             self._compile(self.train_state)
-        ds = self.eval_dataset if eval_dataset is None else self._prepare_dataset(eval_dataset, "eval")
+        ds = (
+            self.eval_dataset
+            if eval_dataset is None
+            else self._prepare_dataset(eval_dataset, "eval")
+        )
         if ds is None:
             raise ValueError("evaluate() needs an eval_dataset.")
         sums: dict[str, float] = {}
@@ -569,9 +613,6 @@ class Trainer:
                 mins[k] = min(mins.get(k, np.inf), float(np.min(v)))
             for k, v in aux.get("max", {}).items():
                 maxs[k] = max(maxs.get(k, -np.inf), float(np.max(v)))
-            for k, v in aux.get("total", {}).items():
-                sums[k] = sums.get(k, 0.0) + float(np.sum(v))
-                counts.setdefault(k, 1.0)
             if predict is not None:
                 p, lab = jax.device_get(self._jit_predict(self.train_state.params, batch))
                 keep = host["example_mask"][0] > 0
@@ -581,11 +622,12 @@ class Trainer:
         metrics.update(mins)
         metrics.update(maxs)
         if predict is not None:
-            metrics.update(self.compute_metrics(EvalPrediction(np.concatenate(preds), np.concatenate(labels))))
+            metrics.update(
+                self.compute_metrics(EvalPrediction(np.concatenate(preds), np.concatenate(labels)))
+            )
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
         self.log(metrics)
-        self._event("on_evaluate", metrics=metrics
-        )
+        self._event("on_evaluate", metrics=metrics)
         return metrics
 
     # ----------------------------------------------------------------- export

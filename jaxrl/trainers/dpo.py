@@ -24,7 +24,6 @@ from jax.experimental import multihost_utils
 from jaxrl.config import DPOConfig
 from jaxrl.core import quant
 from jaxrl.data.collate import collate_preference
-from jaxrl.data.loading import load_dataset_any
 from jaxrl.data.preference import prepare_preference_dataset
 from jaxrl.losses.dpo import dpo_multi_loss
 from jaxrl.trainers.base import Trainer
@@ -87,16 +86,21 @@ class DPOTrainer(Trainer):
     # ----------------------------------------------------------------- data
     def _prepare_dataset(self, dataset: Any, split: str) -> datasets.Dataset:
         a = self.args
-        if isinstance(dataset, str):
-            dataset = load_dataset_any(dataset, split=split)
+        dataset = self._load_data(dataset, split)
         return prepare_preference_dataset(
-            dataset, self.processing_class, max_prompt_length=a.max_prompt_length,
-            max_completion_length=a.max_completion_length, max_length=a.max_length,
-            truncation_mode=a.truncation_mode, num_proc=a.dataset_num_proc,
+            dataset,
+            self.processing_class,
+            max_prompt_length=a.max_prompt_length,
+            max_completion_length=a.max_completion_length,
+            max_length=a.max_length,
+            truncation_mode=a.truncation_mode,
+            num_proc=a.dataset_num_proc,
         )
 
     def _example_lengths(self, dataset: datasets.Dataset) -> list[int]:
-        p, c, r = (dataset[k] for k in ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids"))
+        p, c, r = (
+            dataset[k] for k in ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
+        )
         return [len(pi) + max(len(ci), len(ri)) for pi, ci, ri in zip(p, c, r)]
 
     def _pad_id(self) -> int:
@@ -158,10 +162,18 @@ class DPOTrainer(Trainer):
             else:
                 ref_2B = self._ref_seq_logps(state, rows)
             losses_B, cr_B, rr_B = dpo_multi_loss(
-                logps_2B[:b], logps_2B[b:], ref_2B[:b], ref_2B[b:], loss_types=loss_types,
-                loss_weights=a.loss_weights, beta=a.beta, label_smoothing=a.label_smoothing,
-                chosen_lengths=lengths_2B[:b], rejected_lengths=lengths_2B[b:],
-                discopop_tau=a.discopop_tau, reference_free=a.reference_free,
+                logps_2B[:b],
+                logps_2B[b:],
+                ref_2B[:b],
+                ref_2B[b:],
+                loss_types=loss_types,
+                loss_weights=a.loss_weights,
+                beta=a.beta,
+                label_smoothing=a.label_smoothing,
+                chosen_lengths=lengths_2B[:b],
+                rejected_lengths=lengths_2B[b:],
+                discopop_tau=a.discopop_tau,
+                reference_free=a.reference_free,
             )
             w_B = mb["example_mask"] if "example_mask" in mb else jnp.ones_like(losses_B)
             w_2B = jnp.concatenate([w_B, w_B])
@@ -183,12 +195,17 @@ class DPOTrainer(Trainer):
                 "entropy": jnp.sum(stats["entropy"] * tok_2BT),
             }
             counts = {k: n for k in sums}
-            counts.update({
-                "logits/chosen": n_c, "logits/rejected": n_r, "mean_token_accuracy": n_c,
-                "entropy": n_c + n_r,
-            })
+            counts.update(
+                {
+                    "logits/chosen": n_c,
+                    "logits/rejected": n_r,
+                    "mean_token_accuracy": n_c,
+                    "entropy": n_c + n_r,
+                }
+            )
             aux = {
-                "sum": sums, "count": counts,
+                "sum": sums,
+                "count": counts,
                 "total": {"num_tokens": jnp.sum(rows["attention_mask"]).astype(jnp.float32)},
             }
             return loss_sum, (aux, extras)
@@ -213,11 +230,19 @@ class DPOTrainer(Trainer):
     # ----------------------------------------------------------------- precompute
     def _cache_key(self, dataset: datasets.Dataset) -> str:
         h = hashlib.sha256()
-        h.update(json.dumps({
-            "model": self.model_path or "object", "ref": str(self._ref_model_arg),
-            "seq_len": self.seq_len, "chunk": self.args.logprob_chunk_size,
-            "dtype": str(self.compute_dtype), "data": dataset._fingerprint,
-        }, sort_keys=True).encode())
+        h.update(
+            json.dumps(
+                {
+                    "model": self.model_path or "object",
+                    "ref": str(self._ref_model_arg),
+                    "seq_len": self.seq_len,
+                    "chunk": self.args.logprob_chunk_size,
+                    "dtype": str(self.compute_dtype),
+                    "data": dataset._fingerprint,
+                },
+                sort_keys=True,
+            ).encode()
+        )
         return h.hexdigest()[:16]
 
     def _precompute_all(self):
@@ -235,7 +260,9 @@ class DPOTrainer(Trainer):
             b = logps.shape[0] // 2
             return jnp.stack([logps[:b], logps[b:]], axis=1)
 
-        bs = (self.args.precompute_ref_batch_size or self.args.per_device_train_batch_size) * self.dp
+        bs = (
+            self.args.precompute_ref_batch_size or self.args.per_device_train_batch_size
+        ) * self.dp
         cache_dir = os.path.join(self.args.output_dir, "ref_logps_cache")
         for name in ("train_dataset", "eval_dataset"):
             ds = getattr(self, name)

@@ -16,7 +16,6 @@ import numpy as np
 
 from jaxrl.config import RewardConfig
 from jaxrl.data.collate import collate_reward
-from jaxrl.data.loading import load_dataset_any
 from jaxrl.data.reward import prepare_reward_dataset
 from jaxrl.losses.reward import reward_loss
 from jaxrl.trainers.base import Trainer
@@ -29,10 +28,11 @@ class RewardTrainer(Trainer):
     model_task = "sequence_classification"
 
     def _prepare_dataset(self, dataset: Any, split: str) -> datasets.Dataset:
-        if isinstance(dataset, str):
-            dataset = load_dataset_any(dataset, split=split)
+        dataset = self._load_data(dataset, split)
         return prepare_reward_dataset(
-            dataset, self.processing_class, max_length=self.args.max_length,
+            dataset,
+            self.processing_class,
+            max_length=self.args.max_length,
             num_proc=self.args.dataset_num_proc,
         )
 
@@ -53,7 +53,8 @@ class RewardTrainer(Trainer):
         def loss_fn(params, state, mb, rng, extras):
             rows = {
                 k: jnp.concatenate([v[:, 0], v[:, 1]], axis=0)
-                for k, v in mb.items() if v.ndim >= 3 or k in ("input_ids", "attention_mask")
+                for k, v in mb.items()
+                if v.ndim >= 3 or k in ("input_ids", "attention_mask")
             }
             model = self.apply_model(params)
             scores_2B = model(

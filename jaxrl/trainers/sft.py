@@ -17,7 +17,6 @@ import numpy as np
 from jaxrl.config import SFTConfig
 from jaxrl.core.logprobs import token_logprobs
 from jaxrl.data.collate import collate_sft
-from jaxrl.data.loading import load_dataset_any
 from jaxrl.data.sft import prepare_sft_dataset
 from jaxrl.losses.sft import entropy, mean_token_accuracy, sft_loss_sum
 from jaxrl.trainers.base import Trainer
@@ -52,13 +51,18 @@ class SFTTrainer(Trainer):
 
     def _prepare_dataset(self, dataset: Any, split: str) -> datasets.Dataset:
         a = self.args
-        if isinstance(dataset, str):
-            dataset = load_dataset_any(dataset, split=split)
+        dataset = self._load_data(dataset, split)
         return prepare_sft_dataset(
-            dataset, self.processing_class, dataset_text_field=a.dataset_text_field,
-            max_length=a.max_length, formatting_func=self.formatting_func,
-            completion_only_loss=a.completion_only_loss, assistant_only_loss=a.assistant_only_loss,
-            packing=a.packing, packing_strategy=a.packing_strategy, eos_token=a.eos_token,
+            dataset,
+            self.processing_class,
+            dataset_text_field=a.dataset_text_field,
+            max_length=a.max_length,
+            formatting_func=self.formatting_func,
+            completion_only_loss=a.completion_only_loss,
+            assistant_only_loss=a.assistant_only_loss,
+            packing=a.packing,
+            packing_strategy=a.packing_strategy,
+            eos_token=a.eos_token,
             num_proc=a.dataset_num_proc,
         )
 

@@ -47,8 +47,10 @@ def test_conversational_implicit_prompt_uses_chat_template(tok):
     [
         # 6 + 3 > 7: prompt cut to its last 4 tokens, then it fits
         ({"max_length": 7, "max_prompt_length": 4}, ("cdef", "xy<eos>", "z<eos>")),
-        ({"max_length": 7, "max_prompt_length": 4, "truncation_mode": "keep_start"},
-         ("abcd", "xy<eos>", "z<eos>")),
+        (
+            {"max_length": 7, "max_prompt_length": 4, "truncation_mode": "keep_start"},
+            ("abcd", "xy<eos>", "z<eos>"),
+        ),
         # still 4 + 3 > 6: completions cut to max_length - max_prompt_length = 2
         ({"max_length": 6, "max_prompt_length": 4}, ("cdef", "xy", "z<eos>")),
         ({"max_completion_length": 1}, ("abcdef", "x", "z")),

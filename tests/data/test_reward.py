@@ -18,7 +18,9 @@ def test_explicit_and_implicit_prompt_with_margin(tok):
         "rejected_input_ids": enc(tok, "Qbb<eos>"),
         "margin": 0.5,
     }
-    implicit = prepare_reward_dataset(Dataset.from_dict({"chosen": ["Qa"], "rejected": ["Qb"]}), tok)
+    implicit = prepare_reward_dataset(
+        Dataset.from_dict({"chosen": ["Qa"], "rejected": ["Qb"]}), tok
+    )
     assert implicit.column_names == ["chosen_input_ids", "rejected_input_ids"]
     assert implicit[0]["chosen_input_ids"] == enc(tok, "Qa<eos>")
 
@@ -26,8 +28,11 @@ def test_explicit_and_implicit_prompt_with_margin(tok):
 def test_conversational(tok):
     user = {"role": "user", "content": "hi"}
     ds = Dataset.from_dict(
-        {"prompt": [[user]], "chosen": [[{"role": "assistant", "content": "yo"}]],
-         "rejected": [[{"role": "assistant", "content": "no"}]]}
+        {
+            "prompt": [[user]],
+            "chosen": [[{"role": "assistant", "content": "yo"}]],
+            "rejected": [[{"role": "assistant", "content": "no"}]],
+        }
     )
     assert prepare_reward_dataset(ds, tok)[0]["rejected_input_ids"] == enc(tok, "U:hi\nA:no<eos>")
 
@@ -50,7 +55,10 @@ def test_pretokenized_with_attention_masks(tok):
             "attention_mask_rejected": [[1, 0, 0]],
         }
     )
-    assert prepare_reward_dataset(ds, tok)[0] == {"chosen_input_ids": [5, 6], "rejected_input_ids": [7]}
+    assert prepare_reward_dataset(ds, tok)[0] == {
+        "chosen_input_ids": [5, 6],
+        "rejected_input_ids": [7],
+    }
 
 
 def test_missing_columns(tok):

@@ -1,0 +1,230 @@
+"""`python -m jaxrl.bench --algo {forward,sft,reward,dpo} [bench flags] [train flags]`.
+
+Runs the real jitted train step of the chosen algorithm: a few warm-up steps, then timed steps,
+and prints as its last line one JSON object with `algo, step_s, tokens_per_sec, compile_s,
+peak_bytes, devices, mfu` (and more). Without `--preset` it benchmarks exactly what
+`python -m jaxrl.train --algo ALGO` would train (same flags, real data); with
+`--preset NAME --seq_len T` it uses a random-weight model of that shape and synthetic token
+data of length T (no download needed). `--algo forward` times forward+backward of the LM loss
+only (no optimizer update).
+
+Bench flags: --preset NAME, --seq_len T, --steps N (default 10), --warmup N (default 2).
+Everything else is a training-config flag, as for `jaxrl.train`.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Dense bf16 peak FLOP/s per device, for MFU. Unknown devices (e.g. CPU) report mfu=null.
+PEAK_FLOPS = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "L4": 121e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
+}
+_BENCH_FLAGS = {"--preset": str, "--seq_len": int, "--steps": int, "--warmup": int}
+
+
+def peak_flops(device) -> float | None:
+    kind = device.device_kind
+    for name, flops in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])):
+        if name.lower() in kind.lower():
+            return flops
+    return None
+
+
+def _split_bench_flags(argv: list[str]) -> tuple[dict, list[str]]:
+    opts = {"preset": None, "seq_len": 512, "steps": 10, "warmup": 2}
+    rest, i = [], 0
+    while i < len(argv):
+        flag = argv[i].split("=", 1)[0]
+        if flag in _BENCH_FLAGS:
+            if "=" in argv[i]:
+                value, i = argv[i].split("=", 1)[1], i + 1
+            else:
+                value, i = argv[i + 1], i + 2
+            opts[flag[2:]] = _BENCH_FLAGS[flag](value)
+        else:
+            rest.append(argv[i])
+            i += 1
+    return opts, rest
+
+
+def _synthetic_examples(algo: str, n: int, seq_len: int, vocab: int, seed: int) -> list[dict]:
+    """Token data of exactly `seq_len` per row (DPO/reward: half prompt, half completion)."""
+    rng = np.random.default_rng(seed)
+
+    def ids(length):
+        return rng.integers(3, vocab, size=length).tolist()
+
+    half = seq_len // 2
+    if algo in ("sft", "forward"):
+        return [{"input_ids": ids(seq_len)} for _ in range(n)]
+    if algo == "dpo":
+        return [
+            {
+                "prompt_input_ids": ids(half),
+                "chosen_input_ids": ids(seq_len - half),
+                "rejected_input_ids": ids(seq_len - half),
+            }
+            for _ in range(n)
+        ]
+    return [
+        {"chosen_input_ids": ids(seq_len), "rejected_input_ids": ids(seq_len)} for _ in range(n)
+    ]
+
+
+def _peak_bytes() -> tuple[int, str]:
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return int(stats["peak_bytes_in_use"]), "device"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host_rss"
+
+
+def build(argv: list[str]) -> tuple[Any, dict, str]:
+    from jaxrl import trainers
+    from jaxrl.config import CONFIGS, parse_config
+    from jaxrl.models import presets
+    from jaxrl.train import CONFIG_DIR, build_trainer
+
+    opts, rest = _split_bench_flags(argv)
+    algo = "sft"
+    for i, a in enumerate(rest):
+        if a == "--algo":
+            algo = rest[i + 1]
+        elif a.startswith("--algo="):
+            algo = a.split("=", 1)[1]
+    if opts["preset"] is None:
+        if algo == "forward":
+            raise ValueError("--algo forward needs --preset NAME (e.g. qwen2.5-0.5b).")
+        return build_trainer(rest), opts, algo
+    rest = [a for i, a in enumerate(rest) if a != "--algo" and (i == 0 or rest[i - 1] != "--algo")]
+    rest = [a for a in rest if not a.startswith("--algo=")]
+    cfg_algo = "sft" if algo == "forward" else algo
+    yaml_path = CONFIG_DIR / f"{cfg_algo}.yaml"
+    args, _ = parse_config(
+        CONFIGS[cfg_algo],
+        yaml_path=yaml_path if yaml_path.exists() else None,
+        cli_args=rest,
+        overrides={
+            "max_length": opts["seq_len"],
+            "disable_tqdm": True,
+            "save_strategy": "no",
+            "eval_strategy": "no",
+        },
+    )
+    hf_config = presets.get_preset(opts["preset"])
+    tok = SimpleNamespace(pad_token_id=0, pad_token="<pad>", eos_token="<eos>")
+    cls = {
+        "sft": trainers.SFTTrainer,
+        "forward": trainers.SFTTrainer,
+        "reward": trainers.RewardTrainer,
+        "dpo": trainers.DPOTrainer,
+    }[algo]
+    trainer = cls(model=hf_config, args=args, processing_class=tok)
+    trainer.seq_len = opts["seq_len"]
+    opts["vocab"] = hf_config.vocab_size
+    return trainer, opts, algo
+
+
+def run(argv: list[str]) -> dict:
+    from jaxrl.models import presets
+
+    trainer, opts, algo = build(argv)
+    a = trainer.args
+    accum = a.gradient_accumulation_steps
+    n = a.per_device_train_batch_size * trainer.dp * accum
+    if opts["preset"] is None:
+        host = trainer._collate_micro(next(iter(trainer._train_iterator())), accum)
+    else:
+        ex = _synthetic_examples(algo, n, opts["seq_len"], opts["vocab"], a.seed)
+        host = trainer._collate_micro(ex, accum)
+    model_config = trainer.model.config.hf_config
+    state = trainer._build_state()
+    trainer._compile(state)
+    batch = trainer._to_device(host)
+    if algo == "forward":
+        loss_fn = trainer._loss_fn()
+        mb = {k: v[0] for k, v in batch.items()}
+        grad = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, state, mb, None, {})[0]))
+        step = lambda s: (s, grad(s.params))  # noqa: E731
+    else:
+        step = lambda s: trainer._jit_train_step(s, batch)  # noqa: E731
+
+    t0 = time.perf_counter()
+    state, out = step(state)
+    jax.block_until_ready(out)
+    compile_s = time.perf_counter() - t0
+    for _ in range(opts["warmup"]):
+        state, out = step(state)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    for _ in range(opts["steps"]):
+        state, out = step(state)
+    jax.block_until_ready(out)
+    step_s = (time.perf_counter() - t0) / opts["steps"]
+
+    tokens = int(host["attention_mask"].sum()) * jax.process_count()
+    seq_len = host["input_ids"].shape[-1]
+    # Training FLOPs: 6N per token (+ attention) for the policy; DPO adds the reference forward
+    # (a third of that); forward-only is fwd+bwd = the same 6N without the optimizer.
+    fpt = presets.flops_per_token(model_config, seq_len)
+    if algo == "dpo" and trainer.uses_ref_params:
+        fpt *= 4 / 3
+    devices = jax.devices()
+    peak = peak_flops(devices[0])
+    tps = tokens / step_s
+    mfu = (fpt * tps / (peak * len(devices))) if peak else None
+    peak_bytes, peak_src = _peak_bytes()
+    return {
+        "algo": algo,
+        "step_s": step_s,
+        "tokens_per_sec": tps,
+        "steps_per_sec": 1 / step_s,
+        "compile_s": compile_s,
+        "peak_bytes": peak_bytes,
+        "peak_bytes_source": peak_src,
+        "devices": len(devices),
+        "device_kind": devices[0].device_kind,
+        "mfu": mfu,
+        "tokens_per_step": tokens,
+        "seq_len": seq_len,
+        "global_batch": n,
+        "preset": opts["preset"],
+        "compute_dtype": jnp.dtype(trainer.compute_dtype).name,
+        "scan_layers": a.scan_layers,
+        "steps": opts["steps"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        result = run(argv)
+    except ValueError as e:
+        print(f"jaxrl.bench: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""WandbCallback in offline mode: stable run id across a resume, HF-style key names."""
+
+import pytest
+
+from jaxrl.callbacks import TrainerControl, TrainerState, WandbCallback
+from jaxrl.callbacks.wandb import rewrite_logs
+from jaxrl.config import TrainingConfig
+
+
+def test_rewrite_logs_like_hf():
+    assert rewrite_logs({"loss": 1.0, "rewards/chosen": 2.0, "eval_loss": 3.0}) == {
+        "train/loss": 1.0,
+        "train/rewards/chosen": 2.0,
+        "eval/loss": 3.0,
+    }
+
+
+def test_offline_run_id_is_persisted_and_reused(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    args = TrainingConfig(output_dir=str(tmp_path / "out"), report_to="wandb", run_name="t")
+
+    ids = []
+    for global_step in (0, 5):  # a first run, then a resume from step 5
+        callback = WandbCallback(project="jaxrl-test")
+        state = TrainerState(global_step=global_step, max_steps=10)
+        callback.on_train_begin(args, state, TrainerControl())
+        ids.append(callback.run.id)
+        assert callback.run.config["run_name"] == "t"
+        state.global_step += 1
+        callback.on_log(args, state, TrainerControl(), logs={"loss": 0.5})
+        callback.on_train_end(args, state, TrainerControl())
+        assert callback.run is None
+
+    saved_id = (tmp_path / "out" / "wandb_run_id.txt").read_text().strip()
+    assert ids == [saved_id, saved_id]
+    assert list((tmp_path / "out" / "wandb").glob(f"offline-run-*-{saved_id}"))

@@ -1,0 +1,91 @@
+"""Int8 reference weights: documented error bounds, memory vs bf16, sharding preserved."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrl.core.logprobs import token_logprobs
+from jaxrl.core.quant import QuantizedArray, dequantize_params, param_bytes, quantize_params
+
+D, F, V = 64, 256, 512
+
+
+def tiny_params(dtype=jnp.float32):
+    rng = np.random.default_rng(0)
+    zero_cols = np.zeros((D, 8))
+    zero_cols[:, :4] = 1.5
+    tree = {
+        "embed": rng.normal(0, 0.02, (V, D)),
+        "mlp": {"kernel": rng.normal(0, 0.1, (D, F)), "bias": np.zeros(F)},
+        "norm": {"scale": np.ones(D)},
+        "unembed": rng.normal(0, 0.1, (D, V)),
+        "zero_cols": zero_cols,
+    }
+    return {**jax.tree.map(lambda x: jnp.asarray(x, dtype), tree), "step": jnp.array(3, jnp.int32)}
+
+
+def test_elementwise_error_within_half_step_of_channel_absmax():
+    params = tiny_params()
+    q = quantize_params(params)
+    deq = dequantize_params(q)
+    assert isinstance(q["mlp"]["kernel"], QuantizedArray) and q["mlp"]["kernel"].values.dtype == jnp.int8
+    assert q["mlp"]["kernel"].scale.shape == (1, F)
+    assert q["norm"]["scale"] is params["norm"]["scale"] and q["step"] is params["step"]
+    for name in ("embed", "unembed", "zero_cols"):
+        w = np.asarray(params[name])
+        absmax = np.abs(w).max(axis=0, keepdims=True)
+        # Documented bound: |w - deq(q(w))| <= absmax / 254 per output channel.
+        assert np.all(np.abs(w - np.asarray(deq[name])) <= absmax / 254 * (1 + 1e-6) + 1e-12)
+    np.testing.assert_array_equal(deq["zero_cols"], params["zero_cols"])
+    w = np.asarray(params["unembed"])
+    assert np.abs(w - deq["unembed"]).max() / np.abs(w).max() < 1 / 200
+
+
+def test_reference_logprob_error_is_bounded():
+    params = tiny_params()
+    deq = dequantize_params(quantize_params(params))
+    rng = np.random.default_rng(1)
+    hidden = jnp.asarray(rng.normal(size=(2, 16, D)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, V, (2, 16)))
+    exact = token_logprobs(hidden, params["unembed"], targets, chunk_size=8)
+    approx = token_logprobs(hidden, deq["unembed"], targets, chunk_size=8)
+    # |d logit_v| <= sum_d |h_d| * absmax_v / 254, and |d logp| <= 2 * max_v |d logit_v|.
+    absmax_V = np.abs(np.asarray(params["unembed"])).max(axis=0)
+    bound_BT = 2 * np.abs(np.asarray(hidden)).sum(-1) * absmax_V.max() / 254
+    err_BT = np.abs(np.asarray(exact - approx))
+    assert np.all(err_BT <= bound_BT)
+    assert err_BT.max() < 0.05
+
+
+def test_int8_bytes_at_most_055_of_bf16():
+    params16 = tiny_params(jnp.bfloat16)
+    q = quantize_params(params16)
+    assert param_bytes(q) <= 0.55 * param_bytes(params16)
+    assert param_bytes(params16) == 2 * (V * D + D * F + F + D + D * V + D * 8) + 4
+    deq = jax.jit(lambda t: dequantize_params(t, jnp.bfloat16))(q)
+    assert deq["unembed"].dtype == jnp.bfloat16
+    assert dequantize_params(quantize_params(tiny_params()))["unembed"].dtype == jnp.float32
+
+
+def test_stacked_layers_keep_per_layer_scales():
+    scales = np.array([0.01, 1.0, 100.0])[:, None, None]
+    w = jnp.asarray(np.random.default_rng(3).normal(size=(3, D, F)) * scales, jnp.float32)
+    q = quantize_params({"layers": w}, channel_axes=lambda path, shape: (0, -1) if len(shape) == 3 else (-1,))
+    assert q["layers"].scale.shape == (3, 1, F)
+    rel = jnp.abs(dequantize_params(q)["layers"] - w).max(axis=(1, 2)) / jnp.abs(w).max(axis=(1, 2))
+    assert bool(jnp.all(rel <= 1 / 254 + 1e-6))
+
+
+def test_sharding_preserved_on_8_devices():
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "tensor"))
+    params = {"unembed": tiny_params()["unembed"], "embed": tiny_params()["embed"]}
+    specs = {"unembed": PartitionSpec("fsdp", "tensor"), "embed": PartitionSpec("tensor", "fsdp")}
+    sharded = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    q = quantize_params(sharded)
+    assert q["unembed"].values.sharding == sharded["unembed"].sharding
+    assert q["unembed"].scale.sharding.spec == PartitionSpec(None, "tensor")
+    assert q["embed"].scale.sharding.spec == PartitionSpec(None, "fsdp")
+    deq = jax.jit(dequantize_params)(q)
+    assert deq["unembed"].sharding.is_equivalent_to(sharded["unembed"].sharding, 2)
+    np.testing.assert_array_equal(deq["unembed"], dequantize_params(quantize_params(params))["unembed"])

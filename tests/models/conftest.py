@@ -1,0 +1,147 @@
+"""Tiny random PyTorch reference models, each built and saved once per test session."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+VOCAB = 128
+
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _llama3_rope() -> dict[str, Any]:
+    # Small original context so all three llama3 frequency regimes occur with head_dim 16.
+    return {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+
+
+# family -> (config factory, save kwargs). Save formats are spread over families so every
+# reader path (single safetensors, sharded index, pytorch .bin) is exercised.
+FAMILIES: dict[str, tuple[Any, dict[str, Any]]] = {
+    "llama": (lambda: transformers.LlamaConfig(**TINY), {}),
+    "llama3_rope": (
+        lambda: transformers.LlamaConfig(**TINY, rope_parameters=_llama3_rope()),
+        {"max_shard_size": "40KB"},
+    ),
+    "mistral": (
+        lambda: transformers.MistralConfig(**TINY, sliding_window=3),
+        {"safe_serialization": False},
+    ),
+    "qwen2": (lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True), {}),
+    "qwen3": (lambda: transformers.Qwen3Config(**TINY, head_dim=16), {}),
+    "gpt2": (
+        lambda: transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        ),
+        {},
+    ),
+}
+
+
+@dataclasses.dataclass
+class Reference:
+    model: Any
+    path: Path
+
+
+def _build(factory: Any, save_kwargs: dict, tmp: Path, cls: Any, seed: int) -> Reference:
+    torch.manual_seed(seed)
+    config = factory()
+    config._attn_implementation = "eager"
+    model = cls.from_config(config).eval()
+    if hasattr(model, "lm_head") and not config.tie_word_embeddings:
+        torch.nn.init.normal_(model.lm_head.weight, std=0.02)
+    with torch.no_grad():  # HF zero-inits biases; random ones make the bias mapping testable
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or "ln_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp, **save_kwargs)
+    return Reference(model, tmp)
+
+
+@pytest.fixture(scope="session")
+def hf_causal(tmp_path_factory):
+    """Lazily built `{family: Reference}` of causal LMs."""
+    cache: dict[str, Reference] = {}
+
+    def get(family: str) -> Reference:
+        if family not in cache:
+            factory, kwargs = FAMILIES[family]
+            cache[family] = _build(
+                factory, kwargs, tmp_path_factory.mktemp(family),
+                transformers.AutoModelForCausalLM, seed=len(cache),
+            )
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_seq_cls(tmp_path_factory):
+    """Lazily built `{family: Reference}` of sequence classifiers (num_labels=1)."""
+    cache: dict[str, Reference] = {}
+
+    def get(family: str) -> Reference:
+        if family not in cache:
+            base, kwargs = FAMILIES[family]
+
+            def factory():
+                config = base()
+                config.num_labels = 1
+                return config
+
+            cache[family] = _build(
+                factory, kwargs, tmp_path_factory.mktemp(f"{family}_cls"),
+                transformers.AutoModelForSequenceClassification, seed=10 + len(cache),
+            )
+        return cache[family]
+
+    return get
+
+
+def padded_batch(seed: int = 0, seq_len: int = 9) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ids (no pad id inside real tokens), right-padding mask and left-padding mask [3, T]."""
+    rng = np.random.default_rng(seed)
+    lengths = np.array([seq_len, seq_len - 3, 4])
+    ids = rng.integers(3, VOCAB, size=(3, seq_len)).astype(np.int32)
+    right = (np.arange(seq_len)[None] < lengths[:, None]).astype(np.int32)
+    left = right[:, ::-1].copy()
+    return ids, right, left
+
+
+def torch_logits(model: Any, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """HF outputs with position_ids = cumsum(mask) - 1 (what jaxrl uses by default)."""
+    ids = np.where(mask == 1, ids, 0)
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.from_numpy(ids).long(),
+            attention_mask=torch.from_numpy(mask).long(),
+            position_ids=torch.from_numpy(positions).long(),
+        )
+    return out.logits.float().numpy()
