@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from flax import nnx
 
 PyTree = Any
 logger = logging.getLogger(__name__)
@@ -39,7 +40,11 @@ def _path_names(path: tuple) -> tuple[str, ...]:
 
 
 def _shapes_by_path(tree: PyTree) -> dict[tuple[str, ...], tuple[int, ...]]:
-    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+    # nnx Variables have a `.shape` but are containers (their array sits under `value`).
+    def is_leaf(x):
+        return hasattr(x, "shape") and not isinstance(x, nnx.Variable)
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
     return {_path_names(path): tuple(leaf.shape) for path, leaf in leaves}
 
 

@@ -1,6 +1,7 @@
 """Training configs with HF `TrainingArguments` / TRL field names, plus the YAML + CLI loader.
 
-Every field here is honoured by the trainers; a field we cannot honour does not exist. Defaults
+Every field here is honoured by the trainers; a TRL field we cannot honour is absent, or accepts
+only the value we implement and rejects others with a clear message. Defaults
 and semantics follow the installed `transformers` (v5) and `trl` versions unless a comment says
 otherwise. This module only describes and validates a run: it never touches arrays or devices.
 """
@@ -38,11 +39,13 @@ LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine
 STRATEGIES = ("no", "steps", "epoch")
 REPORT_TO = ("none", "all", "wandb")
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "full", "dots")
+# Must equal jaxrl.models.config.REMAT_POLICIES (kept here so configs import without JAX).
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 MESH_AXES = ("data", "fsdp", "tensor")
 PACKING_STRATEGIES = ("bfd", "wrapped")
 TRUNCATION_MODES = ("keep_start", "keep_end")
-# TRL DPOTrainer's accepted `loss_type` values (trl/trainer/dpo_trainer.py).
+# TRL DPOTrainer's `loss_type` values (trl/trainer/dpo_trainer.py); equal to
+# jaxrl.losses.dpo.LOSS_TYPES.
 DPO_LOSS_TYPES = (
     "sigmoid",
     "hinge",
@@ -85,6 +88,14 @@ def _check_steps(name: str, value: float) -> float | int:
     return value
 
 
+def _check_no_dropout(disable_dropout: bool) -> None:
+    _check(
+        disable_dropout,
+        "`disable_dropout=False` is not supported: jaxrl models have no dropout layers, so "
+        "training is always dropout-free; remove the setting.",
+    )
+
+
 @dataclass
 class TrainingConfig:
     """Fields shared by all trainers; names and defaults follow HF TrainingArguments / TRL."""
@@ -121,7 +132,7 @@ class TrainingConfig:
     fp16: bool = False
     gradient_checkpointing: bool = True  # TRL default
     # Integrations besides the always-written metrics.jsonl; normalised to a list like HF.
-    report_to: str | list[str] = "none"
+    report_to: str | list[str] | None = "none"
     run_name: str | None = None
     # A checkpoint directory, or True / "latest" for the newest checkpoint under output_dir.
     resume_from_checkpoint: bool | str | None = None
@@ -233,7 +244,9 @@ class TrainingConfig:
         self.save_steps = _check_steps("save_steps", self.save_steps)
 
     @staticmethod
-    def _normalise_report_to(report_to: str | list[str]) -> list[str]:
+    def _normalise_report_to(report_to: str | list[str] | None) -> list[str]:
+        if report_to is None:
+            return []
         names = report_to.split(",") if isinstance(report_to, str) else list(report_to)
         names = [name.strip() for name in names if name.strip()]
         for name in names:
@@ -375,7 +388,7 @@ class RewardConfig(TrainingConfig):
     learning_rate: float = 1e-4
     # TRL: pairs whose chosen or rejected sequence exceeds max_length are filtered out.
     max_length: int | None = 1024
-    disable_dropout: bool = True
+    disable_dropout: bool = True  # only True: our models have no dropout
     dataset_num_proc: int | None = None
     # Eq. 2 of https://huggingface.co/papers/2312.09244: coef * mean((r_chosen + r_rejected)^2).
     center_rewards_coefficient: float | None = None
@@ -383,6 +396,7 @@ class RewardConfig(TrainingConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_no_dropout(self.disable_dropout)
         _check(
             self.max_length is None or self.max_length >= 1,
             f"`max_length` must be None or >= 1; got {self.max_length}.",
@@ -413,8 +427,8 @@ class DPOConfig(TrainingConfig):
     # Which end of the prompt survives truncation to max_prompt_length.
     truncation_mode: str = "keep_end"
     padding_value: int | None = None  # None -> tokenizer.pad_token_id
-    label_pad_token_id: int = -100
-    disable_dropout: bool = True
+    label_pad_token_id: int = -100  # only -100: padding is masked, never scored
+    disable_dropout: bool = True  # only True: our models have no dropout
     reference_free: bool = False
     precompute_ref_log_probs: bool = False
     precompute_ref_batch_size: int | None = None
@@ -429,6 +443,12 @@ class DPOConfig(TrainingConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_no_dropout(self.disable_dropout)
+        _check(
+            self.label_pad_token_id == -100,
+            "`label_pad_token_id` other than -100 is not supported: jaxrl marks padded completion "
+            "tokens with a loss mask, so remove the setting.",
+        )
         if isinstance(self.loss_type, str):
             self.loss_type = [name.strip() for name in self.loss_type.split(",")]
         _check(bool(self.loss_type), "`loss_type` needs at least one loss name.")

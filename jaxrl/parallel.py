@@ -3,6 +3,12 @@
 Models name every parameter dimension with a logical axis (`embed`, `mlp`, `heads`, ...); the
 rules below map those names onto the three mesh axes ("data", "fsdp", "tensor"). This file holds
 no model code and does no computation beyond building shardings and placing host data.
+
+Logical axis names used by `jaxrl.models`:
+  batch (activations / batches), embed (model width D), mlp (MLP hidden F), heads (query heads),
+  kv_heads (key/value heads), head_dim, vocab, layers (stacked scanned layers), norm (norm scales
+  and biases), qkv (GPT-2's fused q/k/v), position (GPT-2 learned positions), labels (score and
+  value head outputs).
 """
 
 from __future__ import annotations
@@ -37,7 +43,6 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("qkv", None),
     ("position", None),
     ("labels", None),
-    ("length", None),
 )
 
 
@@ -79,6 +84,11 @@ def merge_rules(overrides: Iterable[Sequence[Any]] | None, base: Rules = DEFAULT
     return tuple(merged.items())
 
 
+def _rule_table(rules: Rules | None) -> dict[str, MeshAxes]:
+    # Given rules override the defaults by name, so a config may list only what it changes.
+    return dict(merge_rules(rules))
+
+
 def _mesh_axes_for(name: str | None, rules: Mapping[str, MeshAxes]) -> tuple[str, ...]:
     if name is None:
         return ()
@@ -96,10 +106,12 @@ def logical_to_spec(
 ) -> PartitionSpec:
     """PartitionSpec for logical `axes`; with `shape` and `mesh`, indivisible dims stay replicated.
 
+    `rules` override `DEFAULT_RULES` by name (map a name to None to replicate it).
+
     A mesh axis is used at most once per spec (the first dim that claims it wins), since JAX
     forbids sharding two dims over the same mesh axis.
     """
-    table = dict(DEFAULT_RULES if rules is None else rules)
+    table = _rule_table(rules)
     used: set[str] = set()
     spec: list[MeshAxes] = []
     for dim, name in enumerate(axes):
@@ -136,7 +148,7 @@ def batch_sharding(mesh: Mesh, rules: Rules | None = None) -> NamedSharding:
 
 def data_parallel_size(mesh: Mesh, rules: Rules | None = None) -> int:
     """Number of ways the batch dim is split (product of the mesh axes `batch` maps to)."""
-    table = dict(DEFAULT_RULES if rules is None else rules)
+    table = _rule_table(rules)
     return math.prod(mesh.shape[a] for a in _mesh_axes_for("batch", table))
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxrl import config as config_module
 from jaxrl.config import (
     CONFIGS,
     ConfigError,
@@ -53,6 +54,8 @@ def test_resolved_defaults():
     assert sft.bf16 is True and sft.compute_dtype == "bfloat16"
     assert sft.remat_policy == "full" and sft.report_to == []
     assert SFTConfig(fp16=True).bf16 is False
+    assert SFTConfig(report_to=None).report_to == SFTConfig(report_to="none").report_to == []
+    assert SFTConfig(report_to="none,wandb").report_to == ["wandb"]
     assert SFTConfig(gradient_checkpointing=False).remat_policy == "none"
     assert RewardConfig().learning_rate == 1e-4
     dpo = DPOConfig(loss_type="ipo")
@@ -170,6 +173,25 @@ def test_dpo_validation_like_trl():
         DPOConfig(loss_type="kto")
     with pytest.raises(ConfigError, match="ref_model_quantization"):
         DPOConfig(ref_model_quantization="int4")
+
+
+def test_unsupported_trl_values_are_rejected():
+    with pytest.raises(ConfigError, match="models have no dropout"):
+        RewardConfig(disable_dropout=False)
+    with pytest.raises(ConfigError, match="models have no dropout"):
+        DPOConfig(disable_dropout=False)
+    with pytest.raises(ConfigError, match="label_pad_token_id"):
+        DPOConfig(label_pad_token_id=0)
+
+
+def test_choices_match_the_code_that_honours_them():
+    from jaxrl.losses.dpo import LOSS_TYPES
+    from jaxrl.models.config import REMAT_POLICIES
+
+    assert config_module.DPO_LOSS_TYPES == LOSS_TYPES
+    assert config_module.REMAT_POLICIES == REMAT_POLICIES
+    for remat_policy in REMAT_POLICIES:
+        assert SFTConfig(remat_policy=remat_policy).remat_policy == remat_policy
 
 
 def test_model_init_kwargs_sets_param_dtype():

@@ -63,7 +63,8 @@ class RichProgressCallback(TrainerCallback):
     def on_log(self, args, state: TrainerState, control: TrainerControl, logs=None, **kwargs):
         if not state.is_world_process_zero:
             return
-        logs = logs or {}
+        # The step is shown in the title/prefix; a `step` key in logs would repeat it.
+        logs = {key: value for key, value in (logs or {}).items() if key != "step"}
         if self._live is None:
             metrics = " ".join(f"{key}={_format(value)}" for key, value in logs.items())
             self.console.print(

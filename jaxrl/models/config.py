@@ -11,6 +11,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxrl.parallel import merge_rules
+
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
 ROPE_TYPES = ("default", "llama3", "linear")
@@ -54,6 +56,10 @@ class ModelConfig:
     remat_policy: str = "none"
     # None lets JAX pick; "xla" or "cudnn" force one (cuDNN needs a GPU and bf16/fp16).
     attention_impl: str | None = None
+    # Mesh and rules the params were placed with: activations are constrained to be
+    # batch-sharded on it (so FSDP gathers weights rather than resharding activations).
+    mesh: Any = None
+    rules: tuple = ()
     hf_config: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -109,8 +115,10 @@ def _llama_family(c: Any) -> dict[str, Any]:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // num_heads
     window = getattr(c, "sliding_window", None)
     layer_types = getattr(c, "layer_types", None)
-    if model_type == "mistral" or not layer_types:
-        sliding_layers = (window is not None,) * c.num_hidden_layers
+    if window is None:  # HF ignores layer_types' sliding layers without a window
+        sliding_layers = (False,) * c.num_hidden_layers
+    elif model_type == "mistral" or not layer_types:
+        sliding_layers = (True,) * c.num_hidden_layers
     else:
         sliding_layers = tuple(t == "sliding_attention" for t in layer_types)
     attention_bias = bool(getattr(c, "attention_bias", False))
@@ -134,7 +142,7 @@ def _llama_family(c: Any) -> dict[str, Any]:
         mlp_bias=bool(getattr(c, "mlp_bias", False)),
         qk_norm=model_type == "qwen3",
         sliding_window=window if any(sliding_layers) else None,
-        sliding_layers=sliding_layers if any(sliding_layers) else (False,) * c.num_hidden_layers,
+        sliding_layers=sliding_layers,
         **_rope_fields(c),
     )
 
@@ -172,6 +180,8 @@ def config_from_hf(
     scan_layers: bool = False,
     remat_policy: str = "none",
     attention_impl: str | None = None,
+    mesh: Any = None,
+    rules: Any = None,
 ) -> ModelConfig:
     """Our `ModelConfig` from a transformers config; clear error for unsupported families."""
     model_type = getattr(hf_config, "model_type", None)
@@ -189,5 +199,7 @@ def config_from_hf(
         scan_layers=scan_layers,
         remat_policy=remat_policy,
         attention_impl=attention_impl,
+        mesh=mesh,
+        rules=tuple(merge_rules(rules)),
         hf_config=hf_config,
     )

@@ -7,6 +7,8 @@ scanned/remat layer stack with the Llama family (`layers.py`).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -25,6 +27,11 @@ from jaxrl.models.layers import (
 )
 
 
+def residual_init_std(config: ModelConfig) -> float:
+    """GPT-2 scales the init of residual output projections by 1/sqrt(2 * n_layer) (GPT-2 paper)."""
+    return config.initializer_range / math.sqrt(2 * config.num_layers)
+
+
 class GPT2Attention(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         d, n, h = config.hidden_size, config.num_heads, config.head_dim
@@ -34,7 +41,14 @@ class GPT2Attention(nnx.Module):
             (d,), (3, n, h), ("embed",), ("qkv", "heads", "head_dim"), config, rngs, use_bias=True
         )
         self.c_proj = Dense(
-            (n, h), (d,), ("heads", "head_dim"), ("embed",), config, rngs, use_bias=True
+            (n, h),
+            (d,),
+            ("heads", "head_dim"),
+            ("embed",),
+            config,
+            rngs,
+            use_bias=True,
+            init_std=residual_init_std(config),
         )
 
     def __call__(self, x_BTD, mask_B1TS, sliding) -> jax.Array:
@@ -48,7 +62,16 @@ class GPT2MLP(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         d, f = config.hidden_size, config.intermediate_size
         self.c_fc = Dense((d,), (f,), ("embed",), ("mlp",), config, rngs, use_bias=True)
-        self.c_proj = Dense((f,), (d,), ("mlp",), ("embed",), config, rngs, use_bias=True)
+        self.c_proj = Dense(
+            (f,),
+            (d,),
+            ("mlp",),
+            ("embed",),
+            config,
+            rngs,
+            use_bias=True,
+            init_std=residual_init_std(config),
+        )
         self.act = activation(config.hidden_act)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:

@@ -124,6 +124,8 @@ def from_config(
         scan_layers=scan_layers,
         remat_policy=remat_policy,
         attention_impl=attention_impl,
+        mesh=mesh,
+        rules=rules,
     )
 
     def create() -> Model:
@@ -249,8 +251,9 @@ def _lookup_key(key: str, reader: CheckpointReader, config: ModelConfig) -> str 
 def _read_param(
     entry: _ParamEntry, reader: CheckpointReader, config: ModelConfig, directory: Path
 ) -> np.ndarray:
-    layers = []
-    for key in entry.keys():
+    """Our (stacked, for scanned layers) host array for one param, in the param dtype."""
+    out = np.empty(entry.variable.shape, config.param_dtype)
+    for layer, key in enumerate(entry.keys()):
         found = _lookup_key(key, reader, config)
         if found is None:
             raise KeyError(
@@ -263,10 +266,10 @@ def _read_param(
                 f"Shape mismatch for '{key}' in {directory}: checkpoint has {tuple(x.shape)}, the "
                 f"model built from config.json expects {tuple(entry.hf_shape)}."
             )
-        layers.append(
-            _hf_to_ours(x, entry.path, entry.layer_shape, config).astype(config.param_dtype)
-        )
-    return np.stack(layers) if entry.stacked else layers[0]
+        # Filled in place so a scanned stack costs one stacked tensor of host memory.
+        target = out[layer] if entry.stacked else out
+        target[...] = _hf_to_ours(x, entry.path, entry.layer_shape, config)
+    return out
 
 
 def _place(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -315,6 +318,8 @@ def from_pretrained(
         scan_layers=scan_layers,
         remat_policy=remat_policy,
         attention_impl=attention_impl,
+        mesh=mesh,
+        rules=rules,
     )
     reader = CheckpointReader(directory)
 

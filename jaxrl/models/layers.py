@@ -13,8 +13,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from jaxrl.models.config import ModelConfig
+from jaxrl.parallel import logical_to_spec
 
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
 
@@ -44,6 +46,8 @@ def normal_init(std: float) -> Initializer:
 class Dense(nnx.Module):
     """y = x @ kernel (+ bias) over `n_in` trailing input dims; kernel shape = in_shape + out_shape.
 
+    Kernels start normal(0, init_std or config.initializer_range), biases at zero (HF init).
+
     `n_in` is recorded on the kernel as metadata so checkpoint conversion knows the fan-in dims.
     """
 
@@ -57,12 +61,13 @@ class Dense(nnx.Module):
         rngs: nnx.Rngs,
         *,
         use_bias: bool = False,
+        init_std: float | None = None,
     ):
         self.n_in = len(in_shape)
         self.dtype = config.dtype
         self.kernel = make_param(
             rngs,
-            normal_init(config.initializer_range),
+            normal_init(config.initializer_range if init_std is None else init_std),
             (*in_shape, *out_shape),
             (*in_axes, *out_axes),
             config.param_dtype,
@@ -142,20 +147,32 @@ class Embed(nnx.Module):
         return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
 
 
+def gelu_exact(x: jax.Array) -> jax.Array:
+    return jax.nn.gelu(x, approximate=False)
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """HF `gelu_new` / `gelu_pytorch_tanh`: the tanh approximation."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+# Module-level functions (not lambdas) keep graphdefs equal and hashable across model instances.
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "relu": jax.nn.relu,
+    "gelu": gelu_exact,
+    "gelu_new": gelu_tanh,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu_fast": gelu_tanh,
+}
+
+
 def activation(name: str) -> Callable[[jax.Array], jax.Array]:
     """HF `hidden_act` / `activation_function` name -> function."""
-    table = {
-        "silu": jax.nn.silu,
-        "swish": jax.nn.silu,
-        "relu": jax.nn.relu,
-        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-        "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-        "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-        "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
-    }
-    if name not in table:
-        raise ValueError(f"Activation {name!r} is not supported; use one of {sorted(table)}.")
-    return table[name]
+    if name not in ACTIVATIONS:
+        raise ValueError(f"Activation {name!r} is not supported; use one of {sorted(ACTIVATIONS)}.")
+    return ACTIVATIONS[name]
 
 
 # ---------------------------------------------------------------- positions, rope and masks
@@ -273,6 +290,16 @@ def dot_product_attention(
 # ---------------------------------------------------------------- layer stack
 
 
+def constrain_batch(x: jax.Array, config: ModelConfig) -> jax.Array:
+    """Pin an activation's leading dim to the `batch` rule on the model's mesh (no-op without one,
+    or when the batch does not divide over it)."""
+    if config.mesh is None:
+        return x
+    axes = ("batch",) + (None,) * (x.ndim - 1)
+    spec = logical_to_spec(axes, config.rules, x.shape, config.mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(config.mesh, spec))
+
+
 def remat_wrap(fn: Callable, policy: str) -> Callable:
     """Apply `jax.checkpoint` for a `remat_policy` name ("none" returns `fn` unchanged)."""
     if policy == "none":
@@ -296,7 +323,7 @@ def make_layers(
     def stacked(layer_rngs: nnx.Rngs) -> nnx.Module:
         return make_block(layer_rngs)
 
-    return stacked(rngs.fork(split=config.num_layers))
+    return stacked(rngs.split(config.num_layers))
 
 
 def apply_layers(
@@ -311,10 +338,12 @@ def apply_layers(
     def block_fn(graphdef: nnx.GraphDef, static_sliding: bool | None) -> Callable:
         def fn(h, block_state, ctx, sliding):
             block = nnx.merge(graphdef, block_state)
-            return block(h, *ctx, sliding if static_sliding is None else static_sliding)
+            h = block(h, *ctx, sliding if static_sliding is None else static_sliding)
+            return constrain_batch(h, config)
 
         return remat_wrap(fn, config.remat_policy)
 
+    h_BTD = constrain_batch(h_BTD, config)
     if not config.scan_layers:
         for block, sliding in zip(layers, config.sliding_layers):
             graphdef, block_state = nnx.split(block)

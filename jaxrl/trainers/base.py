@@ -89,7 +89,7 @@ class Trainer:
         if not isinstance(self.args, TrainingConfig):
             raise TypeError(f"args must be a {self.config_class.__name__}, got {type(args)}.")
         a = self.args
-        self.mesh = parallel.make_mesh(a.mesh_data, a.mesh_fsdp, a.mesh_tensor)
+        self.mesh = self._make_mesh()
         self.rules = parallel.merge_rules(a.logical_axis_rules)
         self.compute_dtype = self._compute_dtype()
         self.model_path = model if isinstance(model, str) else None
@@ -119,8 +119,7 @@ class Trainer:
 
     def _event(self, name: str, **kwargs):
         """Dispatch a lifecycle event; callbacks get `trainer=self` besides HF's kwargs."""
-        self.control = self.callback_handler.call_event(
-            name,
+        self.control = getattr(self.callback_handler, name)(
             self.args,
             self.state,
             self.control,
@@ -130,6 +129,16 @@ class Trainer:
         )
 
     # ----------------------------------------------------------------- setup helpers
+    def _make_mesh(self):
+        a = self.args
+        sizes = (a.mesh_data, a.mesh_fsdp, a.mesh_tensor)
+        devices = jax.devices()
+        if -1 not in sizes and math.prod(sizes) < len(devices):
+            # Like CUDA_VISIBLE_DEVICES: an explicit smaller mesh uses the first devices.
+            logger.warning("Mesh %s uses %d of %d devices.", sizes, math.prod(sizes), len(devices))
+            devices = devices[: math.prod(sizes)]
+        return parallel.make_mesh(*sizes, devices=devices)
+
     def _compute_dtype(self):
         a = self.args
         if a.fp16:

@@ -16,7 +16,7 @@ def _run(console: Console, args: TrainingConfig, state: TrainerState) -> str:
     callback.on_train_begin(args, state, TrainerControl())
     state.global_step = 10
     callback.on_step_end(args, state, TrainerControl())
-    callback.on_log(args, state, TrainerControl(), logs=LOGS)
+    callback.on_log(args, state, TrainerControl(), logs={**LOGS, "step": 10})
     callback.on_train_end(args, state, TrainerControl())
     return console.file.getvalue()
 

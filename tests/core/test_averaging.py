@@ -17,14 +17,27 @@ from jaxrl.core.averaging import (
 
 def random_params(seed, dtype=jnp.float32):
     rng = np.random.default_rng(seed)
-    tree = {"dense": {"kernel": rng.normal(size=(8, 16)), "bias": rng.normal(size=16)}, "embed": rng.normal(size=(32, 8))}
+    tree = {
+        "dense": {"kernel": rng.normal(size=(8, 16)), "bias": rng.normal(size=16)},
+        "embed": rng.normal(size=(32, 8)),
+    }
     return jax.tree.map(lambda x: jnp.asarray(x, dtype), tree)
 
 
 class NumpyBEMA:
     """TRL `BEMACallback` (on_train_begin / on_step_end) with one numpy buffer per parameter."""
 
-    def __init__(self, params, update_freq, update_after, ema_power=0.5, bias_power=0.2, lag=10, multiplier=1.0, min_ema=0.0):
+    def __init__(
+        self,
+        params,
+        update_freq,
+        update_after,
+        ema_power=0.5,
+        bias_power=0.2,
+        lag=10,
+        multiplier=1.0,
+        min_ema=0.0,
+    ):
         self.cfg = (update_freq, update_after, ema_power, bias_power, lag, multiplier, min_ema)
         leaves = [np.array(x, np.float64) for x in jax.tree.leaves(params)]
         self.theta0 = [x.copy() for x in leaves]
@@ -68,14 +81,25 @@ def test_bema_matches_trl_loop(update_freq, update_after, kwargs):
         min_ema=kwargs.get("min_ema_multiplier", 0.0),
     )
     state = bema_init(params)
-    update = jax.jit(lambda s, p, step: bema_update(s, p, step, update_freq=update_freq, update_after=update_after, **kwargs))
+    update = jax.jit(
+        lambda s, p, step: bema_update(
+            s, p, step, update_freq=update_freq, update_after=update_after, **kwargs
+        )
+    )
     changed_steps = []
     for step in range(1, 16):  # TRL's global_step after each optimizer step starts at 1
-        params = jax.tree.map(lambda x, s=step: x + 0.1 * jnp.sin(s * x + 1.0), params)  # a fake optimizer step
+        params = jax.tree.map(
+            lambda x, s=step: x + 0.1 * jnp.sin(s * x + 1.0), params
+        )  # a fake optimizer step
         new_state = update(state, params, step)
-        if any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(state))):
+        if any(
+            not np.array_equal(a, b)
+            for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(state))
+        ):
             changed_steps.append(step)
-        assert bool(bema_should_update(step, update_freq, update_after)) == (step in changed_steps[-1:])
+        assert bool(bema_should_update(step, update_freq, update_after)) == (
+            step in changed_steps[-1:]
+        )
         state = new_state
         ref.on_step_end(step, params)
         assert_tree_close(state.theta0, ref.theta0, rtol=1e-5, atol=1e-6)
@@ -101,7 +125,10 @@ def test_sync_ref_matches_loop_and_schedule():
         policy = jax.tree.map(lambda x: x * 0.9 + 0.05, policy)
         if sync_ref_should_update(step, 4):
             ref = sync(ref, policy, 0.6)
-            ref_np = [(1 - 0.6) * r + 0.6 * np.array(p, np.float64) for r, p in zip(ref_np, jax.tree.leaves(policy))]
+            ref_np = [
+                (1 - 0.6) * r + 0.6 * np.array(p, np.float64)
+                for r, p in zip(ref_np, jax.tree.leaves(policy))
+            ]
     assert [s for s in range(1, 9) if sync_ref_should_update(s, 4)] == [4, 8]
     assert_tree_close(ref, ref_np, rtol=1e-6, atol=1e-6)
     mixed16 = sync_ref_update(random_params(2, jnp.bfloat16), random_params(3), 0.5)
@@ -124,10 +151,11 @@ def test_sharded_equals_unsharded_and_keeps_shardings():
     assert jax.tree.map(lambda x: x.sharding, state.ema) == shardings
     hp = {"update_freq": 2, "update_after": 1}
     update = jax.jit(lambda s, p, step: bema_update(s, p, step, **hp), donate_argnums=0)
+    ref_update = jax.jit(lambda s, p, step: bema_update(s, p, step, **hp))
     ref_state = bema_init(params)
     for step in range(1, 6):
         state = update(state, sharded_policy, step)
-        ref_state = jax.jit(lambda s, p, t: bema_update(s, p, t, **hp))(ref_state, policy, step)
+        ref_state = ref_update(ref_state, policy, step)
     for buffers in state:
         assert jax.tree.map(lambda x: x.sharding, buffers) == shardings
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.core.logprobs import shift_targets, token_logprobs
 
@@ -69,8 +70,12 @@ def test_gradients_match_naive(inputs):
 
 def test_temperature_and_softcap(inputs):
     hidden, unembed, targets = inputs
-    logps = token_logprobs(hidden, unembed, targets, chunk_size=5, temperature=0.7, logit_softcap=3.0)
-    np.testing.assert_allclose(logps, naive(hidden, unembed, targets, 0.7, 3.0)[0], atol=1e-5, rtol=1e-5)
+    logps = token_logprobs(
+        hidden, unembed, targets, chunk_size=5, temperature=0.7, logit_softcap=3.0
+    )
+    np.testing.assert_allclose(
+        logps, naive(hidden, unembed, targets, 0.7, 3.0)[0], atol=1e-5, rtol=1e-5
+    )
 
 
 def test_bf16_inputs_accumulate_in_f32(inputs):
@@ -80,8 +85,12 @@ def test_bf16_inputs_accumulate_in_f32(inputs):
     assert logps.dtype == jnp.float32
     # Same bf16-rounded operands, exact f32 reference: only accumulation order differs.
     np.testing.assert_allclose(logps, naive(h16, w16, targets)[0], atol=1e-4, rtol=1e-4)
-    grads = jax.grad(lambda h, w: token_logprobs(h, w, targets, chunk_size=4).sum(), argnums=(0, 1))(h16, w16)
-    ref_grads = jax.grad(lambda h, w: naive(h, w, targets)[0].sum(), argnums=(0, 1))(hidden, unembed)
+    grads = jax.grad(
+        lambda h, w: token_logprobs(h, w, targets, chunk_size=4).sum(), argnums=(0, 1)
+    )(h16, w16)
+    ref_grads = jax.grad(lambda h, w: naive(h, w, targets)[0].sum(), argnums=(0, 1))(
+        hidden, unembed
+    )
     assert grads[0].dtype == jnp.bfloat16
     for a, b in zip(grads, ref_grads):
         np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=0.1, rtol=0.05)
@@ -98,7 +107,9 @@ def test_never_materialises_full_f32_logits():
         grad_fn = jax.jit(jax.grad(lambda h, w: fn(h, w).sum(), argnums=(0, 1)))
         return grad_fn.lower(hidden, unembed).compile().memory_analysis().temp_size_in_bytes
 
-    chunked = temp_bytes(lambda h, w: token_logprobs(h, w, targets, chunk_size=chunk, with_stats=True)[0])
+    chunked = temp_bytes(
+        lambda h, w: token_logprobs(h, w, targets, chunk_size=chunk, with_stats=True)[0]
+    )
     full = temp_bytes(lambda h, w: naive(h, w, targets)[0])
     assert full >= full_logits_bytes  # sanity: the naive backward holds [B, T, V] f32
     assert chunked < full_logits_bytes / 2, (chunked, full_logits_bytes)
@@ -116,3 +127,20 @@ def test_shape_mismatch_message(inputs):
     hidden, unembed, targets = inputs
     with pytest.raises(ValueError, match="embedding.T"):
         token_logprobs(hidden, unembed.T, targets)
+
+
+def test_sharded_batch_and_vocab_equal_unsharded():
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "tensor"))
+    rng = np.random.default_rng(7)
+    hidden = jnp.asarray(rng.normal(size=(4, 9, D)), jnp.float32)
+    unembed = jnp.asarray(rng.normal(size=(D, 40)) * 0.5, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 40, (4, 9)))
+    h = jax.device_put(hidden, NamedSharding(mesh, PartitionSpec("data")))
+    w = jax.device_put(unembed, NamedSharding(mesh, PartitionSpec(None, "tensor")))
+    t = jax.device_put(targets, NamedSharding(mesh, PartitionSpec("data")))
+    fn = jax.jit(lambda h, w, t: token_logprobs(h, w, t, chunk_size=4, with_stats=True))
+    logps, stats = fn(h, w, t)
+    ref, ref_stats = naive(hidden, unembed, targets)
+    np.testing.assert_allclose(logps, ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(stats["entropy"], ref_stats["entropy"], atol=1e-5, rtol=1e-5)
+    assert logps.sharding.spec[0] == "data"

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.core.logprobs import token_logprobs
@@ -29,7 +30,10 @@ def test_elementwise_error_within_half_step_of_channel_absmax():
     params = tiny_params()
     q = quantize_params(params)
     deq = dequantize_params(q)
-    assert isinstance(q["mlp"]["kernel"], QuantizedArray) and q["mlp"]["kernel"].values.dtype == jnp.int8
+    assert (
+        isinstance(q["mlp"]["kernel"], QuantizedArray)
+        and q["mlp"]["kernel"].values.dtype == jnp.int8
+    )
     assert q["mlp"]["kernel"].scale.shape == (1, F)
     assert q["norm"]["scale"] is params["norm"]["scale"] and q["step"] is params["step"]
     for name in ("embed", "unembed", "zero_cols"):
@@ -71,7 +75,9 @@ def test_int8_bytes_at_most_055_of_bf16():
 def test_stacked_layers_keep_per_layer_scales():
     scales = np.array([0.01, 1.0, 100.0])[:, None, None]
     w = jnp.asarray(np.random.default_rng(3).normal(size=(3, D, F)) * scales, jnp.float32)
-    q = quantize_params({"layers": w}, channel_axes=lambda path, shape: (0, -1) if len(shape) == 3 else (-1,))
+    q = quantize_params(
+        {"layers": w}, channel_axes=lambda path, shape: (0, -1) if len(shape) == 3 else (-1,)
+    )
     assert q["layers"].scale.shape == (3, 1, F)
     rel = jnp.abs(dequantize_params(q)["layers"] - w).max(axis=(1, 2)) / jnp.abs(w).max(axis=(1, 2))
     assert bool(jnp.all(rel <= 1 / 254 + 1e-6))
@@ -88,4 +94,40 @@ def test_sharding_preserved_on_8_devices():
     assert q["embed"].scale.sharding.spec == PartitionSpec(None, "fsdp")
     deq = jax.jit(dequantize_params)(q)
     assert deq["unembed"].sharding.is_equivalent_to(sharded["unembed"].sharding, 2)
-    np.testing.assert_array_equal(deq["unembed"], dequantize_params(quantize_params(params))["unembed"])
+    np.testing.assert_array_equal(
+        deq["unembed"], dequantize_params(quantize_params(params))["unembed"]
+    )
+
+
+def test_nnx_metadata_picks_output_channels():
+    rng = np.random.default_rng(4)
+
+    def param(shape, axes, **meta):
+        value = jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+        return nnx.Param(value, out_sharding=axes, eager_sharding=False, **meta)
+
+    state = nnx.State(
+        {
+            "q_proj": param((2, 64, 4, 16), ("layers", "embed", "heads", "head_dim"), n_in=1),
+            "o_proj": param((2, 4, 16, 64), ("layers", "heads", "head_dim", "embed"), n_in=2),
+            "embed": param((V, D), ("vocab", "embed")),
+            "lm_head": param((D, V), ("embed", "vocab"), n_in=1),
+            "norm": param((2, D), ("layers", "norm")),
+        }
+    )
+    q = quantize_params(state)
+    scale_shapes = {k: v.get_value().scale.shape for k, v in q.items() if k != "norm"}
+    assert scale_shapes == {
+        "q_proj": (2, 1, 4, 16),
+        "o_proj": (2, 1, 1, 64),
+        "embed": (V, 1),
+        "lm_head": (1, V),
+    }
+    assert q["q_proj"].get_metadata()["out_sharding"] == ("layers", "embed", "heads", "head_dim")
+    assert q["norm"].get_value().dtype == jnp.bfloat16  # a stacked 1-D param is not an int8 target
+    deq = dequantize_params(q)
+    assert isinstance(deq, nnx.State) and deq["o_proj"].get_value().dtype == jnp.bfloat16
+    w = np.asarray(state["o_proj"].get_value(), np.float32)
+    err = np.abs(w - np.asarray(deq["o_proj"].get_value(), np.float32))
+    # bound on int8 rounding plus the final bf16 rounding of the dequantized value
+    assert np.all(err <= np.abs(w).max(axis=(1, 2), keepdims=True) / 254 + np.abs(w) / 128)

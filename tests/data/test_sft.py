@@ -96,3 +96,18 @@ def test_packing_wrapped_keeps_every_token(tok):
     out = prepare_sft_dataset(ds, tok, packing=True, packing_strategy="wrapped", max_length=4)
     assert sum(out["input_ids"], []) == enc(tok, "abcdef<eos>ab<eos>")
     assert out["segment_ids"] == [[1, 1, 1, 1], [1, 1, 1, 2], [1, 1]]
+
+
+def test_many_leading_empty_examples_keep_int_columns(tok):
+    # more empty rows than one Arrow write batch (1000) used to leave a null-typed column
+    ds = Dataset.from_dict({"text": [""] * 1001 + ["ab"]})
+    with pytest.warns(UserWarning, match="Dropped 1001 of 1002"):
+        out = prepare_sft_dataset(ds, tok)
+    assert out["input_ids"] == [enc(tok, "ab<eos>")]
+
+
+def test_pretokenized_input_ids_with_labels_or_loss_mask(tok):
+    ds = Dataset.from_dict({"input_ids": [[5, 6, 7]], "labels": [[-100, 6, 7]]})
+    assert prepare_sft_dataset(ds, tok)[0] == {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}
+    ds = Dataset.from_dict({"input_ids": [[5, 6, 7]], "loss_mask": [[0, 0, 1]]})
+    assert prepare_sft_dataset(ds, tok)[0] == {"input_ids": [5, 6, 7], "loss_mask": [0, 0, 1]}

@@ -100,13 +100,26 @@ def call(loss_type, d, **kw):
 @pytest.mark.parametrize(
     "loss_type,ls",
     [(t, 0.0) for t in LOSS_TYPES if t != "exo_pair"]
-    + [("sigmoid", 0.1), ("robust", 0.2), ("exo_pair", 1e-3), ("exo_pair", 0.2), ("aot", 0.1), ("aot_unpaired", 0.1)],
+    + [
+        ("sigmoid", 0.1),
+        ("robust", 0.2),
+        ("exo_pair", 1e-3),
+        ("exo_pair", 0.2),
+        ("aot", 0.1),
+        ("aot_unpaired", 0.1),
+    ],
 )
 def test_loss_matches_trl_formula(batch, loss_type, ls):
     losses, chosen_rewards, rejected_rewards = call(loss_type, batch, label_smoothing=ls)
-    np.testing.assert_allclose(losses, reference_loss(loss_type, batch, ls=ls), rtol=2e-5, atol=1e-5)
-    np.testing.assert_allclose(chosen_rewards, BETA * (batch["pc"] - batch["rc"]), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(rejected_rewards, BETA * (batch["pr"] - batch["rr"]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        losses, reference_loss(loss_type, batch, ls=ls), rtol=2e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        chosen_rewards, BETA * (batch["pc"] - batch["rc"]), rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        rejected_rewards, BETA * (batch["pr"] - batch["rr"]), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_default_is_plain_dpo_sigmoid(batch):
@@ -121,7 +134,9 @@ def test_f_divergence_scores(batch, f):
     small = {k: (v / 20 if k in ("pc", "pr", "rc", "rr") else v) for k, v in batch.items()}
     for loss_type in ("sigmoid", "ipo"):
         losses, _, _ = call(loss_type, small, f_divergence_type=f)
-        np.testing.assert_allclose(losses, reference_loss(loss_type, small, f=f), rtol=2e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            losses, reference_loss(loss_type, small, f=f), rtol=2e-5, atol=1e-6
+        )
 
 
 def test_discopop_tau(batch):
@@ -156,10 +171,17 @@ def test_reference_free_treats_ref_logps_as_zero(batch):
 
 def test_multi_loss_weights(batch):
     args = [jnp.asarray(batch[k], jnp.float32) for k in ("pc", "pr", "rc", "rr")]
-    lengths = {"chosen_lengths": jnp.asarray(batch["lc"]), "rejected_lengths": jnp.asarray(batch["lr"])}
+    lengths = {
+        "chosen_lengths": jnp.asarray(batch["lc"]),
+        "rejected_lengths": jnp.asarray(batch["lr"]),
+    }
     # MPO-style combination, TRL: loss = sum_k w_k * mean(loss_k)
     losses, cr, _ = dpo_multi_loss(
-        *args, loss_types=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0], beta=BETA, **lengths
+        *args,
+        loss_types=["sigmoid", "bco_pair", "sft"],
+        loss_weights=[0.8, 0.2, 1.0],
+        beta=BETA,
+        **lengths,
     )
     expected = (
         0.8 * reference_loss("sigmoid", batch).mean()
@@ -205,7 +227,9 @@ def test_bco_pair_with_running_mean_baseline(batch):
         ref.update(np.array([rewards.mean()]))
         state = update(state, jnp.asarray(rewards.mean(), jnp.float32)[None])
         losses, _, _ = call("bco_pair", d, bco_delta=state.mean)
-        np.testing.assert_allclose(losses, reference_loss("bco_pair", d, bco_delta=ref.mean), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(
+            losses, reference_loss("bco_pair", d, bco_delta=ref.mean), rtol=1e-4, atol=1e-5
+        )
         np.testing.assert_allclose(float(state.mean), ref.mean, rtol=1e-5, atol=1e-6)
         if step > 0:  # after one scalar sample both give inf/nan std (n - 1 == 0)
             np.testing.assert_allclose(float(state.std), ref.std, rtol=1e-4, atol=1e-6)
@@ -213,8 +237,12 @@ def test_bco_pair_with_running_mean_baseline(batch):
     ref_vec = TorchStyleRunningMoments()
     ref_vec.update(vec)
     ref_vec.update(vec * 3)
-    state = running_moments_update(running_moments_update(running_moments_init(), jnp.asarray(vec)), jnp.asarray(vec * 3))
-    np.testing.assert_allclose([state.mean, state.var, state.std], [ref_vec.mean, ref_vec.var, ref_vec.std], rtol=1e-5)
+    state = running_moments_update(
+        running_moments_update(running_moments_init(), jnp.asarray(vec)), jnp.asarray(vec * 3)
+    )
+    np.testing.assert_allclose(
+        [state.mean, state.var, state.std], [ref_vec.mean, ref_vec.var, ref_vec.std], rtol=1e-5
+    )
 
 
 def test_jit_with_static_loss_type(batch):

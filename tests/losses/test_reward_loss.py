@@ -21,7 +21,10 @@ def test_plain_bradley_terry():
 
 def test_margin_and_centering_mean_equals_trl_loss():
     losses = reward_loss(
-        jnp.asarray(RC), jnp.asarray(RR), margin_B=jnp.asarray(MARGIN), center_rewards_coefficient=0.01
+        jnp.asarray(RC),
+        jnp.asarray(RR),
+        margin_B=jnp.asarray(MARGIN),
+        center_rewards_coefficient=0.01,
     )
     trl_loss = -logsig(RC - RR - MARGIN).mean() + 0.01 * np.mean((RC + RR) ** 2)
     np.testing.assert_allclose(losses.mean(), trl_loss, rtol=1e-6)

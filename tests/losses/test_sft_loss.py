@@ -28,7 +28,9 @@ def test_nll_sum_and_count(data):
 def test_micro_batches_sum_to_full_batch_token_mean(data):
     logps, mask = data
     full = mean_of(*sft_loss_sum(jnp.asarray(logps), jnp.asarray(mask)))
-    parts = [sft_loss_sum(jnp.asarray(logps[i : i + 1]), jnp.asarray(mask[i : i + 1])) for i in range(4)]
+    parts = [
+        sft_loss_sum(jnp.asarray(logps[i : i + 1]), jnp.asarray(mask[i : i + 1])) for i in range(4)
+    ]
     split = sum(p[0] for p in parts) / sum(p[1] for p in parts)
     np.testing.assert_allclose(split, full, rtol=1e-6)
     # A per-micro-batch mean (what token-unaware accumulation does) would differ here.
@@ -40,7 +42,9 @@ def test_dft_value_and_gradient(data):
     logps, mask = data
     total, _ = sft_loss_sum(jnp.asarray(logps), jnp.asarray(mask), loss_type="dft")
     np.testing.assert_allclose(total, -(logps * np.exp(logps) * mask).sum(), rtol=1e-6)
-    grad = jax.grad(lambda lp: sft_loss_sum(lp, jnp.asarray(mask), loss_type="dft")[0])(jnp.asarray(logps))
+    grad = jax.grad(lambda lp: sft_loss_sum(lp, jnp.asarray(mask), loss_type="dft")[0])(
+        jnp.asarray(logps)
+    )
     # The probability weight is detached: d/dlogp = -p * mask.
     np.testing.assert_allclose(grad, -np.exp(logps) * mask, rtol=1e-5)
 

@@ -55,8 +55,14 @@ FAMILIES: dict[str, tuple[Any, dict[str, Any]]] = {
     "qwen3": (lambda: transformers.Qwen3Config(**TINY, head_dim=16), {}),
     "gpt2": (
         lambda: transformers.GPT2Config(
-            vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
-            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            vocab_size=VOCAB,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=128,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
         ),
         {},
     ),
@@ -93,8 +99,11 @@ def hf_causal(tmp_path_factory):
         if family not in cache:
             factory, kwargs = FAMILIES[family]
             cache[family] = _build(
-                factory, kwargs, tmp_path_factory.mktemp(family),
-                transformers.AutoModelForCausalLM, seed=len(cache),
+                factory,
+                kwargs,
+                tmp_path_factory.mktemp(family),
+                transformers.AutoModelForCausalLM,
+                seed=len(cache),
             )
         return cache[family]
 
@@ -116,8 +125,11 @@ def hf_seq_cls(tmp_path_factory):
                 return config
 
             cache[family] = _build(
-                factory, kwargs, tmp_path_factory.mktemp(f"{family}_cls"),
-                transformers.AutoModelForSequenceClassification, seed=10 + len(cache),
+                factory,
+                kwargs,
+                tmp_path_factory.mktemp(f"{family}_cls"),
+                transformers.AutoModelForSequenceClassification,
+                seed=10 + len(cache),
             )
         return cache[family]
 

@@ -44,7 +44,9 @@ def test_scores_match_transformers_and_round_trip(family, hf_seq_cls, tmp_path):
     assert tokens.shape == (3, ids.shape[1], 1)
     last = right.sum(1) - 1
     np.testing.assert_allclose(
-        np.asarray(tokens)[np.arange(3), last], np.asarray(model(jnp.asarray(ids), jnp.asarray(right))), atol=1e-5
+        np.asarray(tokens)[np.arange(3), last],
+        np.asarray(model(jnp.asarray(ids), jnp.asarray(right))),
+        atol=1e-5,
     )
 
     save_pretrained(model, tmp_path)

@@ -1,0 +1,73 @@
+"""Clear errors for checkpoints and configs jaxrl cannot load."""
+
+import json
+import shutil
+
+import pytest
+import transformers
+from safetensors.torch import load_file, save_file
+
+from jaxrl.models import from_config, from_pretrained
+
+
+@pytest.fixture
+def llama_copy(hf_causal, tmp_path):
+    shutil.copytree(hf_causal("llama").path, tmp_path, dirs_exist_ok=True)
+    return tmp_path
+
+
+def _edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_unsupported_model_type_lists_supported():
+    with pytest.raises(ValueError, match=r"model_type='bert'.*llama, mistral, qwen2, qwen3, gpt2"):
+        from_config(transformers.BertConfig())
+
+
+def test_unsupported_rope_type():
+    config = transformers.LlamaConfig(
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}
+    )
+    with pytest.raises(ValueError, match="rope_type='yarn'"):
+        from_config(config)
+
+
+def test_missing_weight_names_the_key(llama_copy):
+    weights = load_file(llama_copy / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, llama_copy / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(KeyError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        from_pretrained(llama_copy)
+
+
+def test_shape_mismatch_names_key_and_shapes(llama_copy):
+    _edit_config(llama_copy, intermediate_size=80)
+    with pytest.raises(ValueError, match=r"mlp\.down_proj\.weight.*\(64, 96\).*\(64, 80\)"):
+        from_pretrained(llama_copy)
+
+
+def test_unused_weights_warn(llama_copy):
+    weights = load_file(llama_copy / "model.safetensors")
+    weights["model.extra.weight"] = weights["model.norm.weight"].clone()
+    save_file(weights, llama_copy / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"model\.extra\.weight"):
+        from_pretrained(llama_copy)
+
+
+def test_missing_directory_or_weights(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a local directory"):
+        from_pretrained(tmp_path / "does-not-exist")
+    transformers.LlamaConfig(num_hidden_layers=1).save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="No weights found"):
+        from_pretrained(tmp_path)
+
+
+def test_bad_options():
+    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2)
+    with pytest.raises(ValueError, match="remat_policy='some'"):
+        from_config(config, remat_policy="some")
+    with pytest.raises(ValueError, match="task='chat'"):
+        from_config(config, task="chat")

@@ -1,0 +1,174 @@
+"""Model options: scanned layers, remat, mixed precision, packing with segment ids, padding,
+the unembedding used by chunked log-probs, presets and FLOP counts."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+from flax import nnx
+
+from jaxrl.models import (
+    count_params,
+    flops_per_token,
+    from_config,
+    from_pretrained,
+    get_preset,
+    save_pretrained,
+)
+from tests.models.conftest import padded_batch
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(hf_causal):
+    return hf_causal("mistral").path  # sliding window 3 < sequence length
+
+
+def _logits_and_grads(model, ids, mask):
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def loss(params):
+        logits = nnx.merge(graphdef, params)(ids, mask)
+        return jnp.sum(jnp.square(logits) * mask[..., None]), logits
+
+    (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    flat = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}
+    q_grads = flat.get(("model", "layers", "self_attn", "q_proj", "kernel"))
+    if q_grads is None:  # unscanned: one entry per layer
+        q_grads = np.stack(
+            [flat[("model", "layers", i, "self_attn", "q_proj", "kernel")] for i in range(2)]
+        )
+    return np.asarray(logits), q_grads, flat[("model", "embed_tokens", "embedding")]
+
+
+def test_scan_and_remat_give_same_logits_and_grads(mistral_dir):
+    ids, right, _ = padded_batch()
+    ids, mask = jnp.asarray(ids), jnp.asarray(right)
+    want = _logits_and_grads(from_pretrained(mistral_dir), ids, mask)
+    assert np.abs(want[1]).max() > 0
+    for scan, policy in [
+        (True, "none"),
+        (False, "full"),
+        (True, "dots_with_no_batch_dims_saveable"),
+    ]:
+        model = from_pretrained(mistral_dir, scan_layers=scan, remat_policy=policy)
+        for got_x, want_x in zip(_logits_and_grads(model, ids, mask), want):
+            np.testing.assert_allclose(got_x, want_x, atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_sliding_and_full_layers_scan_like_unscanned(hf_causal, tmp_path):
+    config = transformers.AutoConfig.from_pretrained(hf_causal("qwen2").path)
+    config.layer_types = ["full_attention", "sliding_attention"]
+    config.use_sliding_window, config.sliding_window = True, 2
+    ids, right, _ = padded_batch()
+    unscanned = from_config(config, seed=3)
+    assert unscanned.config.sliding_layers == (False, True)
+    save_pretrained(unscanned, tmp_path)
+    scanned = from_pretrained(tmp_path, scan_layers=True)  # the flag is scanned per layer
+    want = np.asarray(unscanned(jnp.asarray(ids), jnp.asarray(right)))
+    np.testing.assert_allclose(
+        np.asarray(scanned(jnp.asarray(ids), jnp.asarray(right))), want, atol=1e-5
+    )
+    # Both layer kinds matter: all-full attention differs.
+    config.layer_types = ["full_attention", "full_attention"]
+    full = from_config(config, seed=3)
+    assert np.abs(np.asarray(full(jnp.asarray(ids), jnp.asarray(right))) - want).max() > 1e-3
+
+
+def test_sliding_window_changes_attention(mistral_dir, tmp_path):
+    shutil.copytree(mistral_dir, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["sliding_window"] = None
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ids, right, _ = padded_batch()
+    windowed = np.asarray(from_pretrained(mistral_dir)(jnp.asarray(ids), jnp.asarray(right)))
+    full = np.asarray(from_pretrained(tmp_path)(jnp.asarray(ids), jnp.asarray(right)))
+    np.testing.assert_allclose(windowed[:, :3], full[:, :3], atol=1e-5)  # inside the window
+    assert np.abs(windowed[0, 5:] - full[0, 5:]).max() > 1e-3
+
+
+def test_bf16_compute_with_f32_params_is_close(hf_causal):
+    path = hf_causal("qwen3").path
+    ids, right, _ = padded_batch()
+    f32 = from_pretrained(path)
+    bf16 = from_pretrained(path, dtype=jnp.bfloat16)
+    assert bf16.model.layers[0].mlp.up_proj.kernel[...].dtype == jnp.float32
+    got = bf16(jnp.asarray(ids), jnp.asarray(right))
+    assert got.dtype == jnp.bfloat16
+    want = np.asarray(f32(jnp.asarray(ids), jnp.asarray(right)))
+    err = np.abs(np.asarray(got, np.float32) - want) * right[..., None]
+    assert err.max() < 0.05 * np.abs(want).max()
+    stored = from_pretrained(path, param_dtype=jnp.bfloat16)
+    assert stored.model.norm.scale[...].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_packed_segments_match_separate_sequences(family, hf_causal):
+    model = from_pretrained(hf_causal(family).path)
+    rng = np.random.default_rng(0)
+    doc_a, doc_b = rng.integers(3, 128, 5), rng.integers(3, 128, 3)
+    ids = np.zeros((3, 10), np.int32)
+    ids[0, :8] = np.concatenate([doc_a, doc_b])  # packed row, 2 pad tokens at the end
+    ids[1, :5], ids[2, :3] = doc_a, doc_b  # each document alone, right padded
+    segment_ids = np.zeros((3, 10), np.int32)
+    segment_ids[0, :5], segment_ids[0, 5:8], segment_ids[1, :5], segment_ids[2, :3] = 1, 2, 1, 1
+    # Default positions restart at every segment (GPT-2's learned positions depend on it).
+    got = np.asarray(model(jnp.asarray(ids), segment_ids=jnp.asarray(segment_ids)))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got[0, :5], got[1, :5], atol=1e-5)
+    np.testing.assert_allclose(got[0, 5:8], got[2, :3], atol=1e-5)
+    # Without segment ids the second document attends to the first and differs.
+    unpacked = np.asarray(model(jnp.asarray(ids[:1])))
+    assert np.abs(unpacked[0, 5:8] - got[2, :3]).max() > 1e-3
+
+
+def test_padding_rows_finite_and_unembed_matches_logits(hf_causal):
+    model = from_pretrained(hf_causal("qwen2").path)
+    ids, _, left = padded_batch()
+    ids, mask = jnp.asarray(ids), jnp.asarray(left)
+    logits = model(ids, mask)
+    assert np.isfinite(np.asarray(logits)).all()
+    h_BTD = model.hidden_states(ids, mask)
+    w_DV = model.unembed_weight()
+    assert w_DV.shape == (64, 128)
+    np.testing.assert_allclose(np.asarray(h_BTD @ w_DV), np.asarray(logits), atol=1e-5)
+
+
+def test_presets_and_flops():
+    config = get_preset("qwen2.5-0.5b")
+    assert (config.hidden_size, config.num_hidden_layers, config.num_key_value_heads) == (
+        896,
+        24,
+        2,
+    )
+    model = nnx.eval_shape(lambda: from_config(get_preset("llama-tiny")))
+    # embed + untied head 2*256*64; per layer q,o 64*64, k,v 64*32, mlp 3*64*128, 2 norms; final norm
+    layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64
+    assert count_params(model) == 2 * 256 * 64 + 2 * layer + 64
+    n_matmul = 2 * (layer - 2 * 64) + 64 * 256
+    assert flops_per_token(get_preset("llama-tiny"), 100) == 6 * n_matmul + 12 * 2 * 4 * 16 * 100
+    with pytest.raises(ValueError, match="Unknown model preset"):
+        get_preset("nope")
+
+
+def test_from_config_init_like_hf():
+    model = from_config(get_preset("gpt2-tiny"), seed=0)
+    block = model.transformer.h[0]
+    # GPT-2 residual projections: 0.02 / sqrt(2 * n_layer) = 0.01; others 0.02; biases 0.
+    assert 0.009 < float(jnp.std(block.mlp.c_proj.kernel[...])) < 0.011
+    assert 0.018 < float(jnp.std(block.mlp.c_fc.kernel[...])) < 0.022
+    assert float(jnp.abs(block.mlp.c_fc.bias[...]).max()) == 0.0
+    assert float(jnp.abs(block.ln_1.scale[...] - 1).max()) == 0.0
+    other = from_config(get_preset("gpt2-tiny"), seed=1)
+    assert (
+        float(
+            jnp.abs(
+                other.transformer.wte.embedding[...] - model.transformer.wte.embedding[...]
+            ).max()
+        )
+        > 0
+    )

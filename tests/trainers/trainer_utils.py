@@ -1,0 +1,47 @@
+"""Helpers shared by the trainer tests (importable by name: pytest puts this dir on sys.path)."""
+
+from transformers import Qwen2Config
+
+
+def tiny_config(vocab_size: int = 16) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+
+
+def base_args(tmp_path, **kw) -> dict:
+    """Small deterministic settings: one device, f32, no progress bar, no saving."""
+    args = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        max_steps=3,
+        logging_steps=1,
+        learning_rate=1e-3,
+        bf16=False,
+        mesh_data=1,
+        mesh_fsdp=1,
+        mesh_tensor=1,
+        disable_tqdm=True,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        gradient_checkpointing=False,
+        lr_scheduler_type="constant",
+    )
+    args.update(kw)
+    return args
+
+
+def train_logs(trainer) -> list[dict]:
+    """Per-step training logs (no eval/summary entries)."""
+    return [h for h in trainer.state.log_history if "loss" in h]
