@@ -72,3 +72,19 @@ def test_from_config_is_created_sharded():
     assert kernel.addressable_shards[0].data.shape == (2, 16, 64)
     std = float(jnp.std(kernel))
     assert 0.015 < std < 0.025  # HF-like normal(0, initializer_range=0.02) init
+
+
+def test_activations_are_batch_sharded_on_the_model_mesh(llama_dir, reference_logits):
+    mesh = make_mesh(2, 2, 2)
+    model = from_pretrained(llama_dir, mesh=mesh)
+    assert model.config.mesh == mesh
+    ids, right, _ = padded_batch()
+    ids4 = jnp.asarray(np.concatenate([ids, ids[:1]]))  # batch 4 divides data*fsdp = 4
+    mask4 = jnp.asarray(np.concatenate([right, right[:1]]))
+    graphdef, params = nnx.split(model)
+    hidden = jax.jit(lambda p, i, m: nnx.merge(graphdef, p).hidden_states(i, m))(
+        params, ids4, mask4
+    )
+    assert hidden.sharding.spec[0] == ("data", "fsdp")
+    logits = _jit_logits(model, ids4, mask4)
+    np.testing.assert_allclose(logits[:3], reference_logits, atol=1e-5)
