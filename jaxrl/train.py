@@ -111,12 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from jaxrl import parallel
     from jaxrl.config import ConfigError
+    from jaxrl.trainers import TrainingInterrupted
 
     parallel.initialize_distributed()
     try:
         trainer = build_trainer(argv)
         trainer.train()
         out = trainer.save_model()
+    except TrainingInterrupted as e:
+        print(f"jaxrl.train: {e}", file=sys.stderr)
+        return 143  # 128 + SIGTERM, so a babysitter knows to resume
     except (ConfigError, ValueError, FileNotFoundError, TypeError, FloatingPointError) as e:
         print(f"jaxrl.train: error: {e}", file=sys.stderr)
         return 2

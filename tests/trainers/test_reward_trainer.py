@@ -1,0 +1,62 @@
+"""RewardTrainer: TRL metrics, learning on the task's preference pairs, and an exported model
+that transformers loads as AutoModelForSequenceClassification with the same scores."""
+
+import numpy as np
+import pytest
+from trainer_utils import base_args, tiny_config, train_logs
+
+from jaxrl import RewardConfig, RewardTrainer
+
+
+@pytest.fixture(scope="module")
+def causal_dir(tmp_path_factory, tokenizer):
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_qwen2_causal")
+    Qwen2ForCausalLM(tiny_config()).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_reward_trains_and_exports(tmp_path, tokenizer, causal_dir, pref_data):
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    trainer = RewardTrainer(
+        causal_dir,
+        args=RewardConfig(**base_args(tmp_path, max_steps=15, learning_rate=3e-3)),
+        train_dataset=pref_data[0], eval_dataset=pref_data[1], processing_class=tokenizer,
+    )
+    trainer.train()
+    logs = train_logs(trainer)
+    for key in ("loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward",
+                "num_tokens", "grad_norm", "learning_rate"):
+        assert key in logs[0], key
+    assert logs[0]["min_reward"] <= logs[0]["mean_reward"] <= logs[0]["max_reward"]
+    assert np.mean([h["loss"] for h in logs[-3:]]) < np.mean([h["loss"] for h in logs[:3]])
+    metrics = trainer.evaluate()
+    assert 0.0 <= metrics["eval_accuracy"] <= 1.0
+
+    out = trainer.save_model(str(tmp_path / "rm"))
+    hf = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    ids = tokenizer(["12+35=47<eos>", "12+35=48<eos>"], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        theirs = hf(input_ids=ids).logits[:, 0].numpy()
+    model = trainer.current_model()
+    ours = np.asarray(model(ids.numpy(), np.ones_like(ids.numpy())))[:, 0]
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)
+
+
+def test_margin_column_and_center_coefficient(tmp_path, tokenizer, causal_dir, pref_data):
+    data = pref_data[0].add_column("margin", [0.5] * len(pref_data[0]))
+    trainer = RewardTrainer(
+        causal_dir,
+        args=RewardConfig(**base_args(tmp_path, max_steps=1, center_rewards_coefficient=0.01)),
+        train_dataset=data, processing_class=tokenizer,
+    )
+    trainer.train()
+    first = train_logs(trainer)[0]
+    # Fresh score head: rewards ~ 0, so the loss is ~ -log sigmoid(-0.5) = 0.974.
+    assert first["loss"] == pytest.approx(0.974, abs=0.05)
