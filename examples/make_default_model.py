@@ -31,14 +31,14 @@ def model_config(vocab_size: int) -> Qwen2Config:
     )
 
 
-def main(max_steps: int = 300) -> None:
+def main(max_steps: int = 400) -> None:
     tok = task.load_tokenizer()
     cfg = model_config(len(tok))
     cfg.save_pretrained(ASSETS / "model_config")
     args = SFTConfig(
-        output_dir="/tmp/jaxrl_make_default_model", max_steps=max_steps, learning_rate=3e-3,
-        per_device_train_batch_size=8, mesh_fsdp=1, mesh_data=-1, bf16=False, logging_steps=50,
-        eval_strategy="steps", eval_steps=max_steps, save_strategy="no", warmup_steps=20,
+        output_dir="/tmp/jaxrl_make_default_model", max_steps=max_steps, learning_rate=1e-3,
+        per_device_train_batch_size=64, mesh_fsdp=1, mesh_data=-1, bf16=False, logging_steps=50,
+        eval_strategy="steps", eval_steps=max(1, max_steps // 6), save_strategy="no", warmup_steps=20,
         lr_scheduler_type="cosine", weight_decay=0.01, report_to="none", disable_tqdm=True,
         seed=0,
     )
@@ -56,4 +56,4 @@ def main(max_steps: int = 300) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 300)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 400)

@@ -124,6 +124,7 @@ class TrainingConfig:
     logging_first_step: bool = False
     eval_strategy: str = "no"
     eval_steps: int | float | None = None  # None -> logging_steps, as HF
+    eval_on_start: bool = False  # HF: one evaluation before the first step (a baseline)
     save_strategy: str = "steps"
     save_steps: int | float = 500
     save_total_limit: int | None = None

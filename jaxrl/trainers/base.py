@@ -515,6 +515,8 @@ class Trainer:
         it.skip(start)
         sigterm = install_sigterm_handler()
         self._event("on_train_begin")
+        if a.eval_on_start and start == 0 and self.eval_dataset is not None:
+            self.evaluate()
         accum = a.gradient_accumulation_steps
         t0, tokens = time.time(), 0
         try:
