@@ -24,10 +24,19 @@ ASSETS = Path(task.ASSETS_DIR)
 
 def model_config(vocab_size: int) -> Qwen2Config:
     return Qwen2Config(
-        vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-        rms_norm_eps=1e-6, initializer_range=0.02,
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        rms_norm_eps=1e-6,
+        initializer_range=0.02,
     )
 
 
@@ -36,15 +45,30 @@ def main(max_steps: int = 400) -> None:
     cfg = model_config(len(tok))
     cfg.save_pretrained(ASSETS / "model_config")
     args = SFTConfig(
-        output_dir="/tmp/jaxrl_make_default_model", max_steps=max_steps, learning_rate=1e-3,
-        per_device_train_batch_size=64, mesh_fsdp=1, mesh_data=-1, bf16=False, logging_steps=50,
-        eval_strategy="steps", eval_steps=max(1, max_steps // 6), save_strategy="no", warmup_steps=20,
-        lr_scheduler_type="cosine", weight_decay=0.01, report_to="none", disable_tqdm=True,
+        output_dir="/tmp/jaxrl_make_default_model",
+        max_steps=max_steps,
+        learning_rate=1e-3,
+        per_device_train_batch_size=64,
+        mesh_fsdp=1,
+        mesh_data=-1,
+        bf16=False,
+        logging_steps=50,
+        eval_strategy="steps",
+        eval_steps=max(1, max_steps // 6),
+        save_strategy="no",
+        warmup_steps=20,
+        lr_scheduler_type="cosine",
+        weight_decay=0.01,
+        report_to="none",
+        disable_tqdm=True,
         seed=0,
     )
     trainer = SFTTrainer(
-        cfg, args=args, train_dataset=str(task.asset_path("sft_train.jsonl")),
-        eval_dataset=str(task.asset_path("sft_test.jsonl")), processing_class=tok,
+        cfg,
+        args=args,
+        train_dataset=str(task.asset_path("sft_train.jsonl")),
+        eval_dataset=str(task.asset_path("sft_test.jsonl")),
+        processing_class=tok,
         compute_metrics=task_compute_metrics,
     )
     trainer.train()

@@ -14,8 +14,22 @@ import pytest
 from jaxrl.train import main
 
 FAST = [
-    "--algo", "sft", "--max_steps", "12", "--logging_steps", "1", "--save_steps", "4",
-    "--eval_strategy", "no", "--disable_tqdm", "true", "--mesh_fsdp", "1", "--mesh_data", "-1",
+    "--algo",
+    "sft",
+    "--max_steps",
+    "12",
+    "--logging_steps",
+    "1",
+    "--save_steps",
+    "4",
+    "--eval_strategy",
+    "no",
+    "--disable_tqdm",
+    "true",
+    "--mesh_fsdp",
+    "1",
+    "--mesh_data",
+    "-1",
 ]
 
 
@@ -23,7 +37,10 @@ def cli(out: Path, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     return subprocess.Popen(
         [sys.executable, "-m", "jaxrl.train", *FAST, "--output_dir", str(out), *extra],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 

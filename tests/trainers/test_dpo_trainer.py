@@ -14,8 +14,15 @@ from jaxrl import BEMACallback, DPOConfig, DPOTrainer
 from jaxrl.core import averaging, quant
 
 TRL_METRICS = (
-    "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-    "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected",
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
 )
 
 
@@ -34,8 +41,12 @@ def hf_model_dir(tmp_path_factory, tokenizer):
 
 def dpo(tmp_path, model, tokenizer, data, eval_data=None, callbacks=None, **kw):
     trainer = DPOTrainer(
-        model, args=DPOConfig(**base_args(tmp_path, **kw)), train_dataset=data,
-        eval_dataset=eval_data, processing_class=tokenizer, callbacks=callbacks,
+        model,
+        args=DPOConfig(**base_args(tmp_path, **kw)),
+        train_dataset=data,
+        eval_dataset=eval_data,
+        processing_class=tokenizer,
+        callbacks=callbacks,
     )
     trainer.train()
     return trainer, train_logs(trainer)
@@ -49,21 +60,42 @@ def test_matches_trl_dpo_trainer(tmp_path, tokenizer, hf_model_dir, pref_data):
 
     data = pref_data[0].select(range(8))
     common = dict(
-        per_device_train_batch_size=8, max_steps=3, learning_rate=1e-3, logging_steps=1,
-        lr_scheduler_type="constant", beta=0.1, seed=0, report_to="none", bf16=False,
-        gradient_checkpointing=False, max_length=64,
+        per_device_train_batch_size=8,
+        max_steps=3,
+        learning_rate=1e-3,
+        logging_steps=1,
+        lr_scheduler_type="constant",
+        beta=0.1,
+        seed=0,
+        report_to="none",
+        bf16=False,
+        gradient_checkpointing=False,
+        max_length=64,
     )
     torch.manual_seed(0)
     ref_trainer = trl.DPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32),
         args=trl.DPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **common),
-        train_dataset=data, processing_class=tokenizer,
+        train_dataset=data,
+        processing_class=tokenizer,
     )
     ref_trainer.train()
     theirs = [h for h in ref_trainer.state.log_history if "loss" in h]
     _, ours = dpo(
-        tmp_path / "ours", hf_model_dir, tokenizer, data, **{k: common[k] for k in (
-            "per_device_train_batch_size", "max_steps", "learning_rate", "beta", "max_length")},
+        tmp_path / "ours",
+        hf_model_dir,
+        tokenizer,
+        data,
+        **{
+            k: common[k]
+            for k in (
+                "per_device_train_batch_size",
+                "max_steps",
+                "learning_rate",
+                "beta",
+                "max_length",
+            )
+        },
         max_prompt_length=32,
     )
     assert len(ours) == len(theirs) == 3
@@ -79,7 +111,12 @@ def test_matches_trl_dpo_trainer(tmp_path, tokenizer, hf_model_dir, pref_data):
 
 def test_metric_names_eval_prefix_and_learning(tmp_path, tokenizer, hf_model_dir, pref_data):
     trainer, logs = dpo(
-        tmp_path, hf_model_dir, tokenizer, pref_data[0], pref_data[1], max_steps=8,
+        tmp_path,
+        hf_model_dir,
+        tokenizer,
+        pref_data[0],
+        pref_data[1],
+        max_steps=8,
         learning_rate=5e-3,
     )
     for key in (*TRL_METRICS, "grad_norm", "learning_rate", "num_tokens", "entropy"):
@@ -95,7 +132,11 @@ def test_metric_names_eval_prefix_and_learning(tmp_path, tokenizer, hf_model_dir
 def test_int8_reference_close_to_full_precision(tmp_path, tokenizer, hf_model_dir, pref_data):
     full, full_logs = dpo(tmp_path / "a", hf_model_dir, tokenizer, pref_data[0], max_steps=2)
     q, q_logs = dpo(
-        tmp_path / "b", hf_model_dir, tokenizer, pref_data[0], max_steps=2,
+        tmp_path / "b",
+        hf_model_dir,
+        tokenizer,
+        pref_data[0],
+        max_steps=2,
         ref_model_quantization="int8",
     )
     ref_bytes = quant.param_bytes(q.train_state.ref_params)
@@ -109,7 +150,11 @@ def test_int8_reference_close_to_full_precision(tmp_path, tokenizer, hf_model_di
 def test_precomputed_reference_equals_live_reference(tmp_path, tokenizer, hf_model_dir, pref_data):
     _, live = dpo(tmp_path / "live", hf_model_dir, tokenizer, pref_data[0], max_steps=2)
     pre, pre_logs = dpo(
-        tmp_path / "pre", hf_model_dir, tokenizer, pref_data[0], max_steps=2,
+        tmp_path / "pre",
+        hf_model_dir,
+        tokenizer,
+        pref_data[0],
+        max_steps=2,
         precompute_ref_log_probs=True,
     )
     assert pre.train_state.ref_params is None  # no reference weights held during training
@@ -123,8 +168,14 @@ def test_precomputed_reference_equals_live_reference(tmp_path, tokenizer, hf_mod
 def test_sync_ref_model_soft_update(tmp_path, tokenizer, hf_model_dir, pref_data):
     alpha = 0.6
     trainer, _ = dpo(
-        tmp_path, hf_model_dir, tokenizer, pref_data[0], max_steps=2, sync_ref_model=True,
-        ref_model_sync_steps=2, ref_model_mixup_alpha=alpha,
+        tmp_path,
+        hf_model_dir,
+        tokenizer,
+        pref_data[0],
+        max_steps=2,
+        sync_ref_model=True,
+        ref_model_sync_steps=2,
+        ref_model_mixup_alpha=alpha,
     )
     # After 2 steps with sync at step 2: ref = alpha * policy_2 + (1 - alpha) * policy_0.
     init = DPOTrainer(
@@ -143,8 +194,13 @@ def test_sync_ref_model_soft_update(tmp_path, tokenizer, hf_model_dir, pref_data
 
 def test_multi_loss_with_weights(tmp_path, tokenizer, hf_model_dir, pref_data):
     _, logs = dpo(
-        tmp_path, hf_model_dir, tokenizer, pref_data[0], max_steps=1,
-        loss_type=["sigmoid", "sft"], loss_weights=[0.5, 1.0],
+        tmp_path,
+        hf_model_dir,
+        tokenizer,
+        pref_data[0],
+        max_steps=1,
+        loss_type=["sigmoid", "sft"],
+        loss_weights=[0.5, 1.0],
     )
     # Step 1: sigmoid = log 2; sft = mean NLL of chosen tokens = -logps/chosen / tokens.
     assert logs[0]["loss"] > 0.5 * math.log(2)
@@ -162,7 +218,12 @@ def test_bema_callback_matches_reference_and_exports(tmp_path, tokenizer, hf_mod
 
     bema = BEMACallback(update_freq=2, lag=1, update_after=0)
     trainer, _ = dpo(
-        tmp_path, hf_model_dir, tokenizer, pref_data[0], max_steps=4, learning_rate=1e-2,
+        tmp_path,
+        hf_model_dir,
+        tokenizer,
+        pref_data[0],
+        max_steps=4,
+        learning_rate=1e-2,
         callbacks=[Record(), bema],
     )
     init = DPOTrainer(
@@ -182,6 +243,8 @@ def test_dataset_missing_columns_is_a_clear_error(tmp_path, tokenizer, hf_model_
     bad = datasets.Dataset.from_list([{"question": "1+1=", "answer": "2"}] * 8)
     with pytest.raises(ValueError, match="chosen"):
         DPOTrainer(
-            hf_model_dir, args=DPOConfig(**base_args(tmp_path)), train_dataset=bad,
+            hf_model_dir,
+            args=DPOConfig(**base_args(tmp_path)),
+            train_dataset=bad,
             processing_class=tokenizer,
         )

@@ -27,12 +27,23 @@ def test_reward_trains_and_exports(tmp_path, tokenizer, causal_dir, pref_data):
     trainer = RewardTrainer(
         causal_dir,
         args=RewardConfig(**base_args(tmp_path, max_steps=15, learning_rate=3e-3)),
-        train_dataset=pref_data[0], eval_dataset=pref_data[1], processing_class=tokenizer,
+        train_dataset=pref_data[0],
+        eval_dataset=pref_data[1],
+        processing_class=tokenizer,
     )
     trainer.train()
     logs = train_logs(trainer)
-    for key in ("loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward",
-                "num_tokens", "grad_norm", "learning_rate"):
+    for key in (
+        "loss",
+        "accuracy",
+        "margin",
+        "min_reward",
+        "mean_reward",
+        "max_reward",
+        "num_tokens",
+        "grad_norm",
+        "learning_rate",
+    ):
         assert key in logs[0], key
     assert logs[0]["min_reward"] <= logs[0]["mean_reward"] <= logs[0]["max_reward"]
     assert np.mean([h["loss"] for h in logs[-3:]]) < np.mean([h["loss"] for h in logs[:3]])
@@ -54,7 +65,8 @@ def test_margin_column_and_center_coefficient(tmp_path, tokenizer, causal_dir, p
     trainer = RewardTrainer(
         causal_dir,
         args=RewardConfig(**base_args(tmp_path, max_steps=1, center_rewards_coefficient=0.01)),
-        train_dataset=data, processing_class=tokenizer,
+        train_dataset=data,
+        processing_class=tokenizer,
     )
     trainer.train()
     first = train_logs(trainer)[0]
