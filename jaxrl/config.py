@@ -149,6 +149,9 @@ class TrainingConfig:
     scan_layers: bool = True
     remat_policy: str | None = None  # None -> "full" if gradient_checkpointing else "none"
     logprob_chunk_size: int = 128
+    # TRL's `pad_to_multiple_of`: the run's one static batch length (the longest example) is
+    # rounded up to a multiple of this (e.g. 128 on TPU); None = the longest example exactly.
+    pad_to_multiple_of: int | None = None
     param_dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -160,6 +163,10 @@ class TrainingConfig:
             "logprob_chunk_size",
         ):
             _check(getattr(self, name) >= 1, f"`{name}` must be >= 1; got {getattr(self, name)}.")
+        _check(
+            self.pad_to_multiple_of is None or self.pad_to_multiple_of >= 1,
+            f"`pad_to_multiple_of` must be None or >= 1; got {self.pad_to_multiple_of}.",
+        )
         _check(self.learning_rate >= 0, f"`learning_rate` must be >= 0; got {self.learning_rate}.")
         self._validate_schedule()
         _check(self.weight_decay >= 0, f"`weight_decay` must be >= 0; got {self.weight_decay}.")

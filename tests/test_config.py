@@ -35,6 +35,8 @@ _DEVIATIONS = {
     "output_dir": ("trainer_output", None),  # HF resolves None to "trainer_output" later
     "optim": ("adamw_torch", "adamw_torch_fused"),  # both map to optax.adamw
     "disable_tqdm": (False, None),  # HF resolves None from the log level
+    # TRL "auto" pads to 128 only on Neuron; we pad to the longest example (one compile per run).
+    "pad_to_multiple_of": (None, "auto"),
     "truncation_mode": ("keep_end", "keep_start"),  # DPO: applies to the prompt (TRL < 1.0)
 }
 

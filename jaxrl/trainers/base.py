@@ -186,6 +186,13 @@ class Trainer:
             from transformers import AutoTokenizer
 
             processing_class = AutoTokenizer.from_pretrained(self.model_path)
+        pad = getattr(self.args, "pad_token", None)
+        if pad is not None:  # TRL: the config's pad_token overrides the tokenizer's
+            if pad not in processing_class.get_vocab():
+                raise ValueError(
+                    f"pad_token={pad!r} is not in the tokenizer vocabulary; use an existing token."
+                )
+            processing_class.pad_token = pad
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
         return processing_class
@@ -213,7 +220,9 @@ class Trainer:
                 lengths.extend(self._example_lengths(ds))
         if not lengths:
             return self.args.max_length or 1024
-        return choose_seq_len(lengths, self._max_length(), multiple_of=8)
+        return choose_seq_len(
+            lengths, self._max_length(), multiple_of=self.args.pad_to_multiple_of or 1
+        )
 
     def _max_length(self) -> int:
         return getattr(self.args, "max_length", None) or 1024
