@@ -61,9 +61,13 @@ class BEMACallback(TrainerCallback):
             return jax.device_put(jax.device_get(params), cpu)
         return params
 
-    def on_train_begin(self, args, state, control, trainer=None, **kwargs):
-        if self.buffers is None:  # not restored from a checkpoint
+    def init_state(self, trainer) -> None:
+        """Create the buffers from the current params (a checkpoint restore overwrites them)."""
+        if self.buffers is None:
             self.buffers = jax.jit(averaging.bema_init)(self._place(trainer.train_state.params))
+
+    def on_train_begin(self, args, state, control, trainer=None, **kwargs):
+        self.init_state(trainer)
         return control
 
     def on_step_end(self, args, state, control, trainer=None, **kwargs):

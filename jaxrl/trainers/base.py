@@ -402,8 +402,9 @@ class Trainer:
     def _callback_states(self) -> dict:
         out = {}
         for cb in self.callback_handler.callbacks:
-            if hasattr(cb, "state_pytree") and cb.state_pytree() is not None:
-                out[type(cb).__name__] = cb.state_pytree()
+            tree = cb.state_pytree() if hasattr(cb, "state_pytree") else None
+            if tree is not None:
+                out[type(cb).__name__] = tree
         return out
 
     def _resolve_resume(self, resume: Any) -> int | None:
@@ -421,6 +422,9 @@ class Trainer:
         )
 
     def _restore(self, step: int):
+        for cb in self.callback_handler.callbacks:
+            if hasattr(cb, "init_state"):  # stateful callbacks: shapes to restore into
+                cb.init_state(self)
         abstract = {
             "train_state": jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),

@@ -26,19 +26,6 @@ TRL_METRICS = (
 )
 
 
-@pytest.fixture(scope="module")
-def hf_model_dir(tmp_path_factory, tokenizer):
-    """A tiny random Qwen2 causal LM saved by transformers (PyTorch), with the tokenizer."""
-    import torch
-    from transformers import Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_qwen2")
-    Qwen2ForCausalLM(tiny_config()).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
 def dpo(tmp_path, model, tokenizer, data, eval_data=None, callbacks=None, **kw):
     trainer = DPOTrainer(
         model,
@@ -248,3 +235,58 @@ def test_dataset_missing_columns_is_a_clear_error(tmp_path, tokenizer, hf_model_
             train_dataset=bad,
             processing_class=tokenizer,
         )
+
+
+def test_explicit_ref_model(tmp_path, tokenizer, hf_model_dir, pref_data):
+    """An explicit reference different from the policy gives nonzero step-1 rewards, equal to
+    beta * (policy - ref) log-probs; the same directory as reference gives zero."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    other = tmp_path / "other_ref"
+    Qwen2ForCausalLM(tiny_config()).save_pretrained(other)
+    trainer = DPOTrainer(
+        hf_model_dir,
+        ref_model=str(other),
+        args=DPOConfig(**base_args(tmp_path / "a", max_steps=1)),
+        train_dataset=pref_data[0],
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    first = train_logs(trainer)[0]
+    assert abs(first["rewards/chosen"]) > 1e-3
+    same = DPOTrainer(
+        hf_model_dir,
+        ref_model=hf_model_dir,
+        args=DPOConfig(**base_args(tmp_path / "b", max_steps=1)),
+        train_dataset=pref_data[0],
+        processing_class=tokenizer,
+    )
+    same.train()
+    assert train_logs(same)[0]["rewards/chosen"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_bema_buffers_survive_resume(tmp_path, tokenizer, hf_model_dir, pref_data):
+    kw = dict(max_steps=4, learning_rate=1e-2, save_strategy="steps", save_steps=2)
+    full = BEMACallback(update_freq=1, lag=1)
+    dpo(tmp_path / "full", hf_model_dir, tokenizer, pref_data[0], callbacks=[full], **kw)
+    first = BEMACallback(update_freq=1, lag=1)
+    dpo(tmp_path / "run", hf_model_dir, tokenizer, pref_data[0], callbacks=[first], **kw)
+    resumed = BEMACallback(update_freq=1, lag=1)
+    trainer = DPOTrainer(
+        hf_model_dir,
+        args=DPOConfig(
+            **base_args(
+                tmp_path / "run",
+                resume_from_checkpoint=str(tmp_path / "run" / "checkpoints" / "2"),
+                **kw,
+            )
+        ),
+        train_dataset=pref_data[0],
+        processing_class=tokenizer,
+        callbacks=[resumed],
+    )
+    trainer.train()
+    for got, want in zip(jax.tree.leaves(resumed.buffers), jax.tree.leaves(full.buffers)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

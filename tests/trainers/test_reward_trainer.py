@@ -3,29 +3,17 @@ that transformers loads as AutoModelForSequenceClassification with the same scor
 
 import numpy as np
 import pytest
-from trainer_utils import base_args, tiny_config, train_logs
+from trainer_utils import base_args, train_logs
 
 from jaxrl import RewardConfig, RewardTrainer
 
 
-@pytest.fixture(scope="module")
-def causal_dir(tmp_path_factory, tokenizer):
-    import torch
-    from transformers import Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_qwen2_causal")
-    Qwen2ForCausalLM(tiny_config()).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
-def test_reward_trains_and_exports(tmp_path, tokenizer, causal_dir, pref_data):
+def test_reward_trains_and_exports(tmp_path, tokenizer, hf_model_dir, pref_data):
     import torch
     from transformers import AutoModelForSequenceClassification
 
     trainer = RewardTrainer(
-        causal_dir,
+        hf_model_dir,
         args=RewardConfig(**base_args(tmp_path, max_steps=15, learning_rate=3e-3)),
         train_dataset=pref_data[0],
         eval_dataset=pref_data[1],
@@ -60,10 +48,10 @@ def test_reward_trains_and_exports(tmp_path, tokenizer, causal_dir, pref_data):
     np.testing.assert_allclose(ours, theirs, atol=1e-4)
 
 
-def test_margin_column_and_center_coefficient(tmp_path, tokenizer, causal_dir, pref_data):
+def test_margin_column_and_center_coefficient(tmp_path, tokenizer, hf_model_dir, pref_data):
     data = pref_data[0].add_column("margin", [0.5] * len(pref_data[0]))
     trainer = RewardTrainer(
-        causal_dir,
+        hf_model_dir,
         args=RewardConfig(**base_args(tmp_path, max_steps=1, center_rewards_coefficient=0.01)),
         train_dataset=data,
         processing_class=tokenizer,
