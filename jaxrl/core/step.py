@@ -108,6 +108,11 @@ def make_train_step(
         )
         metrics = reduce_aux(aux_A)
         metrics["grad_norm"] = grad_norm
+        if loss_scale is not None:
+            # An overflowing fp16 step is expected and skipped, not a divergence: log the scale
+            # and a zero grad norm so the NaN check only stops runs whose loss is non-finite.
+            metrics["grad_norm"] = jnp.where(finite, grad_norm, 0.0)
+            metrics["loss_scale"] = loss_scale[0]
         if schedule is not None:
             metrics["learning_rate"] = schedule(new_state.step)
         return new_state, metrics

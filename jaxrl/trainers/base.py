@@ -89,6 +89,10 @@ class Trainer:
         if not isinstance(self.args, TrainingConfig):
             raise TypeError(f"args must be a {self.config_class.__name__}, got {type(args)}.")
         a = self.args
+        if a.fp16 and jax.default_backend() == "cpu":
+            # As HF's Trainer: fp16 mixed precision is a GPU feature (XLA:CPU has no f16 dot
+            # with f32 accumulation).
+            raise ValueError("fp16=True needs a GPU; on CPU use bf16=True or full precision.")
         self.mesh = self._make_mesh()
         self.rules = parallel.merge_rules(a.logical_axis_rules)
         self.compute_dtype = self._compute_dtype()

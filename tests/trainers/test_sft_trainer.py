@@ -170,3 +170,16 @@ def test_packing_bfd_trains(tmp_path, tokenizer, sft_data):
     )
     # Packed rows hold several documents: more trained tokens per row than unpacked data.
     assert logs[0]["num_tokens"] > 2 * 10
+
+
+def test_bf16_compute_over_f32_params(tmp_path, tokenizer, sft_data):
+    trainer, logs = run(tmp_path, tokenizer, sft_data[0], max_steps=3, bf16=True)
+    assert all(math.isfinite(entry["loss"]) for entry in logs)
+    assert abs(logs[0]["loss"] - GOLDEN_LOSS) < 0.05  # same model, lower-precision compute
+    dtypes = {x.dtype for x in jax.tree.leaves(trainer.train_state.params)}
+    assert dtypes == {np.dtype("float32")}  # master params stay f32
+
+
+def test_fp16_on_cpu_is_a_clear_error(tmp_path, tokenizer, sft_data):
+    with pytest.raises(ValueError, match="fp16=True needs a GPU"):
+        make(tmp_path, tokenizer, sft_data[0], fp16=True, bf16=False)
