@@ -6,6 +6,7 @@ Everything here holds only `nnx.Param` state; rotary tables and masks are comput
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -102,9 +103,36 @@ class RMSNorm(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return x32.astype(self.dtype) * self.scale[...].astype(self.dtype)
+        return rms_norm(x, self.scale[...], self.eps, self.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: Any) -> jax.Array:
+    """`x / rms(x) * scale` with f32 statistics (HF LlamaRMSNorm numerics).
+
+    A hand-written backward: autodiff's version of the f32 round trip costs several extra
+    passes over the activations (measured ~10% of a small model's backward on XLA:CPU).
+    """
+    return _rms_norm_fwd(x, scale, eps, dtype)[0]
+
+
+def _rms_norm_fwd(x, scale, eps, dtype):
+    x32 = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    xhat = x32 * r
+    # A 0-d array carries x's dtype to the backward (dtypes are not valid residuals).
+    return xhat.astype(dtype) * scale.astype(dtype), (xhat, r, scale, jnp.zeros((), x.dtype))
+
+
+def _rms_norm_bwd(eps, dtype, res, dy):
+    xhat, r, scale, x_like = res
+    g = dy.astype(jnp.float32) * scale.astype(jnp.float32)
+    dx = r * (g - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True))
+    dscale = jnp.sum(dy.astype(jnp.float32) * xhat, axis=tuple(range(dy.ndim - 1)))
+    return dx.astype(x_like.dtype), dscale.astype(scale.dtype)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 class LayerNorm(nnx.Module):
