@@ -168,6 +168,11 @@ class Checkpointer:
         )
         return restored["state"], restored["metadata"]
 
+    def reached_preemption(self, step: int) -> bool:
+        """Multi-host: True on every host at the same step once any host got SIGTERM (orbax's
+        preemption sync point, needs `jax.distributed` initialised), so all save together."""
+        return bool(self._manager.reached_preemption(step))
+
     def wait_until_finished(self) -> None:
         """Block until any in-flight asynchronous save is committed."""
         self._manager.wait_until_finished()

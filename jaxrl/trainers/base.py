@@ -554,7 +554,7 @@ class Trainer:
                 if (step + 1) % spe == 0:
                     self._event("on_epoch_end")
                 self._maybe_log_save_evaluate()
-                if sigterm.received:
+                if self._preempted(sigterm):
                     self._save_checkpoint()
                     self._checkpointer().wait_until_finished()
                     raise TrainingInterrupted(
@@ -580,6 +580,12 @@ class Trainer:
         )
         self._event("on_train_end")
         return self.state
+
+    def _preempted(self, sigterm) -> bool:
+        """SIGTERM seen: on one host directly; across hosts at a step all of them agree on."""
+        if jax.process_count() == 1:
+            return sigterm.received
+        return self._checkpointer().reached_preemption(self.state.global_step)
 
     def _after_step(self):
         """Hook for per-step host work (e.g. reference-model sync schedule)."""

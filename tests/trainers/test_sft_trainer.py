@@ -183,3 +183,20 @@ def test_bf16_compute_over_f32_params(tmp_path, tokenizer, sft_data):
 def test_fp16_on_cpu_is_a_clear_error(tmp_path, tokenizer, sft_data):
     with pytest.raises(ValueError, match="fp16=True needs a GPU"):
         make(tmp_path, tokenizer, sft_data[0], fp16=True, bf16=False)
+
+
+def test_bema_callback_works_with_sft(tmp_path, tokenizer, sft_data):
+    from transformers import AutoModelForCausalLM
+
+    from jaxrl import BEMACallback
+
+    trainer = SFTTrainer(
+        tiny_config(),
+        args=SFTConfig(**base_args(tmp_path, max_steps=2)),
+        train_dataset=sft_data[0],
+        processing_class=tokenizer,
+        callbacks=[BEMACallback(update_freq=1, lag=1)],
+    )
+    trainer.train()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "bema")
+    assert exported.config.num_hidden_layers == 2
