@@ -290,3 +290,34 @@ def test_bema_buffers_survive_resume(tmp_path, tokenizer, hf_model_dir, pref_dat
     trainer.train()
     for got, want in zip(jax.tree.leaves(resumed.buffers), jax.tree.leaves(full.buffers)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_same_metrics_with_accumulation_and_on_a_2x2x2_mesh(
+    tmp_path, tokenizer, hf_model_dir, pref_data
+):
+    keys = ("loss", "grad_norm", "rewards/margins", "logps/chosen", "logits/chosen")
+    _, base = dpo(tmp_path / "a", hf_model_dir, tokenizer, pref_data[0], max_steps=2)
+    _, accum = dpo(
+        tmp_path / "b",
+        hf_model_dir,
+        tokenizer,
+        pref_data[0],
+        max_steps=2,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=8,
+    )
+    _, mesh = dpo(
+        tmp_path / "c",
+        hf_model_dir,
+        tokenizer,
+        pref_data[0],
+        max_steps=2,
+        per_device_train_batch_size=2,
+        mesh_data=2,
+        mesh_fsdp=2,
+        mesh_tensor=2,
+    )
+    for other in (accum, mesh):
+        for b, o in zip(base, other):
+            for key in keys:
+                np.testing.assert_allclose(o[key], b[key], rtol=5e-5, atol=1e-7, err_msg=key)
