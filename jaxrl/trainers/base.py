@@ -416,13 +416,22 @@ class Trainer:
             return None
         ckpt = self._checkpointer()
         if resume is True or resume == "latest":
-            return ckpt.latest_step()
-        path = str(resume)
-        if os.path.isdir(path) and os.path.basename(path.rstrip("/")).isdigit():
-            return int(os.path.basename(path.rstrip("/")))
+            step = ckpt.latest_step()
+            if step is None:  # e.g. a babysitter relaunch before the first save
+                logger.warning("No checkpoint in %s yet; starting from scratch.", ckpt.directory)
+            return step
+        path = os.path.abspath(str(resume))
+        name = os.path.basename(path)
+        if os.path.isdir(path) and name.isdigit():
+            if os.path.dirname(path) != os.path.abspath(str(ckpt.directory)):
+                # A step directory of another run: restore from that run's checkpoint folder.
+                self._ckpt = Checkpointer(
+                    os.path.dirname(path), save_total_limit=self.args.save_total_limit
+                )
+            return int(name)
         raise ValueError(
             f"resume_from_checkpoint={resume!r}: expected True/'latest' or a step directory "
-            f"under {os.path.join(self.args.output_dir, 'checkpoints')}."
+            f"such as {os.path.join(self.args.output_dir, 'checkpoints', '500')}."
         )
 
     def _restore(self, step: int):
@@ -445,6 +454,16 @@ class Trainer:
             name = type(cb).__name__
             if name in tree["callbacks"]:
                 cb.load_state_pytree(tree["callbacks"][name])
+        saved_cfg, now_cfg = meta.get("config", {}), self.args.to_dict()
+        changed = sorted(
+            k
+            for k in now_cfg
+            if k in saved_cfg
+            and saved_cfg[k] != now_cfg[k]
+            and k not in ("output_dir", "resume_from_checkpoint", "disable_tqdm", "report_to")
+        )
+        if changed:  # the run continues, but it is no longer the run that was saved
+            logger.warning("Resuming with changed config fields: %s", ", ".join(changed))
         ts = meta["trainer_state"]
         for k, v in ts.items():
             if hasattr(self.state, k):
