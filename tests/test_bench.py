@@ -1,0 +1,55 @@
+"""`python -m jaxrl.bench` keeps its JSON contract (keys and types; never timing thresholds)."""
+
+import json
+
+import pytest
+
+from jaxrl.bench import main
+
+CONTRACT = ("algo", "step_s", "tokens_per_sec", "compile_s", "peak_bytes", "devices", "mfu")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [
+            "--algo",
+            "forward",
+            "--preset",
+            "llama-tiny",
+            "--seq_len",
+            "16",
+            "--per_device_train_batch_size",
+            "1",
+            "--mesh_data",
+            "-1",
+            "--mesh_fsdp",
+            "1",
+        ],
+        [
+            "--algo",
+            "dpo",
+            "--preset",
+            "qwen2-tiny",
+            "--seq_len",
+            "16",
+            "--per_device_train_batch_size",
+            "1",
+            "--mesh_data",
+            "-1",
+            "--mesh_fsdp",
+            "1",
+            "--loss_type",
+            "sigmoid",
+            "--loss_weights",
+            "null",
+        ],
+    ],
+)
+def test_last_line_is_the_json_contract(capsys, argv):
+    assert main([*argv, "--steps", "1", "--warmup", "0", "--output_dir", "/tmp/jaxrl_bench_t"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(CONTRACT) <= set(result)
+    assert result["algo"] == argv[1] and result["devices"] == 8
+    assert result["step_s"] > 0 and result["tokens_per_sec"] > 0 and result["peak_bytes"] > 0
+    assert result["mfu"] is None  # CPU: peak FLOP/s unknown
