@@ -24,6 +24,7 @@ from jaxrl.models.layers import (
     default_positions,
     dot_product_attention,
     make_layers,
+    param_value,
 )
 
 
@@ -117,7 +118,7 @@ class GPT2Model(nnx.Module):
         return self.ln_f(h_BTD)
 
     def input_embedding(self) -> jax.Array:
-        return self.wte.embedding[...]
+        return param_value(self.wte.embedding)
 
 
 class GPT2ForCausalLM(nnx.Module):
@@ -154,7 +155,7 @@ class GPT2ForCausalLM(nnx.Module):
         """W [D, V] in the compute dtype with logits == hidden_states @ W."""
         if self.lm_head is None:
             return self.transformer.input_embedding().T.astype(self.config.dtype)
-        return self.lm_head.kernel[...].astype(self.config.dtype)
+        return param_value(self.lm_head.kernel, self.config.dtype)
 
     def __call__(
         self,

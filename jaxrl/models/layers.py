@@ -16,8 +16,20 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from jaxrl.core.quant import QuantizedArray
 from jaxrl.models.config import ModelConfig
 from jaxrl.parallel import logical_to_spec
+
+
+def param_value(variable: nnx.Variable, dtype: Any = None) -> jax.Array:
+    """A parameter's array in `dtype`. An int8 `QuantizedArray` (the frozen DPO reference) is
+    dequantized here, at its point of use: inside a scanned stack that is one layer at a time, so
+    the full-precision copy of the whole reference never exists at once."""
+    value = variable.get_value()
+    if isinstance(value, QuantizedArray):
+        return value.dequantize(dtype)
+    return value if dtype is None else value.astype(dtype)
+
 
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
 
@@ -81,14 +93,14 @@ class Dense(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.kernel[...].astype(self.dtype)
+        kernel = param_value(self.kernel, self.dtype)
         n_batch = x.ndim - self.n_in
         in_dims = tuple(range(n_batch, x.ndim))
         y = jax.lax.dot_general(
             x.astype(self.dtype), kernel, ((in_dims, tuple(range(self.n_in))), ((), ()))
         )
         if self.bias is not None:
-            y = y + self.bias[...].astype(self.dtype)
+            y = y + param_value(self.bias, self.dtype)
         return y
 
 
@@ -103,7 +115,7 @@ class RMSNorm(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.scale[...], self.eps, self.dtype)
+        return rms_norm(x, param_value(self.scale), self.eps, self.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -153,8 +165,8 @@ class LayerNorm(nnx.Module):
         mean = jnp.mean(x32, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
         y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-        return y.astype(self.dtype) * self.scale[...].astype(self.dtype) + self.bias[...].astype(
-            self.dtype
+        return y.astype(self.dtype) * param_value(self.scale, self.dtype) + param_value(
+            self.bias, self.dtype
         )
 
 
@@ -172,7 +184,7 @@ class Embed(nnx.Module):
         )
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+        return jnp.take(param_value(self.embedding), ids, axis=0).astype(self.dtype)
 
 
 def gelu_exact(x: jax.Array) -> jax.Array:

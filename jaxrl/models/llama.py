@@ -24,6 +24,7 @@ from jaxrl.models.layers import (
     default_positions,
     dot_product_attention,
     make_layers,
+    param_value,
     rope_tables,
 )
 
@@ -124,7 +125,7 @@ class LlamaModel(nnx.Module):
         return self.norm(h_BTD)
 
     def input_embedding(self) -> jax.Array:
-        return self.embed_tokens.embedding[...]
+        return param_value(self.embed_tokens.embedding)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -161,7 +162,7 @@ class LlamaForCausalLM(nnx.Module):
         """W [D, V] in the compute dtype with logits == hidden_states @ W."""
         if self.lm_head is None:
             return self.model.input_embedding().T.astype(self.config.dtype)
-        return self.lm_head.kernel[...].astype(self.config.dtype)
+        return param_value(self.lm_head.kernel, self.config.dtype)
 
     def __call__(
         self,

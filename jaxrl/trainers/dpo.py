@@ -132,8 +132,8 @@ class DPOTrainer(Trainer):
         return ref
 
     def ref_model_apply(self, ref_params: Any):
-        if self.args.ref_model_quantization == "int8":
-            ref_params = quant.dequantize_params(ref_params)
+        # int8 leaves stay quantized here: the model dequantizes each weight where it is used
+        # (per layer inside a scanned stack), so no full-precision copy of the reference exists.
         graphdef = self._ref_graphdef if self._ref_graphdef is not None else self.graphdef
         return nnx.merge(graphdef, ref_params)
 
