@@ -17,7 +17,7 @@ import optax
 
 Schedule = Callable[[jax.Array | int], jax.Array]
 
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw", "sgd", "adafactor", "lion", "lion_32bit")
+OPTIMIZERS = ("adamw", "sgd", "adafactor", "lion")  # config.OPTIMIZERS maps HF names onto these
 SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup")
 
 # Parameters HF's Trainer keeps out of weight decay: biases and normalisation scales
@@ -95,7 +95,7 @@ def make_optimizer(
     """Gradient clipping (as HF's Trainer does, also for a user optimizer) then the optimizer."""
     if user_tx is not None:
         tx = user_tx
-    elif optim in ("adamw_torch", "adamw_torch_fused", "adamw"):
+    elif optim == "adamw":
         tx = optax.adamw(
             schedule,
             b1=adam_beta1,
@@ -116,7 +116,7 @@ def make_optimizer(
             weight_decay_rate=weight_decay or None,
             weight_decay_mask=decay_mask,
         )
-    elif optim in ("lion", "lion_32bit"):
+    elif optim == "lion":
         tx = optax.lion(
             schedule, b1=adam_beta1, b2=adam_beta2, weight_decay=weight_decay, mask=decay_mask
         )

@@ -284,7 +284,7 @@ class Trainer:
                 a.lr_scheduler_type, a.learning_rate, max_steps, warmup, a.lr_scheduler_kwargs
             )
         self.tx = optim.make_optimizer(
-            optim=a.optim,
+            optim=a.optax_optimizer,
             schedule=self.schedule,
             weight_decay=a.weight_decay,
             adam_beta1=a.adam_beta1,
