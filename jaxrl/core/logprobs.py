@@ -42,6 +42,7 @@ def _chunk_outputs(hidden_BCD, unembed_DV, targets_BC, temperature, logit_softca
     probs_BCV = jnp.exp(logits_BCV - log_z_BC[..., None])
     stats = {
         # First-index argmax, like TRL's `is_top1` (ties resolve to the lowest token id).
+        "argmax": jnp.argmax(logits_BCV, axis=-1),
         "argmax_correct": jnp.argmax(logits_BCV, axis=-1) == targets_BC,
         "entropy": log_z_BC - jnp.sum(probs_BCV * logits_BCV, axis=-1),
         "logit_mean": jnp.mean(logits_BCV, axis=-1),
@@ -65,7 +66,7 @@ def token_logprobs(
 
     Logits accumulate in f32 (`preferred_element_type`) whatever the input dtypes. T need not be
     a multiple of `chunk_size` (padded internally). With `with_stats=True` also returns
-    `[B, T]` statistics under `stop_gradient`: `argmax_correct` (bool), `entropy` (nats),
+    `[B, T]` statistics under `stop_gradient`: `argmax` (token ids), `argmax_correct` (bool), `entropy` (nats),
     `logit_mean` (mean logit over the vocabulary; TRL's `logits/chosen` is its mean over
     completion tokens) and `log_sum_sq_probs`. For tied embeddings pass `embedding_VD.T`.
     """

@@ -554,14 +554,13 @@ class Trainer:
         if a.eval_on_start and start == 0 and self.eval_dataset is not None:
             self.evaluate()
         accum = a.gradient_accumulation_steps
-        t0, tokens = time.time(), 0
+        t0, tokens0 = time.time(), self._tokens_seen
         try:
             for step in range(start, max_steps):
                 if step % spe == 0:
                     self._event("on_epoch_begin")
                 self._event("on_step_begin")
                 host = self._collate_micro(next(it), accum)
-                tokens += int(host["attention_mask"].sum()) if "attention_mask" in host else 0
                 batch = self._to_device(host)
                 self.train_state, metrics = self._jit_train_step(self.train_state, batch)
                 self._flush_pending()  # metrics of the previous step, read while this one runs
@@ -594,7 +593,7 @@ class Trainer:
             {
                 "train_runtime": runtime,
                 "train_steps_per_second": (self.state.global_step - start) / max(runtime, 1e-9),
-                "train_tokens_per_second": tokens / max(runtime, 1e-9),
+                "train_tokens_per_second": (self._tokens_seen - tokens0) / max(runtime, 1e-9),
             }
         )
         self._event("on_train_end")

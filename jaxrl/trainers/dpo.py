@@ -111,7 +111,7 @@ class DPOTrainer(Trainer):
         rows = collate_preference(examples, self.seq_len, self._pad_id())
         b = len(examples)
         batch = {k: np.stack([v[:b], v[b:]], axis=1) for k, v in rows.items()}
-        if self.args.precompute_ref_log_probs:
+        if "ref_chosen_logps" in examples[0]:  # precomputed reference log-probs
             batch["ref_logps"] = np.asarray(
                 [[ex["ref_chosen_logps"], ex["ref_rejected_logps"]] for ex in examples], np.float32
             )
@@ -221,7 +221,7 @@ class DPOTrainer(Trainer):
             chosen = {k: v[:b] for k, v in rows.items()}
             model = self.apply_model(params)
             _, stats = lm_forward(model, chosen, chunk, with_stats=True)
-            preds = jnp.where(stats["argmax_correct"], chosen["targets"], -1)
+            preds = stats["argmax"]
             labels = jnp.where(chosen["loss_mask"] > 0, chosen["targets"], -100)
             return preds, labels
 
@@ -284,17 +284,12 @@ class DPOTrainer(Trainer):
         n = len(ds)
         out = []
         per_host = bs // jax.process_count()
-        flag = self.args.precompute_ref_log_probs
-        self.args.precompute_ref_log_probs = False  # collate without the not-yet-existing columns
-        try:
-            for start in range(0, n, bs):
-                idx = [min(start + i, n - 1) for i in range(bs)]
-                lo = jax.process_index() * per_host
-                host = self._collate([ds[i] for i in idx[lo : lo + per_host]])
-                batch = {k: v[None] for k, v in host.items()}
-                dev = {k: v[0] for k, v in self._to_device(batch).items()}
-                res = np.asarray(multihost_utils.process_allgather(fn(params, dev), tiled=True))
-                out.append(res[: min(bs, n - start)])
-        finally:
-            self.args.precompute_ref_log_probs = flag
+        for start in range(0, n, bs):
+            idx = [min(start + i, n - 1) for i in range(bs)]
+            lo = jax.process_index() * per_host
+            host = self._collate([ds[i] for i in idx[lo : lo + per_host]])
+            batch = {k: v[None] for k, v in host.items()}
+            dev = {k: v[0] for k, v in self._to_device(batch).items()}
+            res = np.asarray(multihost_utils.process_allgather(fn(params, dev), tiled=True))
+            out.append(res[: min(bs, n - start)])
         return np.concatenate(out).astype(np.float32)

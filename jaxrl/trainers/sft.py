@@ -99,7 +99,7 @@ class SFTTrainer(Trainer):
             mb = {k: v[0] for k, v in batch_A.items()}
             model = self.apply_model(params)
             _, stats = lm_forward(model, mb, chunk, with_stats=True)
-            preds = jnp.where(stats["argmax_correct"], mb["targets"], -1)
+            preds = stats["argmax"]
             labels = jnp.where(mb["loss_mask"] > 0, mb["targets"], -100)
             return preds, labels
 

@@ -105,6 +105,7 @@ def test_loss_decreases_and_eval_metrics(tmp_path, tokenizer, sft_data):
     # 20 eval rows with eval batch 8: the padded last batch must not count twice.
     assert metrics["eval_rows"] == 20.0
     assert seen[0].predictions.shape == seen[0].label_ids.shape
+    assert 0 <= seen[0].predictions.min() and seen[0].predictions.max() < 16  # argmax token ids
     assert 0 < metrics["eval_mean_token_accuracy"] <= 1
     assert math.isfinite(metrics["eval_loss"])
 
