@@ -69,7 +69,8 @@ def _split_bench_flags(argv: list[str]) -> tuple[dict, list[str]]:
 
 
 def _synthetic_examples(algo: str, n: int, seq_len: int, vocab: int, seed: int) -> list[dict]:
-    """Token data of exactly `seq_len` per row (DPO/reward: half prompt, half completion)."""
+    """Token data of exactly `seq_len` per row (DPO/reward: half prompt, half completion; with
+    DPO prefix sharing a row holds the prompt and both completions)."""
     rng = np.random.default_rng(seed)
 
     def ids(length):
@@ -141,6 +142,8 @@ def build(argv: list[str]) -> tuple[Any, dict, str]:
     }[algo]
     trainer = cls(model=hf_config, args=args, processing_class=tok)
     trainer.seq_len = opts["seq_len"]
+    if algo == "dpo" and args.prefix_sharing:  # one row holds the prompt and both completions
+        trainer.seq_len += opts["seq_len"] - opts["seq_len"] // 2
     opts["vocab"] = hf_config.vocab_size
     return trainer, opts, algo
 
@@ -183,7 +186,12 @@ def run(argv: list[str]) -> dict:
     step_s = (time.perf_counter() - t0) / opts["steps"]
     compile_s = max(first_call_s - step_s, 0.0)  # tracing + XLA compile of the first call
 
-    tokens = int(host["attention_mask"].sum()) * jax.process_count()
+    # Tokens the model runs per step; `tokens` counts them as TRL does (a DPO prompt once per
+    # completion), so tokens/s compares across layouts and with TRL; MFU uses what actually ran.
+    computed = int(host["attention_mask"].sum()) * jax.process_count()
+    tokens = computed
+    if "branch_ids" in host:  # DPO prefix sharing: the prompt ran once for both completions
+        tokens += int((host["branch_ids"] == 1).sum()) * jax.process_count()
     seq_len = host["input_ids"].shape[-1]
     # Training FLOPs: 6N per token (+ attention) for the policy; DPO adds the reference forward
     # (a third of that); forward-only is fwd+bwd = the same 6N without the optimizer.
@@ -193,7 +201,7 @@ def run(argv: list[str]) -> dict:
     devices = jax.devices()
     peak = peak_flops(devices[0])
     tps = tokens / step_s
-    mfu = (fpt * tps / (peak * len(devices))) if peak else None
+    mfu = (fpt * computed / step_s / (peak * len(devices))) if peak else None
     peak_bytes, peak_src = _peak_bytes()
     return {
         "algo": algo,
@@ -207,11 +215,13 @@ def run(argv: list[str]) -> dict:
         "device_kind": devices[0].device_kind,
         "mfu": mfu,
         "tokens_per_step": tokens,
+        "computed_tokens_per_step": computed,
         "seq_len": seq_len,
         "global_batch": n,
         "preset": opts["preset"],
         "compute_dtype": jnp.dtype(trainer.compute_dtype).name,
         "scan_layers": a.scan_layers,
+        "prefix_sharing": getattr(a, "prefix_sharing", None),
         "steps": opts["steps"],
     }
 

@@ -448,6 +448,10 @@ class DPOConfig(TrainingConfig):
     dataset_num_proc: int | None = None
     # jaxrl: store the frozen reference weights as int8 to halve/quarter their memory.
     ref_model_quantization: str | None = None
+    # jaxrl: run each pair as one row `prompt + chosen + rejected` with a prefix-tree attention
+    # mask (https://huggingface.co/papers/2410.20305), so the prompt is computed once, not twice.
+    # Same log-probs as the two-row layout; fewer tokens when prompts are long.
+    prefix_sharing: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

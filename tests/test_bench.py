@@ -53,3 +53,8 @@ def test_last_line_is_the_json_contract(capsys, argv):
     assert result["algo"] == argv[1] and result["devices"] == 8
     assert result["step_s"] > 0 and result["tokens_per_sec"] > 0 and result["peak_bytes"] > 0
     assert result["mfu"] is None  # CPU: peak FLOP/s unknown
+    if argv[1] == "dpo":  # the embedded DPO config shares each prompt between the completions
+        assert result["prefix_sharing"] is True
+        # 8 pairs of 8 prompt + 8 + 8 completion tokens: TRL would count 8 * 32 tokens.
+        assert result["computed_tokens_per_step"] == 8 * 24
+        assert result["tokens_per_step"] == 8 * 32

@@ -2,7 +2,14 @@
 
 from jaxrl.data.batching import BatchIterator
 from jaxrl.data.char_tokenizer import build_char_tokenizer
-from jaxrl.data.collate import choose_seq_len, collate_preference, collate_reward, collate_sft
+from jaxrl.data.collate import (
+    choose_seq_len,
+    collate_preference,
+    collate_preference_shared,
+    collate_reward,
+    collate_sft,
+    prefix_tree_mask,
+)
 from jaxrl.data.formats import extract_prompt, is_conversational
 from jaxrl.data.loading import load_dataset_any
 from jaxrl.data.packing import pack_bfd, pack_wrapped
@@ -15,6 +22,7 @@ __all__ = [
     "build_char_tokenizer",
     "choose_seq_len",
     "collate_preference",
+    "collate_preference_shared",
     "collate_reward",
     "collate_sft",
     "extract_prompt",
@@ -24,5 +32,6 @@ __all__ = [
     "pack_wrapped",
     "prepare_preference_dataset",
     "prepare_reward_dataset",
+    "prefix_tree_mask",
     "prepare_sft_dataset",
 ]

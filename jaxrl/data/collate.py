@@ -115,6 +115,73 @@ def collate_preference(
     return _rows_to_batch(ids, trained, seq_len, pad_token_id)
 
 
+def collate_preference_shared(
+    examples: Sequence[Example], seq_len: int, pad_token_id: int
+) -> dict[str, np.ndarray]:
+    """DPO batch with prefix sharing, `[B, seq_len]`: one row `prompt + chosen + rejected` per pair.
+
+    The prompt is run once per pair instead of twice. Keys: `input_ids`, `targets` (the usual
+    shift), `attention_mask` (real tokens), `positions` (the rejected branch restarts right after
+    the prompt, so each branch sees the positions it has in its own `prompt + completion` row),
+    `branch_ids` (0 pad, 1 prompt, 2 chosen, 3 rejected: a query sees earlier keys of its own
+    branch and of the prompt, never the other completion), `source_index` (the position whose
+    hidden state scores `targets[t]`: `t`, except the slot of the first rejected token, scored
+    from the last prompt token) and float32 `chosen_mask` / `rejected_mask` (the scored slots).
+    Summing `log_probs * chosen_mask` over a row equals the completion log-prob of the
+    `prompt + chosen` row of `collate_preference`.
+    """
+    n = len(examples)
+    input_ids = np.full((n, seq_len), pad_token_id, dtype=np.int32)
+    positions = np.zeros((n, seq_len), dtype=np.int32)
+    branch_ids = np.zeros((n, seq_len), dtype=np.int32)
+    source_index = np.tile(np.arange(seq_len, dtype=np.int32), (n, 1))
+    chosen_mask = np.zeros((n, seq_len), dtype=np.float32)
+    rejected_mask = np.zeros((n, seq_len), dtype=np.float32)
+    for b, ex in enumerate(examples):
+        prompt = list(ex["prompt_input_ids"])
+        chosen, rejected = list(ex["chosen_input_ids"]), list(ex["rejected_input_ids"])
+        p, c, r = len(prompt), len(chosen), len(rejected)
+        if p + c + r > seq_len:
+            raise ValueError(
+                f"A prefix-shared pair has {p + c + r} tokens (prompt {p} + chosen {c} + "
+                f"rejected {r}) but the batch length is {seq_len}; pick seq_len from the "
+                "longest prompt + chosen + rejected."
+            )
+        input_ids[b, : p + c + r] = prompt + chosen + rejected
+        positions[b, : p + c] = np.arange(p + c)
+        positions[b, p + c : p + c + r] = np.arange(p, p + r)
+        branch_ids[b, :p] = 1
+        branch_ids[b, p : p + c] = 2
+        branch_ids[b, p + c : p + c + r] = 3
+        if p == 0:  # no token precedes the first completion token: it is not scored
+            chosen_mask[b, : max(c - 1, 0)] = 1.0
+            rejected_mask[b, c : c + max(r - 1, 0)] = 1.0
+            continue
+        chosen_mask[b, p - 1 : p + c - 1] = 1.0
+        rejected_mask[b, p + c - 1 : p + c + r - 1] = 1.0
+        if r:
+            source_index[b, p + c - 1] = p - 1
+    targets = np.full_like(input_ids, pad_token_id)
+    targets[:, :-1] = input_ids[:, 1:]
+    return {
+        "input_ids": input_ids,
+        "targets": targets,
+        "attention_mask": (branch_ids > 0).astype(np.int32),
+        "positions": positions,
+        "branch_ids": branch_ids,
+        "source_index": source_index,
+        "chosen_mask": chosen_mask,
+        "rejected_mask": rejected_mask,
+    }
+
+
+def prefix_tree_mask(branch_ids_BT):
+    """[B, T, S] bool key visibility of a prefix-shared row (causality is added by the kernel):
+    real keys of the query's own branch or of the shared prompt. Works on numpy and jax arrays."""
+    q_BT1, k_B1S = branch_ids_BT[:, :, None], branch_ids_BT[:, None, :]
+    return (k_B1S > 0) & ((k_B1S == q_BT1) | (k_B1S == 1))
+
+
 def collate_reward(
     examples: Sequence[Example], seq_len: int, pad_token_id: int
 ) -> dict[str, np.ndarray]:

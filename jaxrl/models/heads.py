@@ -26,6 +26,11 @@ def last_token_index(attention_mask_BT: jax.Array | None, seq_len: int, batch: i
     """[B] index of the last position with attention_mask == 1 (T - 1 without a mask)."""
     if attention_mask_BT is None:
         return jnp.full((batch,), seq_len - 1, dtype=jnp.int32)
+    if attention_mask_BT.ndim != 2:
+        raise ValueError(
+            "Sequence scores are read at the last real token of a [B, T] padding mask; an "
+            f"explicit attention mask of shape {attention_mask_BT.shape} does not say which it is."
+        )
     idx_BT = jnp.arange(seq_len, dtype=jnp.int32)[None, :] * (attention_mask_BT != 0)
     return jnp.max(idx_BT, axis=1)
 

@@ -225,8 +225,14 @@ def default_positions(
 
     With `segment_ids`: restart at 0 at each new segment. With `attention_mask`:
     cumsum(mask) - 1 clipped at 0, so left- and right-padded real tokens get the same positions.
-    Otherwise 0..T-1.
+    Otherwise 0..T-1. An explicit [B, T, S] attention mask (custom layouts) has no implied
+    positions: the caller must pass them.
     """
+    if attention_mask_BT is not None and attention_mask_BT.ndim != 2:
+        raise ValueError(
+            "An explicit [B, T, S] attention mask needs explicit `positions` (they cannot be "
+            "inferred from it); pass positions=..."
+        )
     idx_T = jnp.arange(seq_len, dtype=jnp.int32)
     if segment_ids_BT is not None:
         prev_BT = jnp.pad(segment_ids_BT[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
@@ -274,21 +280,40 @@ def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax
 
 
 def attention_mask_BTS(
-    attention_mask_BT: jax.Array | None, segment_ids_BT: jax.Array | None
+    attention_mask: jax.Array | None, segment_ids_BT: jax.Array | None
 ) -> jax.Array | None:
     """[B, 1, T, S] bool: which keys each query may see (causality is added by the kernel).
 
-    Tokens see only keys of their own segment (padding = segment 0). Every query also sees
-    itself, so padding rows are never fully masked (no NaN on any backend).
+    `attention_mask` is either the usual [B, T] padding mask, or (as HF's custom 4D masks) an
+    explicit key-visibility mask [B, T, S] / [B, 1, T, S] for layouts such as DPO prefix
+    sharing; an explicit mask is used as given (with `segment_ids` it is intersected with
+    same-segment visibility). Tokens see only keys of their own segment (padding = segment 0).
+    Every query also sees itself, so padding rows are never fully masked (no NaN on any backend).
     """
-    if segment_ids_BT is None and attention_mask_BT is None:
+    if segment_ids_BT is None and attention_mask is None:
         return None
-    seg_BT = segment_ids_BT if segment_ids_BT is not None else attention_mask_BT
-    if segment_ids_BT is not None and attention_mask_BT is not None:
-        seg_BT = jnp.where(attention_mask_BT.astype(bool), segment_ids_BT, 0)
+    explicit_B1TS = None
+    if attention_mask is not None and attention_mask.ndim in (3, 4):
+        explicit_B1TS = attention_mask.astype(bool)
+        if explicit_B1TS.ndim == 3:
+            explicit_B1TS = explicit_B1TS[:, None]
+        seq_len = explicit_B1TS.shape[-1]
+        eye_11TS = jnp.eye(seq_len, dtype=bool)[None, None]
+        if segment_ids_BT is None:
+            return explicit_B1TS | eye_11TS
+        attention_mask = None
+    elif attention_mask is not None and attention_mask.ndim != 2:
+        raise ValueError(
+            f"attention_mask must be [B, T] (padding) or [B, T, S] / [B, 1, T, S] (explicit); got "
+            f"shape {attention_mask.shape}."
+        )
+    seg_BT = segment_ids_BT if segment_ids_BT is not None else attention_mask
+    if segment_ids_BT is not None and attention_mask is not None:
+        seg_BT = jnp.where(attention_mask.astype(bool), segment_ids_BT, 0)
     same_BTS = seg_BT[:, :, None] == seg_BT[:, None, :]
     seq_len = seg_BT.shape[1]
-    return (same_BTS | jnp.eye(seq_len, dtype=bool)[None])[:, None]
+    mask_B1TS = (same_BTS | jnp.eye(seq_len, dtype=bool)[None])[:, None]
+    return mask_B1TS if explicit_B1TS is None else mask_B1TS & explicit_B1TS
 
 
 def dot_product_attention(

@@ -23,7 +23,12 @@ from jax.experimental import multihost_utils
 
 from jaxrl.config import DPOConfig
 from jaxrl.core import quant
-from jaxrl.data.collate import collate_preference
+from jaxrl.core.logprobs import token_logprobs
+from jaxrl.data.collate import (
+    collate_preference,
+    collate_preference_shared,
+    prefix_tree_mask,
+)
 from jaxrl.data.preference import prepare_preference_dataset
 from jaxrl.losses.dpo import dpo_multi_loss
 from jaxrl.trainers.base import Trainer
@@ -37,12 +42,59 @@ def pairs_to_rows(mb: dict) -> dict:
     return {k: jnp.concatenate([v[:, 0], v[:, 1]], axis=0) for k, v in mb.items() if v.ndim >= 2}
 
 
-def sequence_logps(model, rows: dict, chunk: int, with_stats: bool):
-    """Summed completion log-probs [2B] (and per-token stats) of collated preference rows."""
-    out = lm_forward(model, rows, chunk, with_stats)
-    logps_BT, stats = out if with_stats else (out, None)
-    mask_BT = rows["loss_mask"]
-    return jnp.sum(logps_BT * mask_BT, axis=-1), stats
+def shared_token_logps(model, mb: dict, chunk: int, with_stats: bool):
+    """Per-slot log-probs [B, T] (and stats) of prefix-shared rows (`collate_preference_shared`).
+
+    One forward over `prompt + chosen + rejected` with the prefix-tree mask; the slot of the
+    first rejected token takes its hidden state from the last prompt token (`source_index`).
+    """
+    mask_BTS = prefix_tree_mask(mb["branch_ids"])
+    h_BTD = model.hidden_states(mb["input_ids"], mask_BTS, mb["positions"], None)
+    h_BTD = jnp.take_along_axis(h_BTD, mb["source_index"][..., None], axis=1)
+    return token_logprobs(
+        h_BTD, model.unembed_weight(), mb["targets"], chunk_size=chunk, with_stats=with_stats
+    )
+
+
+def pair_logps(model, mb: dict, chunk: int, with_stats: bool) -> dict:
+    """Per-pair quantities of a DPO micro-batch in either layout, all [B]: `chosen`/`rejected`
+    summed completion log-probs and token counts, and (with stats) per-pair sums over the
+    scored tokens of `logits/*` (mean logit), `argmax_correct/chosen` and `entropy/*`."""
+    if "branch_ids" in mb:  # prefix-shared rows [B, T]
+        out = shared_token_logps(model, mb, chunk, with_stats)
+        logps_BT, stats = out if with_stats else (out, None)
+        masks = {"chosen": mb["chosen_mask"], "rejected": mb["rejected_mask"]}
+        per_side = {side: (logps_BT, stats, m) for side, m in masks.items()}
+    else:  # pair rows [B, 2, T]
+        rows = pairs_to_rows(mb)
+        out = lm_forward(model, rows, chunk, with_stats)
+        logps_2BT, stats_2B = out if with_stats else (out, None)
+        b = logps_2BT.shape[0] // 2
+        halves = {"chosen": slice(None, b), "rejected": slice(b, None)}
+        per_side = {
+            side: (
+                logps_2BT[sl],
+                None if stats_2B is None else {k: v[sl] for k, v in stats_2B.items()},
+                rows["loss_mask"][sl],
+            )
+            for side, sl in halves.items()
+        }
+    res = {}
+    for side, (logps_BT, stats, mask_BT) in per_side.items():
+        res[side] = jnp.sum(logps_BT * mask_BT, axis=-1)
+        res[f"tokens/{side}"] = jnp.sum(mask_BT, axis=-1)
+        if with_stats:
+            res[f"logits/{side}"] = jnp.sum(stats["logit_mean"] * mask_BT, axis=-1)
+            res[f"argmax_correct/{side}"] = jnp.sum(stats["argmax_correct"] * mask_BT, axis=-1)
+            res[f"entropy/{side}"] = jnp.sum(stats["entropy"] * mask_BT, axis=-1)
+    return res
+
+
+def num_pair_tokens(mb: dict) -> jax.Array:
+    """Tokens of the pairs as TRL counts them (prompt once per completion), in either layout."""
+    if "branch_ids" in mb:
+        return jnp.sum(mb["attention_mask"]) + jnp.sum(mb["branch_ids"] == 1)
+    return jnp.sum(mb["attention_mask"])
 
 
 class DPOTrainer(Trainer):
@@ -58,6 +110,14 @@ class DPOTrainer(Trainer):
         self._explicit_ref = None
         if ref_model is not None and not args.precompute_ref_log_probs:
             self._explicit_ref = self._load_model(ref_model, task="causal_lm")
+        if args.prefix_sharing:
+            for m in (self.model, self._explicit_ref):
+                if m is not None and any(m.config.sliding_layers):
+                    raise ValueError(
+                        "prefix_sharing=True is not supported for sliding-window attention "
+                        "models (the window would count the other completion's tokens); set "
+                        "prefix_sharing=False."
+                    )
         if args.precompute_ref_log_probs:
             self._precompute_all()
         if args.sync_ref_model:
@@ -101,16 +161,26 @@ class DPOTrainer(Trainer):
         p, c, r = (
             dataset[k] for k in ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
         )
+        if self.args.prefix_sharing:
+            return [len(pi) + len(ci) + len(ri) for pi, ci, ri in zip(p, c, r)]
         return [len(pi) + max(len(ci), len(ri)) for pi, ci, ri in zip(p, c, r)]
+
+    def _max_length(self) -> int | None:
+        # Each prompt + completion is already cut to max_length; a prefix-shared row holds two
+        # completions, so its static length is the longest prompt + chosen + rejected, uncapped.
+        return None if self.args.prefix_sharing else super()._max_length()
 
     def _pad_id(self) -> int:
         v = self.args.padding_value
         return self.processing_class.pad_token_id if v is None else v
 
     def _collate(self, examples: list[dict]) -> dict[str, np.ndarray]:
-        rows = collate_preference(examples, self.seq_len, self._pad_id())
-        b = len(examples)
-        batch = {k: np.stack([v[:b], v[b:]], axis=1) for k, v in rows.items()}
+        if self.args.prefix_sharing:
+            batch = collate_preference_shared(examples, self.seq_len, self._pad_id())
+        else:
+            rows = collate_preference(examples, self.seq_len, self._pad_id())
+            b = len(examples)
+            batch = {k: np.stack([v[:b], v[b:]], axis=1) for k, v in rows.items()}
         if "ref_chosen_logps" in examples[0]:  # precomputed reference log-probs
             batch["ref_logps"] = np.asarray(
                 [[ex["ref_chosen_logps"], ex["ref_rejected_logps"]] for ex in examples], np.float32
@@ -137,10 +207,10 @@ class DPOTrainer(Trainer):
         graphdef = self._ref_graphdef if self._ref_graphdef is not None else self.graphdef
         return nnx.merge(graphdef, ref_params)
 
-    def _ref_seq_logps(self, state, rows):
+    def _ref_pair_logps(self, state, mb) -> tuple[jax.Array, jax.Array]:
         model = self.ref_model_apply(state.ref_params)
-        logps, _ = sequence_logps(model, rows, self.args.logprob_chunk_size, with_stats=False)
-        return jax.lax.stop_gradient(logps)
+        out = pair_logps(model, mb, self.args.logprob_chunk_size, with_stats=False)
+        return jax.lax.stop_gradient(out["chosen"]), jax.lax.stop_gradient(out["rejected"])
 
     # ----------------------------------------------------------------- loss
     def _loss_fn(self):
@@ -149,37 +219,32 @@ class DPOTrainer(Trainer):
         loss_types = a.loss_type if isinstance(a.loss_type, list) else [a.loss_type]
 
         def loss_fn(params, state, mb, rng, extras):
-            rows = pairs_to_rows(mb)
             model = self.apply_model(params)
-            logps_2B, stats = sequence_logps(model, rows, chunk, with_stats=True)
-            b = logps_2B.shape[0] // 2
-            mask_2BT = rows["loss_mask"]
-            lengths_2B = jnp.sum(mask_2BT, axis=-1)
+            out = pair_logps(model, mb, chunk, with_stats=True)
+            logps_c, logps_r = out["chosen"], out["rejected"]
             if a.precompute_ref_log_probs:
-                ref_2B = jnp.concatenate([mb["ref_logps"][:, 0], mb["ref_logps"][:, 1]])
+                ref_c, ref_r = mb["ref_logps"][:, 0], mb["ref_logps"][:, 1]
             elif a.reference_free:
-                ref_2B = jnp.zeros_like(logps_2B)
+                ref_c, ref_r = jnp.zeros_like(logps_c), jnp.zeros_like(logps_r)
             else:
-                ref_2B = self._ref_seq_logps(state, rows)
+                ref_c, ref_r = self._ref_pair_logps(state, mb)
             losses_B, cr_B, rr_B = dpo_multi_loss(
-                logps_2B[:b],
-                logps_2B[b:],
-                ref_2B[:b],
-                ref_2B[b:],
+                logps_c,
+                logps_r,
+                ref_c,
+                ref_r,
                 loss_types=loss_types,
                 loss_weights=a.loss_weights,
                 beta=a.beta,
                 label_smoothing=a.label_smoothing,
-                chosen_lengths=lengths_2B[:b],
-                rejected_lengths=lengths_2B[b:],
+                chosen_lengths=out["tokens/chosen"],
+                rejected_lengths=out["tokens/rejected"],
                 discopop_tau=a.discopop_tau,
                 reference_free=a.reference_free,
             )
             w_B = mb["example_mask"] if "example_mask" in mb else jnp.ones_like(losses_B)
-            w_2B = jnp.concatenate([w_B, w_B])
-            tok_2BT = mask_2BT * w_2B[:, None]
             n = jnp.sum(w_B)
-            n_c, n_r = jnp.sum(tok_2BT[:b]), jnp.sum(tok_2BT[b:])
+            n_c, n_r = jnp.sum(out["tokens/chosen"] * w_B), jnp.sum(out["tokens/rejected"] * w_B)
             loss_sum = jnp.sum(losses_B * w_B)
             sums = {
                 "loss": loss_sum,
@@ -187,12 +252,12 @@ class DPOTrainer(Trainer):
                 "rewards/rejected": jnp.sum(rr_B * w_B),
                 "rewards/accuracies": jnp.sum((cr_B > rr_B) * w_B),
                 "rewards/margins": jnp.sum((cr_B - rr_B) * w_B),
-                "logps/chosen": jnp.sum(logps_2B[:b] * w_B),
-                "logps/rejected": jnp.sum(logps_2B[b:] * w_B),
-                "logits/chosen": jnp.sum(stats["logit_mean"][:b] * tok_2BT[:b]),
-                "logits/rejected": jnp.sum(stats["logit_mean"][b:] * tok_2BT[b:]),
-                "mean_token_accuracy": jnp.sum(stats["argmax_correct"][:b] * tok_2BT[:b]),
-                "entropy": jnp.sum(stats["entropy"] * tok_2BT),
+                "logps/chosen": jnp.sum(logps_c * w_B),
+                "logps/rejected": jnp.sum(logps_r * w_B),
+                "logits/chosen": jnp.sum(out["logits/chosen"] * w_B),
+                "logits/rejected": jnp.sum(out["logits/rejected"] * w_B),
+                "mean_token_accuracy": jnp.sum(out["argmax_correct/chosen"] * w_B),
+                "entropy": jnp.sum((out["entropy/chosen"] + out["entropy/rejected"]) * w_B),
             }
             counts = {k: n for k in sums}
             counts.update(
@@ -206,7 +271,7 @@ class DPOTrainer(Trainer):
             aux = {
                 "sum": sums,
                 "count": counts,
-                "total": {"num_tokens": jnp.sum(rows["attention_mask"]).astype(jnp.float32)},
+                "total": {"num_tokens": num_pair_tokens(mb).astype(jnp.float32)},
             }
             return loss_sum, (aux, extras)
 
@@ -216,14 +281,20 @@ class DPOTrainer(Trainer):
         chunk = self.args.logprob_chunk_size
 
         def predict(params, batch_A):
-            rows = pairs_to_rows({k: v[0] for k, v in batch_A.items()})
-            b = rows["input_ids"].shape[0] // 2
-            chosen = {k: v[:b] for k, v in rows.items()}
+            mb = {k: v[0] for k, v in batch_A.items()}
             model = self.apply_model(params)
-            _, stats = lm_forward(model, chosen, chunk, with_stats=True)
-            preds = stats["argmax"]
-            labels = jnp.where(chosen["loss_mask"] > 0, chosen["targets"], -100)
-            return preds, labels
+            if "branch_ids" in mb:  # prefix-shared rows: score the chosen slots
+                _, stats = shared_token_logps(model, mb, chunk, with_stats=True)
+                mask_BT = mb["chosen_mask"]
+                targets_BT = mb["targets"]
+            else:
+                rows = pairs_to_rows(mb)
+                b = rows["input_ids"].shape[0] // 2
+                chosen = {k: v[:b] for k, v in rows.items()}
+                _, stats = lm_forward(model, chosen, chunk, with_stats=True)
+                mask_BT, targets_BT = chosen["loss_mask"], chosen["targets"]
+            labels = jnp.where(mask_BT > 0, targets_BT, -100)
+            return stats["argmax"], labels
 
         return predict
 
@@ -237,6 +308,7 @@ class DPOTrainer(Trainer):
                     "ref": str(self._ref_model_arg),
                     "seq_len": self.seq_len,
                     "chunk": self.args.logprob_chunk_size,
+                    "prefix_sharing": self.args.prefix_sharing,
                     "dtype": str(self.compute_dtype),
                     "data": dataset._fingerprint,
                 },
@@ -254,11 +326,8 @@ class DPOTrainer(Trainer):
 
         @jax.jit
         def ref_logps(params, batch):
-            rows = pairs_to_rows(batch)
-            model = nnx.merge(graphdef, params)
-            logps, _ = sequence_logps(model, rows, chunk, with_stats=False)
-            b = logps.shape[0] // 2
-            return jnp.stack([logps[:b], logps[b:]], axis=1)
+            out = pair_logps(nnx.merge(graphdef, params), batch, chunk, with_stats=False)
+            return jnp.stack([out["chosen"], out["rejected"]], axis=1)
 
         bs = (
             self.args.precompute_ref_batch_size or self.args.per_device_train_batch_size

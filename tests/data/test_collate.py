@@ -3,7 +3,14 @@
 import numpy as np
 import pytest
 
-from jaxrl.data import choose_seq_len, collate_preference, collate_reward, collate_sft
+from jaxrl.data import (
+    choose_seq_len,
+    collate_preference,
+    collate_preference_shared,
+    collate_reward,
+    collate_sft,
+    prefix_tree_mask,
+)
 
 
 def test_collate_sft_alignment_hand_computed():
@@ -80,3 +87,32 @@ def test_choose_seq_len():
     assert choose_seq_len([16], max_length=None, multiple_of=16) == 16
     with pytest.raises(ValueError, match="empty"):
         choose_seq_len([], max_length=8)
+
+
+def test_collate_preference_shared_layout_hand_computed():
+    ex = {"prompt_input_ids": [5, 6], "chosen_input_ids": [7, 1], "rejected_input_ids": [8, 9, 1]}
+    b = collate_preference_shared([ex], seq_len=8, pad_token_id=0)
+    np.testing.assert_array_equal(b["input_ids"], [[5, 6, 7, 1, 8, 9, 1, 0]])
+    np.testing.assert_array_equal(b["positions"], [[0, 1, 2, 3, 2, 3, 4, 0]])
+    np.testing.assert_array_equal(b["branch_ids"], [[1, 1, 2, 2, 3, 3, 3, 0]])
+    np.testing.assert_array_equal(b["attention_mask"], [[1, 1, 1, 1, 1, 1, 1, 0]])
+    # Slot t scores targets[t] from the hidden state at source_index[t]: the chosen tokens 7, 1
+    # from slots 1, 2; the first rejected token 8 from the last prompt token (slot 3 <- 1).
+    np.testing.assert_array_equal(b["targets"], [[6, 7, 1, 8, 9, 1, 0, 0]])
+    np.testing.assert_array_equal(b["source_index"], [[0, 1, 2, 1, 4, 5, 6, 7]])
+    np.testing.assert_array_equal(b["chosen_mask"], [[0, 1, 1, 0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(b["rejected_mask"], [[0, 0, 0, 1, 1, 1, 0, 0]])
+    visible = prefix_tree_mask(b["branch_ids"])[0]
+    assert visible[5, :2].all() and visible[5, 4:6].all()  # rejected sees prompt + itself
+    assert not visible[5, 2:4].any() and not visible[3, 4:].any()  # never the other branch
+    assert not visible[:, 7].any()  # nor padding
+
+    # Same scored tokens as the two-row layout, and no prompt: first tokens are not scored.
+    rows = collate_preference([ex], seq_len=8, pad_token_id=0)
+    assert rows["loss_mask"][0].sum() == b["chosen_mask"].sum()
+    assert rows["loss_mask"][1].sum() == b["rejected_mask"].sum()
+    no_prompt = collate_preference_shared([{**ex, "prompt_input_ids": []}], 8, 0)
+    np.testing.assert_array_equal(no_prompt["chosen_mask"], [[1, 0, 0, 0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(no_prompt["rejected_mask"], [[0, 0, 1, 1, 0, 0, 0, 0]])
+    with pytest.raises(ValueError, match="prompt 2 \\+ chosen 2 \\+ rejected 3"):
+        collate_preference_shared([ex], seq_len=6, pad_token_id=0)

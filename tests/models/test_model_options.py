@@ -172,3 +172,30 @@ def test_from_config_init_like_hf():
         )
         > 0
     )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+def test_prefix_tree_mask_matches_separate_sequences(family, hf_causal):
+    """DPO prefix sharing: one row prompt + chosen + rejected under an explicit [B, T, S] mask
+    gives each branch the logits of its own prompt + completion row."""
+    from jaxrl.data.collate import collate_preference_shared, prefix_tree_mask
+
+    model = from_pretrained(hf_causal(family).path)
+    rng = np.random.default_rng(1)
+    p, c, r = (rng.integers(3, 128, n).tolist() for n in (4, 3, 5))
+    shared = collate_preference_shared(
+        [{"prompt_input_ids": p, "chosen_input_ids": c, "rejected_input_ids": r}], 14, 0
+    )
+    mask = jnp.asarray(prefix_tree_mask(shared["branch_ids"]))
+    got = np.asarray(
+        model(jnp.asarray(shared["input_ids"]), mask, jnp.asarray(shared["positions"]))
+    )[0]
+    chosen = np.asarray(model(jnp.asarray([p + c])))[0]
+    rejected = np.asarray(model(jnp.asarray([p + r])))[0]
+    np.testing.assert_allclose(got[:7], chosen, atol=1e-5)
+    np.testing.assert_allclose(got[7:12], rejected[4:], atol=1e-5)
+    # Without the mask the rejected branch would attend to the chosen tokens and differ.
+    unmasked = np.asarray(model(jnp.asarray(shared["input_ids"]), None, shared["positions"]))
+    assert np.abs(unmasked[0, 7:12] - rejected[4:]).max() > 1e-3
+    with pytest.raises(ValueError, match="explicit `positions`"):
+        model(jnp.asarray(shared["input_ids"]), mask)

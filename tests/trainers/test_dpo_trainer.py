@@ -39,8 +39,10 @@ def dpo(tmp_path, model, tokenizer, data, eval_data=None, callbacks=None, **kw):
     return trainer, train_logs(trainer)
 
 
-def test_matches_trl_dpo_trainer(tmp_path, tokenizer, hf_model_dir, pref_data):
-    """A few full-batch f32 steps: same losses, rewards and log-probs as TRL."""
+@pytest.mark.parametrize("prefix_sharing", [False, True])
+def test_matches_trl_dpo_trainer(tmp_path, tokenizer, hf_model_dir, pref_data, prefix_sharing):
+    """A few full-batch f32 steps: same losses, rewards and log-probs as TRL (also when jaxrl
+    runs each pair as one prefix-shared row)."""
     import torch
     import trl
     from transformers import AutoModelForCausalLM
@@ -84,6 +86,7 @@ def test_matches_trl_dpo_trainer(tmp_path, tokenizer, hf_model_dir, pref_data):
             )
         },
         max_prompt_length=32,
+        prefix_sharing=prefix_sharing,
     )
     assert len(ours) == len(theirs) == 3
     for step, (o, t) in enumerate(zip(ours, theirs)):
@@ -134,8 +137,18 @@ def test_int8_reference_close_to_full_precision(tmp_path, tokenizer, hf_model_di
     np.testing.assert_allclose(q_logs[0]["loss"], full_logs[0]["loss"], atol=5e-3)
 
 
-def test_precomputed_reference_equals_live_reference(tmp_path, tokenizer, hf_model_dir, pref_data):
-    _, live = dpo(tmp_path / "live", hf_model_dir, tokenizer, pref_data[0], max_steps=2)
+@pytest.mark.parametrize("prefix_sharing", [False, True])
+def test_precomputed_reference_equals_live_reference(
+    tmp_path, tokenizer, hf_model_dir, pref_data, prefix_sharing
+):
+    _, live = dpo(
+        tmp_path / "live",
+        hf_model_dir,
+        tokenizer,
+        pref_data[0],
+        max_steps=2,
+        prefix_sharing=prefix_sharing,
+    )
     pre, pre_logs = dpo(
         tmp_path / "pre",
         hf_model_dir,
@@ -143,6 +156,7 @@ def test_precomputed_reference_equals_live_reference(tmp_path, tokenizer, hf_mod
         pref_data[0],
         max_steps=2,
         precompute_ref_log_probs=True,
+        prefix_sharing=prefix_sharing,
     )
     assert pre.train_state.ref_params is None  # no reference weights held during training
     cache = os.listdir(tmp_path / "pre" / "ref_logps_cache")
@@ -321,3 +335,76 @@ def test_same_metrics_with_accumulation_and_on_a_2x2x2_mesh(
         for b, o in zip(base, other):
             for key in keys:
                 np.testing.assert_allclose(o[key], b[key], rtol=5e-5, atol=1e-7, err_msg=key)
+
+
+def test_prefix_sharing_same_metrics_as_two_rows(tmp_path, tokenizer, hf_model_dir, pref_data):
+    """One prefix-shared row per pair gives the two-row layout's train and eval metrics and
+    compute_metrics predictions, also on a 2x2x2 mesh; rows are shorter. (RPO's `sft` term is
+    a batch token mean, so it is compared without gradient accumulation.)"""
+    from jaxrl.train import task_compute_metrics
+
+    runs = {}
+    for name, extra in {
+        "rows": {},
+        "shared": {"prefix_sharing": True},
+        "shared_mesh": dict(
+            prefix_sharing=True,
+            per_device_train_batch_size=2,
+            per_device_eval_batch_size=2,
+            mesh_data=2,
+            mesh_fsdp=2,
+            mesh_tensor=2,
+        ),
+    }.items():
+        args = DPOConfig(
+            **base_args(tmp_path / name, max_steps=2, loss_type=["sigmoid", "sft"], **extra)
+        )
+        trainer = DPOTrainer(
+            hf_model_dir,
+            args=args,
+            train_dataset=pref_data[0],
+            eval_dataset=pref_data[1],
+            processing_class=tokenizer,
+            compute_metrics=task_compute_metrics,
+        )
+        trainer.train()
+        runs[name] = (trainer, train_logs(trainer), trainer.evaluate())
+    rows_trainer, rows_logs, rows_eval = runs["rows"]
+    assert runs["shared"][0].seq_len < 2 * rows_trainer.seq_len
+    keys = (*TRL_METRICS, "grad_norm", "num_tokens", "entropy", "mean_token_accuracy")
+    for name in ("shared", "shared_mesh"):
+        _, logs, evals = runs[name]
+        for b, o in zip(rows_logs, logs):
+            for key in keys:
+                np.testing.assert_allclose(o[key], b[key], rtol=5e-5, atol=1e-6, err_msg=key)
+        assert set(evals) == set(rows_eval)
+        assert "eval_task_accuracy" in evals
+        for key, want in rows_eval.items():
+            np.testing.assert_allclose(evals[key], want, rtol=5e-5, atol=1e-6, err_msg=key)
+
+
+def test_prefix_sharing_rejects_sliding_window_models(tmp_path, tokenizer):
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = tiny_config().to_dict()
+    cfg = {
+        k: cfg[k]
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "pad_token_id",
+        )
+    }
+    MistralForCausalLM(MistralConfig(**cfg, sliding_window=4)).save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match="prefix_sharing=False"):
+        DPOTrainer(
+            str(tmp_path / "m"),
+            args=DPOConfig(**base_args(tmp_path / "o", prefix_sharing=True)),
+            processing_class=tokenizer,
+        )
