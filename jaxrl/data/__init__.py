@@ -30,8 +30,8 @@ __all__ = [
     "load_dataset_any",
     "pack_bfd",
     "pack_wrapped",
+    "prefix_tree_mask",
     "prepare_preference_dataset",
     "prepare_reward_dataset",
-    "prefix_tree_mask",
     "prepare_sft_dataset",
 ]
