@@ -374,6 +374,7 @@ def test_prefix_sharing_same_metrics_as_two_rows(tmp_path, tokenizer, hf_model_d
     keys = (*TRL_METRICS, "grad_norm", "num_tokens", "entropy", "mean_token_accuracy")
     for name in ("shared", "shared_mesh"):
         _, logs, evals = runs[name]
+        assert len(logs) == len(rows_logs) == 2
         for b, o in zip(rows_logs, logs):
             for key in keys:
                 np.testing.assert_allclose(o[key], b[key], rtol=5e-5, atol=1e-6, err_msg=key)
