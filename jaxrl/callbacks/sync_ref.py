@@ -1,45 +1,54 @@
-"""SyncRefModelCallback: TR-DPO soft reference updates as one jitted, donated `tree_map`.
+"""SyncRefModelCallback: TR-DPO soft reference updates, run inside the jitted train step.
 
 Every `ref_model_sync_steps` optimizer steps, `ref <- alpha * policy + (1 - alpha) * ref` with
-`alpha = ref_model_mixup_alpha` (TRL `SyncRefModelCallback`). The update runs on the sharded
-params where they live (no gather to one device); an int8 reference is dequantized, mixed and
-re-quantized inside the same jitted call. The math is `jaxrl.core.averaging.sync_ref_update`.
+`alpha = ref_model_mixup_alpha` (TRL `SyncRefModelCallback`). The callback class is TRL's API; the
+update itself is a pure `state -> state` function (`state_update`) that the trainer compiles into
+its step as a `lax.cond` on the step count, so no host code rewrites the train state between
+steps and the sharded params are mixed where they live. An int8 reference is dequantized, mixed
+and re-quantized inside the same branch. The math is `jaxrl.core.averaging.sync_ref_update`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 
 from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.core import averaging, quant
+from jaxrl.core.state import TrainState
+
+
+def make_sync_ref_update(
+    alpha: float, sync_steps: int, int8: bool = False
+) -> Callable[[TrainState], TrainState]:
+    """Pure in-step update: soft-sync `state.frozen["ref"]` after steps divisible by
+    `sync_steps` (`state.step` already counts the update just applied, HF's `global_step`)."""
+
+    def mix(state: TrainState) -> TrainState:
+        ref = state.frozen["ref"]
+        if int8:
+            ref = quant.dequantize_params(ref, None)
+        new = averaging.sync_ref_update(ref, state.params, alpha)
+        return state.replace_frozen(ref=quant.quantize_params(new) if int8 else new)
+
+    def update(state: TrainState) -> TrainState:
+        due = averaging.sync_ref_should_update(state.step, sync_steps)
+        return jax.lax.cond(due, mix, lambda s: s, state)
+
+    return update
 
 
 class SyncRefModelCallback(TrainerCallback):
-    """Soft-syncs the reference params held in the train state (TRL semantics)."""
+    """TRL's reference-sync callback. Adding it to a trainer (as `sync_ref_model=True` does)
+    makes the trainer compile `state_update` into its train step."""
 
-    def __init__(self):
-        self._fn = None
-
-    def _build(self, trainer):
-        alpha = trainer.args.ref_model_mixup_alpha
-        int8 = trainer.args.ref_model_quantization == "int8"
-
-        def sync(ref, policy):
-            if int8:
-                ref = quant.dequantize_params(ref, None)
-            new = averaging.sync_ref_update(ref, policy, alpha)
-            return quant.quantize_params(new) if int8 else new
-
-        return jax.jit(sync, donate_argnums=0)
-
-    def on_step_end(self, args, state, control, trainer=None, **kwargs):
-        if trainer is None or trainer.train_state is None:
-            return control
-        if not averaging.sync_ref_should_update(state.global_step, args.ref_model_sync_steps):
-            return control
-        ts = trainer.train_state
-        if ts.ref_params is None:
+    def state_update(self, trainer) -> Callable[[TrainState], TrainState]:
+        args = trainer.args
+        if trainer.train_state is not None and trainer.train_state.ref_params is None:
             raise ValueError("sync_ref_model=True but the train state holds no reference params.")
-        self._fn = self._fn or self._build(trainer)
-        trainer.train_state = ts.replace(ref_params=self._fn(ts.ref_params, ts.params))
-        return control
+        return make_sync_ref_update(
+            args.ref_model_mixup_alpha,
+            args.ref_model_sync_steps,
+            int8=getattr(args, "ref_model_quantization", None) == "int8",
+        )

@@ -1,4 +1,7 @@
-"""The one generic train step: gradient accumulation, clipping, mixed precision, donation.
+"""The one generic train step, in two halves: loss-and-grads (gradient accumulation over
+micro-batches) and apply-grads (clipping via the optimizer, fp16 loss scaling, in-step state
+updates such as reference sync). The offline step composes the two; on-policy updates call them
+inside their own epoch x minibatch scans.
 
 Algorithms inject a loss function; the step owns everything else. A loss function is
 
@@ -14,7 +17,7 @@ not the mean of micro-batch means that makes HF's loss change with accumulation)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -43,14 +46,20 @@ def reduce_aux(aux_A: dict) -> dict[str, jax.Array]:
     return out
 
 
-def make_train_step(
-    loss_fn: LossFn,
-    tx: optax.GradientTransformation,
-    schedule: Callable | None = None,
-) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-    """Build `train_step(state, batch)`; batch leaves have a leading micro-batch axis [A, ...]."""
+StateUpdate = Callable[[TrainState], TrainState]
 
-    def grads_and_aux(state: TrainState, batch_A: dict, rng: jax.Array):
+
+def make_loss_and_grads(
+    loss_fn: LossFn,
+) -> Callable[[TrainState, dict, jax.Array], tuple[Any, dict, Any]]:
+    """Build `loss_and_grads(state, batch_A, rng) -> (grads, aux_A, extras)`.
+
+    Micro-batches (leading axis A) run as a `lax.scan`; gradients are summed in f32 and divided
+    once by the total loss-unit count (and the fp16 loss scale), so they are the gradients of the
+    full batch whatever A is. `aux_A` keeps the per-micro-batch reductions (see `reduce_aux`).
+    """
+
+    def loss_and_grads(state: TrainState, batch_A: dict, rng: jax.Array):
         scale = state.loss_scale[0] if state.loss_scale is not None else None
 
         def scaled_loss(params, mb, key, extras):
@@ -77,9 +86,24 @@ def make_train_step(
         grads = jax.tree.map(lambda g: g / denom, grads)
         return grads, aux_A, extras
 
-    def train_step(state: TrainState, batch_A: dict) -> tuple[TrainState, dict]:
-        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        grads, aux_A, extras = grads_and_aux(state, batch_A, rng)
+    return loss_and_grads
+
+
+def make_apply_grads(
+    tx: optax.GradientTransformation,
+    schedule: Callable | None = None,
+    state_updates: Sequence[StateUpdate] = (),
+) -> Callable[[TrainState, Any, Any], tuple[TrainState, dict]]:
+    """Build `apply_grads(state, grads, extras) -> (state, metrics)`: one optimizer update.
+
+    The transformation `tx` owns clipping and the learning rate. fp16 runs skip non-finite
+    updates. After the update (`state.step` is then the number of updates done, HF's
+    `global_step`), each `state_updates` function runs in order: pure `state -> state` updates
+    that decide *inside* the step whether to act (e.g. TR-DPO reference sync as a `lax.cond` on
+    the step count), so no host code rewrites the state between steps.
+    """
+
+    def apply_grads(state: TrainState, grads: Any, extras: Any) -> tuple[TrainState, dict]:
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
@@ -106,8 +130,9 @@ def make_train_step(
             extras=extras,
             loss_scale=loss_scale,
         )
-        metrics = reduce_aux(aux_A)
-        metrics["grad_norm"] = grad_norm
+        for update in state_updates:
+            new_state = update(new_state)
+        metrics = {"grad_norm": grad_norm}
         if loss_scale is not None:
             # An overflowing fp16 step is expected and skipped, not a divergence: log the scale
             # and a zero grad norm so the NaN check only stops runs whose loss is non-finite.
@@ -116,6 +141,25 @@ def make_train_step(
         if schedule is not None:
             metrics["learning_rate"] = schedule(new_state.step)
         return new_state, metrics
+
+    return apply_grads
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    schedule: Callable | None = None,
+    state_updates: Sequence[StateUpdate] = (),
+) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+    """The offline step: `loss_and_grads` then `apply_grads`; batch leaves are [A, ...]."""
+    loss_and_grads = make_loss_and_grads(loss_fn)
+    apply_grads = make_apply_grads(tx, schedule, state_updates)
+
+    def train_step(state: TrainState, batch_A: dict) -> tuple[TrainState, dict]:
+        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        grads, aux_A, extras = loss_and_grads(state, batch_A, rng)
+        new_state, update_metrics = apply_grads(state, grads, extras)
+        return new_state, {**reduce_aux(aux_A), **update_metrics}
 
     return train_step
 

@@ -1,7 +1,9 @@
-"""Trainers: the shared loop in `base.py`, one thin file per algorithm."""
+"""Trainers: the shared loop in `loop.py`, the language-model shell in `base.py`, one thin file
+per algorithm."""
 
-from jaxrl.trainers.base import EvalPrediction, Trainer, TrainingInterrupted
+from jaxrl.trainers.base import EvalPrediction, Trainer
 from jaxrl.trainers.dpo import DPOTrainer
+from jaxrl.trainers.loop import TrainingInterrupted, TrainLoop
 from jaxrl.trainers.reward import RewardTrainer
 from jaxrl.trainers.sft import SFTTrainer
 
@@ -11,5 +13,6 @@ __all__ = [
     "RewardTrainer",
     "SFTTrainer",
     "Trainer",
+    "TrainLoop",
     "TrainingInterrupted",
 ]

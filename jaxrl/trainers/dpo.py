@@ -188,9 +188,9 @@ class DPOTrainer(Trainer):
         return batch
 
     # ----------------------------------------------------------------- reference model
-    def _ref_params(self, params: Any) -> Any:
+    def _frozen_params(self, params: Any) -> dict[str, Any]:
         if not self.uses_ref_params:
-            return None
+            return {}
         if self._explicit_ref is not None:
             ref = nnx.state(self._explicit_ref)
             self._ref_graphdef = nnx.graphdef(self._explicit_ref)
@@ -199,7 +199,7 @@ class DPOTrainer(Trainer):
             self._ref_graphdef = None
         if self.args.ref_model_quantization == "int8":
             ref = quant.quantize_params(ref)
-        return ref
+        return {"ref": ref}
 
     def ref_model_apply(self, ref_params: Any):
         # int8 leaves stay quantized here: the model dequantizes each weight where it is used

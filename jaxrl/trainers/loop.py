@@ -1,0 +1,374 @@
+"""The one training loop, shared by every trainer: iterations, logging, eval, checkpoints,
+callbacks, SIGTERM.
+
+`TrainLoop.train()` owns *when* things happen (log, evaluate, save, stop, resume with the same
+data order); a subclass owns *what one iteration does* through a few hooks:
+
+- `_ensure_state()`: build the train state and compile the jitted functions (once);
+- `_train_iterator()`: an iterator over per-iteration inputs with `.skip(n)` for resume
+  (offline: batches of examples; on-policy: batches of prompts);
+- `_train_iteration(item) -> metrics`: offline, collate and run the train step; on-policy,
+  generate, score and run the jitted update. Metrics may be device arrays: they are read one
+  iteration late so the host never waits on the device;
+- `steps_per_epoch`, `max_steps`, `train_batch_size`, `evaluate()`, `_has_train_data()`,
+  `_has_eval_data()`.
+
+This file holds no model, data or algorithm code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl.callbacks.base import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+)
+from jaxrl.callbacks.jsonl import JsonlMetricsCallback
+from jaxrl.checkpoint import Checkpointer, install_sigterm_handler
+
+logger = logging.getLogger("jaxrl")
+
+
+class TrainingInterrupted(RuntimeError):
+    """Raised after a SIGTERM (e.g. TPU preemption) once the checkpoint is safely written."""
+
+
+def _is_finite(metrics: dict[str, float]) -> bool:
+    return all(math.isfinite(v) for v in metrics.values())
+
+
+class TrainLoop:
+    """Loop, logging, checkpoints and callbacks; subclasses supply the iteration (see module doc).
+
+    Subclasses set `self.args` (a config with HF's TrainingArguments loop fields) and call
+    `_init_loop(callbacks)` from their constructor.
+    """
+
+    # Metrics that are the value at the logging step (not averaged over the window), as HF.
+    _last_value_metrics = ("grad_norm", "learning_rate", "num_tokens")
+    processing_class: Any = None
+
+    def _init_loop(self, callbacks: list[TrainerCallback] | None) -> None:
+        a = self.args
+        self.is_world_process_zero = jax.process_index() == 0
+        self.control = TrainerControl()
+        self.state = TrainerState(is_world_process_zero=self.is_world_process_zero)
+        default_cbs: list[TrainerCallback] = [DefaultFlowCallback()]
+        default_cbs.append(JsonlMetricsCallback(os.path.join(a.output_dir, "metrics.jsonl")))
+        default_cbs += self._reporting_callbacks()
+        self.callback_handler = CallbackHandler(default_cbs + list(callbacks or []))
+        self.train_state = None
+
+    def _event(self, name: str, **kwargs):
+        """Dispatch a lifecycle event; callbacks get `trainer=self` besides HF's kwargs."""
+        self.control = getattr(self.callback_handler, name)(
+            self.args,
+            self.state,
+            self.control,
+            trainer=self,
+            processing_class=self.processing_class,
+            **kwargs,
+        )
+
+    def _reporting_callbacks(self) -> list[TrainerCallback]:
+        cbs: list[TrainerCallback] = []
+        report = self.args.report_to
+        report = [report] if isinstance(report, str) else list(report or [])
+        if "wandb" in report or "all" in report:
+            from jaxrl.callbacks.wandb import WandbCallback
+
+            cbs.append(WandbCallback())
+        if not self.args.disable_tqdm:
+            from jaxrl.callbacks.progress import RichProgressCallback
+
+            cbs.append(RichProgressCallback())
+        return cbs
+
+    def _state_updates(self) -> list:
+        """Pure in-step `state -> state` updates contributed by callbacks (`state_update(trainer)`),
+        e.g. TR-DPO reference sync; compiled into the jitted step."""
+        return [
+            cb.state_update(self)
+            for cb in self.callback_handler.callbacks
+            if hasattr(cb, "state_update")
+        ]
+
+    # ----------------------------------------------------------------- subclass hooks
+    def _ensure_state(self) -> None:
+        raise NotImplementedError
+
+    def _check_can_train(self) -> None:
+        if not self._has_train_data():
+            raise ValueError("train() needs a train_dataset.")
+
+    def _has_train_data(self) -> bool:
+        raise NotImplementedError
+
+    def _has_eval_data(self) -> bool:
+        return False
+
+    def _train_iterator(self):
+        raise NotImplementedError
+
+    def _train_iteration(self, item: Any) -> dict:
+        raise NotImplementedError
+
+    @property
+    def train_batch_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def steps_per_epoch(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def max_steps(self) -> int:
+        if self.args.max_steps and self.args.max_steps > 0:
+            return int(self.args.max_steps)
+        return math.ceil(self.args.num_train_epochs * self.steps_per_epoch)
+
+    def evaluate(self, *args, **kwargs) -> dict:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- checkpoints
+    def _checkpointer(self) -> Checkpointer:
+        if getattr(self, "_ckpt", None) is None:
+            self._ckpt = Checkpointer(
+                os.path.join(self.args.output_dir, "checkpoints"),
+                save_total_limit=self.args.save_total_limit,
+            )
+        return self._ckpt
+
+    def _save_checkpoint(self):
+        self._flush_pending()  # never save a state whose metrics we have not checked for NaN
+        meta = {
+            "trainer_state": dataclasses.asdict(self.state),
+            "log_window": self._log_window,
+            "tokens_seen": self._tokens_seen,
+            "config": self.args.to_dict(),
+        }
+        tree = {"train_state": self.train_state, "callbacks": self._callback_states()}
+        self._checkpointer().save(self.state.global_step, tree, meta)
+        self._event("on_save")
+
+    def _callback_states(self) -> dict:
+        out = {}
+        for cb in self.callback_handler.callbacks:
+            tree = cb.state_pytree() if hasattr(cb, "state_pytree") else None
+            if tree is not None:
+                out[type(cb).__name__] = tree
+        return out
+
+    def _resolve_resume(self, resume: Any) -> int | None:
+        if resume in (None, False):
+            return None
+        ckpt = self._checkpointer()
+        if resume is True or resume == "latest":
+            step = ckpt.latest_step()
+            if step is None:  # e.g. a babysitter relaunch before the first save
+                logger.warning("No checkpoint in %s yet; starting from scratch.", ckpt.directory)
+            return step
+        path = os.path.abspath(str(resume))
+        name = os.path.basename(path)
+        if os.path.isdir(path) and name.isdigit():
+            if os.path.dirname(path) != os.path.abspath(str(ckpt.directory)):
+                # A step directory of another run: restore from that run's checkpoint folder.
+                self._ckpt = Checkpointer(
+                    os.path.dirname(path), save_total_limit=self.args.save_total_limit
+                )
+            return int(name)
+        raise ValueError(
+            f"resume_from_checkpoint={resume!r}: expected True/'latest' or a step directory "
+            f"such as {os.path.join(self.args.output_dir, 'checkpoints', '500')}."
+        )
+
+    def _restore(self, step: int):
+        for cb in self.callback_handler.callbacks:
+            if hasattr(cb, "init_state"):  # stateful callbacks: shapes to restore into
+                cb.init_state(self)
+        abstract = {
+            "train_state": jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                self.train_state,
+            ),
+            "callbacks": jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                self._callback_states(),
+            ),
+        }
+        tree, meta = self._checkpointer().restore(step, abstract)
+        self.train_state = tree["train_state"]
+        for cb in self.callback_handler.callbacks:
+            name = type(cb).__name__
+            if name in tree["callbacks"]:
+                cb.load_state_pytree(tree["callbacks"][name])
+        saved_cfg, now_cfg = meta.get("config", {}), self.args.to_dict()
+        changed = sorted(
+            k
+            for k in now_cfg
+            if k in saved_cfg
+            and saved_cfg[k] != now_cfg[k]
+            and k not in ("output_dir", "resume_from_checkpoint", "disable_tqdm", "report_to")
+        )
+        if changed:  # the run continues, but it is no longer the run that was saved
+            logger.warning("Resuming with changed config fields: %s", ", ".join(changed))
+        ts = meta["trainer_state"]
+        for k, v in ts.items():
+            if hasattr(self.state, k):
+                setattr(self.state, k, v)
+        self._log_window = meta.get("log_window", [])
+        self._tokens_seen = meta.get("tokens_seen", 0)
+        logger.info("Resumed from step %d", step)
+
+    # ----------------------------------------------------------------- metrics
+    def _flush_pending(self):
+        """Read the metrics of the last dispatched step (one step late) and check them."""
+        if self._pending is None:
+            return
+        step, metrics = self._pending
+        self._pending = None
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if not _is_finite(values):
+            bad = sorted(k for k, v in values.items() if not math.isfinite(v))
+            raise FloatingPointError(
+                f"Non-finite {', '.join(bad)} at step {step}; training stopped and nothing was "
+                "saved after the last good checkpoint. Lower learning_rate, enable max_grad_norm, "
+                "or use bf16 instead of fp16."
+            )
+        if "num_tokens" in values:  # per-step count -> running total, TRL's `num_tokens`
+            self._tokens_seen += int(values["num_tokens"])
+            values["num_tokens"] = float(self._tokens_seen)
+        self._log_window.append(values)
+        if step in self._log_due:
+            self._log_due.discard(step)
+            self._emit_log(step)
+
+    def _emit_log(self, step: int):
+        window = self._log_window
+        if not window:
+            return
+        logs = {}
+        for k in window[-1]:
+            if k in self._last_value_metrics:
+                logs[k] = window[-1][k]
+            else:
+                logs[k] = float(np.mean([w[k] for w in window if k in w]))
+        self._log_window = []
+        self.log(logs, step=step)
+
+    def log(self, logs: dict[str, float], step: int | None = None):
+        """Add `epoch`, record in `log_history` and dispatch `on_log` (HF semantics)."""
+        step = self.state.global_step if step is None else step
+        logs = dict(logs)
+        logs["epoch"] = (
+            round(step / max(1, self.steps_per_epoch), 4) if self._has_train_data() else 0
+        )
+        logs["step"] = step
+        self.state.log_history.append(logs)
+        self._event("on_log", logs=logs)
+
+    # ----------------------------------------------------------------- train
+    def train(self, resume_from_checkpoint: Any = None) -> TrainerState:
+        a = self.args
+        self._check_can_train()
+        os.makedirs(a.output_dir, exist_ok=True)
+        self._ensure_state()
+        self._pending = None
+        self._log_due: set[int] = set()
+        self._log_window: list[dict] = []
+        self._tokens_seen = 0
+        max_steps = self.max_steps
+        spe = self.steps_per_epoch
+        s = self.state
+        s.compute_steps(a, max_steps)
+        if a.eval_steps is None:
+            s.eval_steps = s.logging_steps  # HF: eval_steps defaults to logging_steps
+        s.num_train_epochs = math.ceil(max_steps / spe)
+        s.train_batch_size = self.train_batch_size
+        resume = (
+            resume_from_checkpoint
+            if resume_from_checkpoint is not None
+            else (a.resume_from_checkpoint)
+        )
+        step0 = self._resolve_resume(resume)
+        if step0 is not None:
+            self._restore(step0)
+        start = int(self.state.global_step)
+        it = self._train_iterator()
+        it.skip(start)
+        sigterm = install_sigterm_handler()
+        self._event("on_train_begin")
+        if a.eval_on_start and start == 0 and self._has_eval_data():
+            self.evaluate()
+        t0, tokens0 = time.time(), self._tokens_seen
+        try:
+            for step in range(start, max_steps):
+                if step % spe == 0:
+                    self._event("on_epoch_begin")
+                self._event("on_step_begin")
+                metrics = self._train_iteration(next(it))
+                self._flush_pending()  # metrics of the previous step, read while this one runs
+                self.state.global_step = step + 1
+                self.state.epoch = (step + 1) / spe
+                self._pending = (step + 1, metrics)
+                self._event("on_step_end")
+                if (step + 1) % spe == 0:
+                    self._event("on_epoch_end")
+                self._maybe_log_save_evaluate()
+                if self._preempted(sigterm):
+                    self._save_checkpoint()
+                    self._checkpointer().wait_until_finished()
+                    raise TrainingInterrupted(
+                        f"SIGTERM received: saved step {self.state.global_step} to "
+                        f"{a.output_dir}/checkpoints; rerun with --resume_from_checkpoint true."
+                    )
+                if self.control.should_training_stop:
+                    break
+            self._flush_pending()
+            if self._log_window:
+                self._emit_log(self.state.global_step)
+        finally:
+            sigterm.uninstall()
+            if getattr(self, "_ckpt", None) is not None:
+                self._ckpt.wait_until_finished()
+        runtime = time.time() - t0
+        self.log(
+            {
+                "train_runtime": runtime,
+                "train_steps_per_second": (self.state.global_step - start) / max(runtime, 1e-9),
+                "train_tokens_per_second": (self._tokens_seen - tokens0) / max(runtime, 1e-9),
+            }
+        )
+        self._event("on_train_end")
+        return self.state
+
+    def _preempted(self, sigterm) -> bool:
+        """SIGTERM seen: on one host directly; across hosts at a step all of them agree on."""
+        if jax.process_count() == 1:
+            return sigterm.received
+        return self._checkpointer().reached_preemption(self.state.global_step)
+
+    def _maybe_log_save_evaluate(self):
+        c = self.control
+        if c.should_log:
+            c.should_log = False
+            self._log_due.add(self.state.global_step)
+        if c.should_evaluate:
+            c.should_evaluate = False
+            self._flush_pending()
+            self.evaluate()
+        if c.should_save:
+            c.should_save = False
+            self._save_checkpoint()
