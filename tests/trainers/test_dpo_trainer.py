@@ -375,8 +375,13 @@ def test_prefix_sharing_same_metrics_as_two_rows(tmp_path, tokenizer, hf_model_d
     for name in ("shared", "shared_mesh"):
         _, logs, evals = runs[name]
         assert len(logs) == len(rows_logs) == 2
-        for b, o in zip(rows_logs, logs):
+        for i, (b, o) in enumerate(zip(rows_logs, logs, strict=True)):
             for key in keys:
+                if i == 0 and key == "rewards/accuracies":
+                    # Step 1 scores the initial policy against itself: every reward is 0 up to
+                    # rounding, so `chosen > rejected` is decided by float noise of the layout.
+                    assert abs(b["rewards/margins"]) < 1e-4
+                    continue
                 np.testing.assert_allclose(o[key], b[key], rtol=5e-5, atol=1e-6, err_msg=key)
         assert set(evals) == set(rows_eval)
         assert "eval_task_accuracy" in evals
