@@ -171,7 +171,7 @@ def compute_rewards(
     return rewards_NK
 
 
-def reward_metrics(
+def group_reward_metrics(
     rewards_per_func_NK: np.ndarray,
     reward_weights_K: np.ndarray,
     names: Sequence[str],

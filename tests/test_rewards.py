@@ -17,9 +17,9 @@ from jaxrl.rewards import (
     arith_correct,
     completions_from_texts,
     compute_rewards,
+    group_reward_metrics,
     resolve_reward_weights,
     reward_func_name,
-    reward_metrics,
     reward_model_texts,
 )
 
@@ -109,7 +109,7 @@ def test_reward_metrics_match_trl():
     r = np.array([[1.0, np.nan], [0.0, 2.0], [np.nan, np.nan], [1.0, 1.0]], np.float32)
     w = np.array([1.0, 0.5], np.float32)
     _, zero = grpo_advantages(r, w, num_generations=2)
-    got = reward_metrics(r, w, ["a", "b"], zero)
+    got = group_reward_metrics(r, w, ["a", "b"], zero)
     rpf = torch.tensor(r)
     want = {}
     for i, name in enumerate(["a", "b"]):
@@ -127,7 +127,7 @@ def test_reward_metrics_match_trl():
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, rtol=1e-6, err_msg=name)
     _, zero = grpo_advantages(np.ones((4, 1), np.float32), w[:1], num_generations=2)
-    assert reward_metrics(np.ones((4, 1)), w[:1], ["a"], zero)["frac_reward_zero_std"] == 1.0
+    assert group_reward_metrics(np.ones((4, 1)), w[:1], ["a"], zero)["frac_reward_zero_std"] == 1.0
 
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"

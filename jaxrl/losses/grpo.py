@@ -448,6 +448,8 @@ def grpo_loss(
     mask_BT: jax.Array,
     *,
     loss_type: str = "dapo",
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
     max_completion_length: int | None = None,
     example_mask_B: jax.Array | None = None,
     entropies_BT: jax.Array | None = None,
@@ -460,7 +462,13 @@ def grpo_loss(
     `loss_sum / count` of the whole step equals TRL's loss (summed over accumulation steps).
     """
     per_token_loss_BT, parts = grpo_per_token_loss(
-        per_token_logps_BT, advantages, mask_BT, loss_type=loss_type, **kwargs
+        per_token_logps_BT,
+        advantages,
+        mask_BT,
+        loss_type=loss_type,
+        epsilon=epsilon,
+        epsilon_high=epsilon_high,
+        **kwargs,
     )
     loss_sum, count = grpo_aggregate(
         per_token_loss_BT,
@@ -474,8 +482,8 @@ def grpo_loss(
         advantages,
         mask_BT,
         loss_type=loss_type,
-        epsilon=kwargs.get("epsilon", 0.2),
-        epsilon_high=kwargs.get("epsilon_high"),
+        epsilon=epsilon,
+        epsilon_high=epsilon_high,
         entropies_BT=entropies_BT,
         example_mask_B=example_mask_B,
     )
