@@ -66,7 +66,7 @@ def weighted_rewards(rewards_per_func_NK: jax.Array, reward_weights_K: jax.Array
 
 
 def zero_std(std: jax.Array) -> jax.Array:
-    # torch.isclose(std, 0) with its default atol=1e-8; NaN is not close to anything.
+    """Flags a zero reward std, as TRL's `torch.isclose(std, 0)` (atol 1e-8; NaN is not zero)."""
     return jnp.abs(std) <= 1e-8
 
 
@@ -388,7 +388,9 @@ def grpo_metrics(
     `clip_ratio/high_max` (clipped loss types), `cispo_clip_ratio`, `vespo/phi_seq_mean`.
     Token-level quantities average over active tokens, sequence-level ones over sequences;
     `low_min`/`high_max` reduce the per-sequence clip fractions (sequences with no active token
-    are ignored, as TRL's NaN-aware min/max).
+    are ignored, as TRL's NaN-aware min/max). Over several micro-batches the step reduces these
+    over the whole optimizer step (token-weighted means, global min/max), where TRL logs the
+    average of per-micro-batch values; they agree for a single micro-batch.
     """
     eps_low = epsilon
     eps_high = epsilon if epsilon_high is None else epsilon_high
