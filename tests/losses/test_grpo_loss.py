@@ -1,7 +1,8 @@
 """GRPO/RLOO losses and advantages against TRL 1.16's own code on identical inputs.
 
-Each parity test calls TRL's `_compute_loss` (see `trl_reference.py`) and compares the loss, its
-gradient w.r.t. the per-token log-probs and the logged metrics with ours within 1e-5.
+Loss tests call TRL's `_compute_loss` and compare the loss, its gradient w.r.t. the per-token
+log-probs and the logged metrics with ours within 1e-5; advantage tests call TRL's
+`_generate_and_score_completions` on fixed completions and rewards (see `trl_reference.py`).
 """
 
 import itertools
@@ -11,9 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import torch
-from trl.trainer.utils import nanstd as trl_nanstd
-from trl_reference import trl_grpo_loss, trl_rloo_loss
+from trl_reference import trl_grpo_loss, trl_grpo_scoring, trl_rloo_loss, trl_rloo_scoring
 
 from jaxrl.core.state import TrainState
 from jaxrl.core.step import make_train_step
@@ -26,6 +25,7 @@ from jaxrl.losses.grpo import (
     truncated_completions,
 )
 from jaxrl.losses.rloo import rloo_advantages, rloo_loss, rloo_sequence_kl
+from jaxrl.rewards import group_reward_metrics
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 B, T, L_MAX = 6, 7, 9
@@ -264,36 +264,6 @@ def test_bad_options_are_rejected():
 # --- advantages -------------------------------------------------------------------------
 
 
-def _trl_grpo_advantages(rewards_per_func, weights, G, scale_rewards, aggregation):
-    """TRL 1.16's advantage block of `_generate_and_score_completions`, verbatim in torch."""
-    rpf = torch.tensor(rewards_per_func)
-    w = torch.tensor(weights)
-    unscorable = torch.isnan(rpf).all(dim=1)
-    if aggregation == "sum_then_normalize":
-        rewards = (rpf * w.unsqueeze(0)).nansum(dim=1)
-        rewards[unscorable] = torch.nan
-        mean = torch.nanmean(rewards.view(-1, G), dim=1).repeat_interleave(G, dim=0)
-        if scale_rewards in ["group", "none"]:
-            std = trl_nanstd(rewards.view(-1, G), dim=1).repeat_interleave(G, dim=0)
-        else:
-            std = trl_nanstd(rewards).expand_as(rewards)
-        adv = rewards - mean
-        if scale_rewards != "none":
-            adv = adv / (std + 1e-4)
-    else:
-        K = rpf.shape[1]
-        grouped = rpf.view(-1, G, K)
-        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
-        std_k = trl_nanstd(grouped, dim=1, keepdim=True)
-        reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, K)
-        rewards = (reward_k * w.unsqueeze(0)).nansum(dim=1)
-        rewards[unscorable] = torch.nan
-        std = trl_nanstd(rewards).expand_as(rewards)
-        adv = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
-    zero = torch.isclose(std, torch.zeros_like(std))
-    return torch.nan_to_num(adv, nan=0.0).numpy(), zero.numpy()
-
-
 def _rewards():
     rng = np.random.default_rng(4)
     r = rng.normal(size=(12, 2)).astype(np.float32)
@@ -306,18 +276,49 @@ def _rewards():
     return r
 
 
+# 12 completions of 4 prompts; ids end in EOS (1), in padding (0) or neither (truncated).
+COMPLETION_IDS = [
+    [5, 1], [5, 6, 7], [5], [5, 6, 1], [1], [5, 6],
+    [5, 6, 7, 1], [6, 0], [7, 7, 7, 7], [1], [5, 1], [6, 6],
+]  # fmt: skip
+
+
+def _completion_mask(ids_list):
+    T_max = max(len(ids) for ids in ids_list)
+    ids = np.array([ids + [0] * (T_max - len(ids)) for ids in ids_list])
+    mask = (np.arange(T_max)[None, :] < np.array([len(x) for x in ids_list])[:, None]).astype(
+        np.int32
+    )
+    return ids, mask
+
+
+def _ours_scored(ids_list, mask_truncated):
+    ids, mask = _completion_mask(ids_list)
+    if mask_truncated:
+        mask = mask * ~np.asarray(truncated_completions(ids, mask, [1], 0))[:, None]
+    return mask
+
+
 @pytest.mark.parametrize(
-    ("scale_rewards", "aggregation"),
+    ("scale_rewards", "aggregation", "mask_truncated"),
     [
-        ("group", "sum_then_normalize"),
-        ("batch", "sum_then_normalize"),
-        ("none", "sum_then_normalize"),
-        ("group", "normalize_then_sum"),
+        ("group", "sum_then_normalize", True),
+        ("batch", "sum_then_normalize", False),
+        ("none", "sum_then_normalize", False),
+        ("group", "normalize_then_sum", True),
     ],
 )
-def test_grpo_advantages_match_trl(scale_rewards, aggregation):
+def test_grpo_advantages_and_reward_metrics_match_trl(scale_rewards, aggregation, mask_truncated):
     r, w = _rewards(), np.array([1.0, 0.5], np.float32)
-    want_adv, want_zero = _trl_grpo_advantages(r, w, 3, scale_rewards, aggregation)
+    want_adv, want_mask, want_items, want_metrics = trl_grpo_scoring(
+        r,
+        COMPLETION_IDS,
+        num_generations=3,
+        reward_weights=w,
+        scale_rewards=scale_rewards,
+        multi_objective_aggregation=aggregation,
+        mask_truncated_completions=mask_truncated,
+    )
     adv, zero = grpo_advantages(
         r,
         w,
@@ -326,8 +327,14 @@ def test_grpo_advantages_match_trl(scale_rewards, aggregation):
         multi_objective_aggregation=aggregation,
     )
     np.testing.assert_allclose(adv, want_adv, **TOL)
-    np.testing.assert_array_equal(zero, want_zero)
     assert adv[5] == 0.0 and np.all(np.isfinite(adv))
+    mask = _ours_scored(COMPLETION_IDS, mask_truncated)
+    np.testing.assert_array_equal(mask, want_mask)
+    assert mask.sum() == want_items
+    metrics = group_reward_metrics(r, w, ["f0", "f1"], zero)
+    assert set(metrics) == set(want_metrics)
+    for name, value in want_metrics.items():
+        np.testing.assert_allclose(metrics[name], value, err_msg=name, **TOL)
 
 
 def test_scale_rewards_aliases():
@@ -340,31 +347,26 @@ def test_scale_rewards_aliases():
 
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("beta", [0.0, 0.05])
-def test_rloo_advantages_match_trl(normalize, beta):
+def test_rloo_advantages_and_metrics_match_trl(normalize, beta):
     r, w = _rewards(), np.array([1.0, 0.5], np.float32)
-    rng = np.random.default_rng(5)
-    old, ref = rng.normal(size=(2, 12, T)).astype(np.float32)
-    mask = (rng.uniform(size=(12, T)) > 0.3).astype(np.float32)
-    kl, kl_aux = rloo_sequence_kl(old, ref, mask)
+    ids, _ = _completion_mask(COMPLETION_IDS)
+    old, ref = np.random.default_rng(5).normal(size=(2, *ids.shape)).astype(np.float32)
     clip = (-1.0, 1.0)
-    # TRL 1.16 RLOOTrainer._generate_and_score_completions, verbatim in torch.
-    rpf = torch.tensor(r)
-    unscorable = torch.isnan(rpf).all(dim=1)
-    rewards = (rpf * torch.tensor(w).unsqueeze(0)).nansum(dim=1)
-    rewards[unscorable] = torch.nan
-    rewards = rewards.clamp(min=clip[0], max=clip[1])
-    t_kl = ((torch.tensor(old) - torch.tensor(ref)) * torch.tensor(mask)).sum(-1)
-    if beta:
-        rewards = rewards - beta * t_kl
-    grouped = rewards.view(-1, 3)
-    std = trl_nanstd(grouped, dim=1)
-    counts = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
-    baselines = ((torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (counts - 1)).view(-1)
-    want = rewards - baselines
-    if normalize:
-        want = (want - torch.nanmean(want)) / (trl_nanstd(want) + 1e-4)
-    want = torch.nan_to_num(want, nan=0.0).numpy()
-
+    want_adv, want_mask, want_old_logps, want_metrics = trl_rloo_scoring(
+        r,
+        COMPLETION_IDS,
+        old,
+        ref,
+        num_generations=3,
+        reward_weights=w,
+        beta=beta,
+        reward_clip_range=clip,
+        normalize_advantages=normalize,
+        mask_truncated_completions=True,
+    )
+    mask = _ours_scored(COMPLETION_IDS, True)
+    np.testing.assert_array_equal(mask, want_mask)
+    kl, kl_aux = rloo_sequence_kl(old, ref, mask)
     adv, zero = rloo_advantages(
         r,
         w,
@@ -374,12 +376,14 @@ def test_rloo_advantages_match_trl(normalize, beta):
         reward_clip_range=clip,
         normalize_advantages=normalize,
     )
-    np.testing.assert_allclose(adv, want, **TOL)
-    np.testing.assert_array_equal(zero, torch.isclose(std, torch.zeros_like(std)).numpy())
-    np.testing.assert_allclose(kl, t_kl.numpy(), **TOL)
-    np.testing.assert_allclose(
-        kl_aux["sum"]["kl"] / kl_aux["count"]["kl"], float(t_kl.sum() / mask.sum()), **TOL
-    )
+    np.testing.assert_allclose(adv, want_adv, **TOL)
+    np.testing.assert_allclose((old * mask).sum(-1), want_old_logps, **TOL)
+    metrics = group_reward_metrics(r, w, ["f0", "f1"], zero)
+    if beta:
+        metrics["kl"] = float(kl_aux["sum"]["kl"] / kl_aux["count"]["kl"])
+    assert set(metrics) == set(want_metrics)
+    for name, value in want_metrics.items():
+        np.testing.assert_allclose(metrics[name], value, err_msg=name, **TOL)
 
 
 def test_rloo_loss_matches_trl():
