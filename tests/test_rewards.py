@@ -2,10 +2,12 @@
 
 import functools
 import logging
+import types
 
 import numpy as np
 import pytest
 import torch
+from trl import GRPOTrainer
 from trl.data_utils import apply_chat_template as trl_apply_chat_template
 from trl.trainer.utils import get_callable_name
 from trl.trainer.utils import nanstd as trl_nanstd
@@ -69,6 +71,56 @@ def test_compute_rewards_calls_every_kind_of_function_like_trl():
     np.testing.assert_array_equal(rewards[:, 3], [1, 1, 1, 1])
     assert seen["difficulty"] == [0.5, 0.6, 0.7, 0.8] and seen["trainer_state"] == "state"
     assert "prompt" not in seen  # passed as `prompts=`, not again as a column
+
+
+def test_rewards_match_trl_calculate_rewards():
+    """Same functions, same rows: TRL's own `GRPOTrainer._calculate_rewards` gives the same
+    `[N, K]` array and passes the functions the same keyword arguments."""
+    seen = {"ours": {}, "trl": {}}
+
+    def spy(prompts, completions, completion_ids, **kwargs):
+        seen[kwargs["who"][0]] = kwargs
+        return [float(len(p)) for p in prompts]
+
+    funcs = [length_reward, functools.partial(scaled, scale=2.0), SkipOdd(), spy]
+    ids = [[1, 2], [3], [4, 5, 6], []]
+    difficulty = [0.5, 0.6, 0.7, 0.8]
+    rows = [
+        {"prompt": p, "difficulty": d, "who": "trl"}
+        for p, d in zip(PROMPTS, difficulty, strict=True)
+    ]
+    trainer = object.__new__(GRPOTrainer)
+    trainer.reward_funcs = funcs
+    trainer.reward_processing_classes = [None] * len(funcs)
+    trainer.reward_func_names = [reward_func_name(f) for f in funcs]
+    trainer.state = types.SimpleNamespace(global_step=0)
+    trainer.args = types.SimpleNamespace(report_to=[])
+    trainer.accelerator = types.SimpleNamespace(device=torch.device("cpu"), is_main_process=True)
+    trainer.environments = None
+    want = trainer._calculate_rewards(rows, PROMPTS, COMPLETIONS, ids).numpy()
+    got = compute_rewards(
+        funcs,
+        PROMPTS,
+        COMPLETIONS,
+        completion_ids=ids,
+        columns={"prompt": PROMPTS, "difficulty": difficulty, "who": ["ours"] * 4},
+        trainer_state=trainer.state,
+        log_extra=trainer._log_completion_extra,
+        log_metric=trainer._log_metric,
+    )
+    np.testing.assert_array_equal(got, want)
+    assert np.isnan(got).any()
+    assert (
+        set(seen["ours"])
+        == set(seen["trl"])
+        == {
+            "difficulty",
+            "who",
+            "trainer_state",
+            "log_extra",
+            "log_metric",
+        }
+    )
 
 
 def test_names_match_trl():
