@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.kv_cache import Cache, CacheView, KVCache, apply_layers_cached, cached_attention
 from jaxrl.models.layers import (
     Dense,
     Embed,
@@ -58,6 +59,15 @@ class GPT2Attention(nnx.Module):
         out_BTNH = dot_product_attention(q_BTNH, k_BTNH, v_BTNH, mask_B1TS, sliding, self.config)
         return self.c_proj(out_BTNH)
 
+    def cached(self, x_BTD, sliding, cache: KVCache, view: CacheView) -> tuple[jax.Array, KVCache]:
+        """Attention over the KV cache (incremental decoding; see `kv_cache.py`)."""
+        qkv_BT3NH = self.c_attn(x_BTD)
+        q_BTNH, k_BTNH, v_BTNH = (qkv_BT3NH[:, :, i] for i in range(3))
+        out_BTNH, cache = cached_attention(
+            q_BTNH, k_BTNH, v_BTNH, cache, view, sliding, self.config
+        )
+        return self.c_proj(out_BTNH), cache
+
 
 class GPT2MLP(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
@@ -90,6 +100,11 @@ class GPT2Block(nnx.Module):
         h_BTD = h_BTD + self.attn(self.ln_1(h_BTD), mask_B1TS, sliding)
         return h_BTD + self.mlp(self.ln_2(h_BTD))
 
+    def cached(self, h_BTD, sliding, cache: KVCache, view: CacheView) -> tuple[jax.Array, KVCache]:
+        attn_BTD, cache = self.attn.cached(self.ln_1(h_BTD), sliding, cache, view)
+        h_BTD = h_BTD + attn_BTD
+        return h_BTD + self.mlp(self.ln_2(h_BTD)), cache
+
 
 class GPT2Model(nnx.Module):
     """GPT-2 backbone: token + position embeddings, blocks, final LayerNorm -> [B, T, D]."""
@@ -116,6 +131,14 @@ class GPT2Model(nnx.Module):
         mask_B1TS = attention_mask_BTS(attention_mask, segment_ids)
         h_BTD = apply_layers(self.h, h_BTD, (mask_B1TS,), self.config)
         return self.ln_f(h_BTD)
+
+    def cached(
+        self, input_ids_BT: jax.Array, positions_BT: jax.Array, cache: Cache, view: CacheView
+    ) -> tuple[jax.Array, Cache]:
+        """Hidden states [B, T, D] of new tokens at `positions_BT`, reading and extending `cache`."""
+        h_BTD = self.wte(input_ids_BT) + self.wpe(positions_BT)
+        h_BTD, cache = apply_layers_cached(self.h, h_BTD, (), cache, view, self.config)
+        return self.ln_f(h_BTD), cache
 
     def input_embedding(self) -> jax.Array:
         return param_value(self.wte.embedding)
@@ -150,6 +173,12 @@ class GPT2ForCausalLM(nnx.Module):
     ) -> jax.Array:
         """Final-LayerNorm hidden states [B, T, D] (the input of the LM head)."""
         return self.transformer(input_ids_BT, attention_mask, positions, segment_ids)
+
+    def cached_hidden_states(
+        self, input_ids_BT: jax.Array, positions_BT: jax.Array, cache: Cache, view: CacheView
+    ) -> tuple[jax.Array, Cache]:
+        """`hidden_states` of new tokens with a KV cache (what `jaxrl.generation` calls)."""
+        return self.transformer.cached(input_ids_BT, positions_BT, cache, view)
 
     def unembed_weight(self) -> jax.Array:
         """W [D, V] in the compute dtype with logits == hidden_states @ W."""

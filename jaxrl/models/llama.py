@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.kv_cache import Cache, CacheView, KVCache, apply_layers_cached, cached_attention
 from jaxrl.models.layers import (
     Dense,
     Embed,
@@ -63,14 +64,28 @@ class LlamaAttention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x_BTD, cos_BTH, sin_BTH, mask_B1TS, sliding) -> jax.Array:
+    def _qkv(self, x_BTD, cos_BTH, sin_BTH) -> tuple[jax.Array, jax.Array, jax.Array]:
         q_BTNH, k_BTKH, v_BTKH = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
         if self.q_norm is not None:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
         q_BTNH = apply_rope(q_BTNH, cos_BTH, sin_BTH)
         k_BTKH = apply_rope(k_BTKH, cos_BTH, sin_BTH)
+        return q_BTNH, k_BTKH, v_BTKH
+
+    def __call__(self, x_BTD, cos_BTH, sin_BTH, mask_B1TS, sliding) -> jax.Array:
+        q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, cos_BTH, sin_BTH)
         out_BTNH = dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask_B1TS, sliding, self.config)
         return self.o_proj(out_BTNH)
+
+    def cached(
+        self, x_BTD, cos_BTH, sin_BTH, sliding, cache: KVCache, view: CacheView
+    ) -> tuple[jax.Array, KVCache]:
+        """Attention over the KV cache (incremental decoding; see `kv_cache.py`)."""
+        q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, cos_BTH, sin_BTH)
+        out_BTNH, cache = cached_attention(
+            q_BTNH, k_BTKH, v_BTKH, cache, view, sliding, self.config
+        )
+        return self.o_proj(out_BTNH), cache
 
 
 class LlamaMLP(nnx.Module):
@@ -98,6 +113,15 @@ class LlamaDecoderLayer(nnx.Module):
         )
         return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
 
+    def cached(
+        self, h_BTD, cos_BTH, sin_BTH, sliding, cache: KVCache, view: CacheView
+    ) -> tuple[jax.Array, KVCache]:
+        attn_BTD, cache = self.self_attn.cached(
+            self.input_layernorm(h_BTD), cos_BTH, sin_BTH, sliding, cache, view
+        )
+        h_BTD = h_BTD + attn_BTD
+        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD)), cache
+
 
 class LlamaModel(nnx.Module):
     """The decoder backbone: embeddings, layers, final norm. Returns hidden states [B, T, D]."""
@@ -123,6 +147,17 @@ class LlamaModel(nnx.Module):
         h_BTD = self.embed_tokens(input_ids_BT)
         h_BTD = apply_layers(self.layers, h_BTD, (cos_BTH, sin_BTH, mask_B1TS), self.config)
         return self.norm(h_BTD)
+
+    def cached(
+        self, input_ids_BT: jax.Array, positions_BT: jax.Array, cache: Cache, view: CacheView
+    ) -> tuple[jax.Array, Cache]:
+        """Hidden states [B, T, D] of new tokens at `positions_BT`, reading and extending `cache`."""
+        cos_BTH, sin_BTH = rope_tables(positions_BT, self.config)
+        h_BTD = self.embed_tokens(input_ids_BT)
+        h_BTD, cache = apply_layers_cached(
+            self.layers, h_BTD, (cos_BTH, sin_BTH), cache, view, self.config
+        )
+        return self.norm(h_BTD), cache
 
     def input_embedding(self) -> jax.Array:
         return param_value(self.embed_tokens.embedding)
@@ -157,6 +192,12 @@ class LlamaForCausalLM(nnx.Module):
     ) -> jax.Array:
         """Final-norm hidden states [B, T, D] (the input of the LM head)."""
         return self.model(input_ids_BT, attention_mask, positions, segment_ids)
+
+    def cached_hidden_states(
+        self, input_ids_BT: jax.Array, positions_BT: jax.Array, cache: Cache, view: CacheView
+    ) -> tuple[jax.Array, Cache]:
+        """`hidden_states` of new tokens with a KV cache (what `jaxrl.generation` calls)."""
+        return self.model.cached(input_ids_BT, positions_BT, cache, view)
 
     def unembed_weight(self) -> jax.Array:
         """W [D, V] in the compute dtype with logits == hidden_states @ W."""

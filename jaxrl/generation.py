@@ -1,0 +1,441 @@
+"""KV-cache sampling for jaxrl's causal LMs (Llama, Mistral, Qwen2, Qwen3, GPT-2).
+
+Design (after Tunix's sampler):
+
+- `Sampler(graphdef_or_model, mesh=None, rules=None, prompt_buckets=None)` holds no params:
+  `sampler(params, prompts, generation_config, seed=...)` takes the params of a train state as
+  they are (sharded, never copied), so the same sampler serves every policy update.
+- Prompts (a list of token-id lists, or a [B, T] array with an optional padding mask, left or
+  right padded) are left-padded on the host to a bucket length P: the next power of two (at least
+  16) or the smallest of `prompt_buckets`. Only a few shapes ever reach the compiler.
+- Two jitted programs per (batch size, P, config): `prefill` runs the prompt through the model
+  with the training attention kernel, fills the KV cache (P + max_new_tokens - 1 slots, created
+  sharded by batch and kv heads on the mesh) and samples the first token; `decode` is one
+  `lax.while_loop` that feeds one token per step and stops as soon as every row has finished.
+  The sampling state, cache included, is donated to `decode`.
+- Randomness: the key for completion token t is `fold_in(rng, t)`, so a seed fixes the output.
+- Token choice follows transformers' `generate`: `min_new_tokens` masks EOS/stop ids while
+  fewer tokens have been generated, then temperature, top-k, top-p (sampling) or argmax (greedy).
+
+Output (`SampleOutput`, device arrays): the left-padded prompt and its mask [B, P]; completion
+ids [B, N] (N = max_new_tokens, pad after a row finished); a completion mask that is 1 up to and
+including the first EOS/stop id; and each sampled token's log-prob: log_softmax of the
+temperature-scaled logits before top-k/top-p filtering and before the min_new_tokens mask
+(greedy: of the raw logits), i.e. what a full forward of the model on the produced sequence gives.
+
+This module does no tokenization and no scoring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.kv_cache import Cache, CacheView, init_cache
+from jaxrl.models.layers import default_positions
+from jaxrl.parallel import Rules, batch_sharding
+
+MIN_BUCKET = 16
+# transformers GenerationConfig fields that change the output and that we do not implement,
+# with the value at which they are inactive.
+_UNSUPPORTED_HF_FIELDS = {
+    "num_beams": 1,
+    "num_return_sequences": 1,
+    "repetition_penalty": 1.0,
+    "min_p": None,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "sequence_bias": None,
+    "stop_strings": None,
+    "exponential_decay_length_penalty": None,
+    "renormalize_logits": False,
+    "guidance_scale": None,
+    "penalty_alpha": None,
+    "min_length": 0,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """How to generate, with transformers' field names and defaults.
+
+    `max_new_tokens` counts completion tokens (transformers' default budget is `max_length=20`
+    tokens in total; here it is 20 new ones). `top_k=0` or `top_p=1.0` turn those filters off;
+    temperature, top-k and top-p apply only with `do_sample=True` (as transformers).
+    `eos_token_id` may be one id or several; `stop_token_ids` are extra ids that end a
+    completion exactly like EOS (vLLM's name). `pad_token_id` fills completions after they end
+    (default: the first EOS id, as transformers, else 0).
+    """
+
+    max_new_tokens: int = 20
+    min_new_tokens: int = 0
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 1.0
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        eos = self.eos_token_id
+        if isinstance(eos, Sequence):
+            object.__setattr__(self, "eos_token_id", tuple(int(i) for i in eos))
+        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}.")
+        if self.do_sample and not self.temperature > 0:
+            raise ValueError(
+                f"temperature must be > 0 when do_sample=True, got {self.temperature}; use "
+                "do_sample=False for greedy decoding."
+            )
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Every id that ends a completion: the EOS id(s), then `stop_token_ids`."""
+        eos = self.eos_token_id
+        eos = () if eos is None else (eos,) if isinstance(eos, int) else eos
+        return tuple(dict.fromkeys((*eos, *self.stop_token_ids)))
+
+    @property
+    def pad_id(self) -> int:
+        if self.pad_token_id is not None:
+            return self.pad_token_id
+        return self.stop_ids[0] if self.stop_ids else 0
+
+    @classmethod
+    def from_transformers(cls, hf_config: Any, **overrides: Any) -> GenerationConfig:
+        """From a `transformers.GenerationConfig` (unset fields take transformers' defaults).
+
+        Raises on options that change the output but are not implemented here (beam search,
+        repetition penalty, min_p, ...), and when neither the config nor `overrides` give
+        `max_new_tokens` (a `max_length` budget depends on each prompt's length).
+        """
+        defaults = type(hf_config)._get_default_generation_params()
+        unset = object()
+
+        def field(name: str) -> Any:
+            value = getattr(hf_config, name, unset)
+            return defaults.get(name) if value is None or value is unset else value
+
+        active = {
+            name: field(name)
+            for name, off in _UNSUPPORTED_HF_FIELDS.items()
+            if field(name) not in (off, None)
+        }
+        if active:
+            raise ValueError(
+                f"jaxrl.generation does not implement these generation options: {active}; unset "
+                "them (greedy/sampling with temperature, top_k, top_p, min_new_tokens and "
+                "EOS/stop ids are supported)."
+            )
+        values = {
+            "max_new_tokens": getattr(hf_config, "max_new_tokens", None),
+            "min_new_tokens": getattr(hf_config, "min_new_tokens", None) or 0,
+            "do_sample": bool(field("do_sample")),
+            "temperature": float(field("temperature")),
+            "top_k": int(field("top_k") or 0),
+            "top_p": float(field("top_p")),
+            "eos_token_id": getattr(hf_config, "eos_token_id", None),
+            "pad_token_id": getattr(hf_config, "pad_token_id", None),
+        }
+        values.update(overrides)
+        if values["max_new_tokens"] is None:
+            raise ValueError(
+                "The transformers GenerationConfig sets no max_new_tokens; set it there or pass "
+                "max_new_tokens=... to GenerationConfig.from_transformers."
+            )
+        return cls(**values)
+
+
+class SampleOutput(NamedTuple):
+    """What `Sampler.__call__` returns (device arrays, rows in the order of the prompts)."""
+
+    prompt_ids_BP: jax.Array
+    prompt_mask_BP: jax.Array
+    completion_ids_BN: jax.Array
+    completion_mask_BN: jax.Array
+    logprobs_BN: jax.Array
+
+
+@flax.struct.dataclass
+class SamplingState:
+    """The decode loop's carry; `step` completion tokens have been chosen so far."""
+
+    step: jax.Array
+    tokens_BN: jax.Array
+    logprobs_BN: jax.Array
+    done_B: jax.Array
+    lengths_B: jax.Array
+    positions_B: jax.Array
+    key_mask_BS: jax.Array
+    cache: Cache
+    rng: jax.Array
+
+
+def bucket_length(longest: int, buckets: Sequence[int] | None) -> int:
+    """The padded prompt length for a batch whose longest prompt has `longest` tokens."""
+    if buckets is None:
+        return max(MIN_BUCKET, 1 << (longest - 1).bit_length())
+    fitting = [b for b in sorted(buckets) if b >= longest]
+    if not fitting:
+        raise ValueError(
+            f"The longest prompt has {longest} tokens, more than the largest prompt bucket "
+            f"({max(buckets)}); add a larger bucket to prompt_buckets or shorten the prompts."
+        )
+    return fitting[0]
+
+
+def left_pad(
+    prompts: Any, prompt_mask: Any, buckets: Sequence[int] | None, pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged lists, or a padded array with its mask, -> left-padded ids and mask [B, P]."""
+    if isinstance(prompts, (list, tuple)) and prompt_mask is None:
+        rows = [np.asarray(p, dtype=np.int32).reshape(-1) for p in prompts]
+    else:
+        ids = np.asarray(prompts, dtype=np.int32)
+        if ids.ndim != 2:
+            raise ValueError(f"Prompt ids must be [B, T]; got shape {ids.shape}.")
+        mask = np.ones_like(ids) if prompt_mask is None else np.asarray(prompt_mask)
+        if mask.shape != ids.shape:
+            raise ValueError(f"prompt_mask shape {mask.shape} != prompt ids shape {ids.shape}.")
+        rows = [row[m.astype(bool)] for row, m in zip(ids, mask, strict=True)]
+    if not rows:
+        raise ValueError("No prompts given.")
+    lengths = np.array([len(r) for r in rows])
+    if (lengths == 0).any():
+        raise ValueError(
+            f"Prompt rows {np.flatnonzero(lengths == 0).tolist()} are empty; every prompt needs "
+            "at least one token (e.g. BOS)."
+        )
+    width = bucket_length(int(lengths.max()), buckets)
+    ids_BP = np.full((len(rows), width), pad_id, dtype=np.int32)
+    mask_BP = np.zeros((len(rows), width), dtype=np.int32)
+    for i, row in enumerate(rows):
+        ids_BP[i, width - len(row) :] = row
+        mask_BP[i, width - len(row) :] = 1
+    return ids_BP, mask_BP
+
+
+def filter_top_k_top_p(scaled_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """transformers' TopK then TopP warpers: filtered logits are -inf.
+
+    Top-k keeps every logit >= the k-th largest; top-p keeps the most likely tokens until their
+    probability (renormalised after top-k) reaches `top_p`, always at least one.
+    """
+    vocab = scaled_BV.shape[-1]
+    if 0 < top_k < vocab:
+        kth_B1 = jax.lax.top_k(scaled_BV, top_k)[0][:, -1:]
+        scaled_BV = jnp.where(scaled_BV < kth_B1, -jnp.inf, scaled_BV)
+    if top_p < 1.0:
+        sorted_BV = jax.lax.top_k(scaled_BV, vocab)[0]  # descending
+        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+        before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV  # mass of the more likely tokens
+        n_keep_B1 = jnp.maximum(jnp.sum(before_BV < top_p, axis=-1, keepdims=True), 1)
+        cutoff_B1 = jnp.take_along_axis(sorted_BV, n_keep_B1 - 1, axis=-1)
+        scaled_BV = jnp.where(scaled_BV < cutoff_B1, -jnp.inf, scaled_BV)
+    return scaled_BV
+
+
+def choose_tokens(
+    logits_BV: jax.Array, rng: jax.Array, step: jax.Array, config: GenerationConfig
+) -> tuple[jax.Array, jax.Array]:
+    """Completion token `step` of every row and its log-prob (see the module docstring)."""
+    scaled_BV = logits_BV.astype(jnp.float32)
+    if config.do_sample:
+        scaled_BV = scaled_BV / config.temperature
+    logprobs_BV = jax.nn.log_softmax(scaled_BV, axis=-1)
+    stop_ids = jnp.asarray(config.stop_ids, dtype=jnp.int32)
+    if config.min_new_tokens > 0 and config.stop_ids:
+        too_early = step < config.min_new_tokens
+        banned_V = jnp.zeros(scaled_BV.shape[-1], bool).at[stop_ids].set(True) & too_early
+        scaled_BV = jnp.where(banned_V, -jnp.inf, scaled_BV)
+    if config.do_sample:
+        filtered_BV = filter_top_k_top_p(scaled_BV, config.top_k, config.top_p)
+        tokens_B = jax.random.categorical(jax.random.fold_in(rng, step), filtered_BV, axis=-1)
+    else:
+        tokens_B = jnp.argmax(scaled_BV, axis=-1)
+    tokens_B = tokens_B.astype(jnp.int32)
+    return tokens_B, jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=-1)[:, 0]
+
+
+class Sampler:
+    """Batched sampling from a jaxrl causal LM with a KV cache (see the module docstring).
+
+    `Sampler(model)` or `Sampler(graphdef)`; then `sampler(params, prompts, config, seed=0)`.
+    With a model, `params=None` samples from that model's own params.
+    `mesh`/`rules`: shard prompts and the cache by batch (and kv heads) on this mesh; the params
+    keep whatever sharding they have.
+    """
+
+    def __init__(
+        self,
+        graphdef_or_model: nnx.GraphDef | nnx.Module,
+        *,
+        mesh: Mesh | None = None,
+        rules: Rules | None = None,
+        prompt_buckets: Sequence[int] | None = None,
+    ):
+        if isinstance(graphdef_or_model, nnx.Module):
+            self.graphdef, self.params = nnx.split(graphdef_or_model)
+        else:
+            self.graphdef, self.params = graphdef_or_model, None
+        self.mesh, self.rules = mesh, rules
+        self.prompt_buckets = None if prompt_buckets is None else tuple(sorted(prompt_buckets))
+        self._config: ModelConfig | None = None
+        self._prefill = jax.jit(self._prefill_fn, static_argnums=(4,))
+        # The state (KV cache included) is dead after decoding: donate it.
+        self._decode = jax.jit(self._decode_fn, static_argnums=(2,), donate_argnums=(1,))
+
+    def __call__(
+        self,
+        params: Any,
+        prompts: Any,
+        generation_config: GenerationConfig | None = None,
+        *,
+        prompt_mask: Any = None,
+        seed: int | jax.Array = 0,
+    ) -> SampleOutput:
+        """Generate completions for `prompts` (ragged id lists, or [B, T] ids + optional mask).
+
+        `seed`: an int or a JAX PRNG key.
+        """
+        if params is None:
+            if self.params is None:
+                raise ValueError("This Sampler was built from a graphdef: pass its params.")
+            params = self.params
+        config = generation_config or GenerationConfig()
+        model_config = self._model_config(params)
+        ids_BP, mask_BP = left_pad(prompts, prompt_mask, self.prompt_buckets, config.pad_id)
+        self._check_positions(model_config, mask_BP, config)
+        rng = jax.random.key(seed) if isinstance(seed, int) else seed
+        ids_BP, mask_BP = self._place(ids_BP), self._place(mask_BP)
+        state = self._prefill(params, ids_BP, mask_BP, rng, config)
+        state, completion_mask_BN = self._decode(params, state, config)
+        return SampleOutput(ids_BP, mask_BP, state.tokens_BN, completion_mask_BN, state.logprobs_BN)
+
+    def _model_config(self, params: Any) -> ModelConfig:
+        if self._config is None:
+            model = nnx.merge(self.graphdef, params)
+            if not hasattr(model, "cached_hidden_states"):
+                raise ValueError(
+                    f"{type(model).__name__} has no KV-cache decode path; sample from a causal "
+                    "LM of jaxrl.models (LlamaForCausalLM or GPT2ForCausalLM)."
+                )
+            self._config = model.config
+        return self._config
+
+    @staticmethod
+    def _check_positions(
+        model_config: ModelConfig, mask_BP: np.ndarray, config: GenerationConfig
+    ) -> None:
+        longest = int(mask_BP.sum(axis=1).max()) + config.max_new_tokens
+        if model_config.model_type == "gpt2" and longest > model_config.max_position_embeddings:
+            raise ValueError(
+                f"Prompt + max_new_tokens reaches {longest} tokens but GPT-2 has only "
+                f"{model_config.max_position_embeddings} learned positions; lower "
+                "max_new_tokens or truncate the prompts."
+            )
+
+    def _place(self, x: np.ndarray) -> jax.Array:
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, batch_sharding(self.mesh, self.rules))
+
+    def _prefill_fn(
+        self,
+        params: Any,
+        prompt_ids_BP: jax.Array,
+        prompt_mask_BP: jax.Array,
+        rng: jax.Array,
+        config: GenerationConfig,
+    ) -> SamplingState:
+        model = nnx.merge(self.graphdef, params)
+        batch, prompt_len = prompt_ids_BP.shape
+        n_new = config.max_new_tokens
+        cache_len = prompt_len + n_new - 1  # the last chosen token is never fed back
+        cache = init_cache(model.config, batch, cache_len, self.mesh, self.rules)
+        key_mask_BS = jnp.concatenate(
+            [prompt_mask_BP.astype(bool), jnp.ones((batch, n_new - 1), bool)], axis=1
+        )
+        positions_BP = default_positions(prompt_mask_BP, None, prompt_len)
+        view = CacheView(jnp.zeros((), jnp.int32), key_mask_BS, prefill=True)
+        h_BPD, cache = model.cached_hidden_states(prompt_ids_BP, positions_BP, cache, view)
+        # Left padding: every row's last prompt token sits in the last slot.
+        logits_BV = jnp.dot(h_BPD[:, -1], model.unembed_weight())
+        step = jnp.zeros((), jnp.int32)
+        tokens_B, logprobs_B = choose_tokens(logits_BV, rng, step, config)
+        return SamplingState(
+            step=step + 1,
+            tokens_BN=jnp.full((batch, n_new), config.pad_id, jnp.int32).at[:, 0].set(tokens_B),
+            logprobs_BN=jnp.zeros((batch, n_new), jnp.float32).at[:, 0].set(logprobs_B),
+            done_B=jnp.isin(tokens_B, jnp.asarray(config.stop_ids, jnp.int32)),
+            lengths_B=jnp.ones((batch,), jnp.int32),
+            positions_B=jnp.sum(prompt_mask_BP, axis=1).astype(jnp.int32),
+            key_mask_BS=key_mask_BS,
+            cache=cache,
+            rng=rng,
+        )
+
+    def _decode_fn(
+        self, params: Any, state: SamplingState, config: GenerationConfig
+    ) -> tuple[SamplingState, jax.Array]:
+        model = nnx.merge(self.graphdef, params)
+        unembed_DV = model.unembed_weight()
+        n_new = config.max_new_tokens
+        prompt_len = state.key_mask_BS.shape[1] - (n_new - 1)
+        stop_ids = jnp.asarray(config.stop_ids, jnp.int32)
+
+        def unfinished(s: SamplingState) -> jax.Array:
+            return (s.step < n_new) & ~jnp.all(s.done_B)
+
+        def one_token(s: SamplingState) -> SamplingState:
+            last_B1 = jax.lax.dynamic_slice_in_dim(s.tokens_BN, s.step - 1, 1, axis=1)
+            view = CacheView(prompt_len + s.step - 1, s.key_mask_BS)
+            h_B1D, cache = model.cached_hidden_states(
+                last_B1, s.positions_B[:, None], s.cache, view
+            )
+            tokens_B, logprobs_B = choose_tokens(h_B1D[:, 0] @ unembed_DV, s.rng, s.step, config)
+            tokens_B = jnp.where(s.done_B, config.pad_id, tokens_B)
+            logprobs_B = jnp.where(s.done_B, 0.0, logprobs_B)
+            return s.replace(
+                step=s.step + 1,
+                tokens_BN=jax.lax.dynamic_update_slice_in_dim(
+                    s.tokens_BN, tokens_B[:, None], s.step, axis=1
+                ),
+                logprobs_BN=jax.lax.dynamic_update_slice_in_dim(
+                    s.logprobs_BN, logprobs_B[:, None], s.step, axis=1
+                ),
+                done_B=s.done_B | jnp.isin(tokens_B, stop_ids),
+                lengths_B=jnp.where(s.done_B, s.lengths_B, s.lengths_B + 1),
+                positions_B=s.positions_B + 1,
+                cache=cache,
+            )
+
+        state = jax.lax.while_loop(unfinished, one_token, state)
+        mask_BN = (jnp.arange(n_new)[None, :] < state.lengths_B[:, None]).astype(jnp.int32)
+        # The whole final state is returned so every donated buffer (the cache above all) is
+        # updated in place by the loop rather than copied into it.
+        return state, mask_BN

@@ -1,0 +1,162 @@
+"""Key/value cache for incremental decoding: its layout, its sharding, the attention that writes
+and reads it, and the cached pass over the layer stack.
+
+Layout: one `KVCache(k, v)` per layer with k, v [B, S, K, H] (batch, cache slot, kv heads,
+head dim) for an unscanned stack (a tuple of them), or a single `KVCache` stacked on a leading
+layer axis [L, B, S, K, H] for a scanned stack. Prompts are left-padded, so every row writes the
+same slot at every step and the write index is one scalar (`CacheView.index`); which slots hold
+real tokens is `CacheView.key_mask_BS` (prompt padding is masked out).
+
+Sliding windows count cache slots, as the training forward and transformers do (key j is
+visible from query i when i - window < j <= i); left padding shifts both, so windows cover the
+same real tokens.
+
+This file holds no sampling logic (`jaxrl.generation`) and never changes the training forward:
+the models call it only from their `cached*` methods.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.layers import attention_mask_BTS, constrain_batch, dot_product_attention
+from jaxrl.parallel import Rules, logical_to_spec
+
+# Logical axes of one layer's k or v: sharded by batch and kv heads; slots stay whole.
+CACHE_AXES = ("batch", None, "kv_heads", "head_dim")
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys and values after rope, in the compute dtype: [B, S, K, H] (or [L, B, S, K, H])."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+@flax.struct.dataclass
+class CacheView:
+    """Where this call writes and what it may read (shared by all layers of one forward).
+
+    `index`: slot of the first new token (scalar int32). `key_mask_BS`: slots holding real
+    tokens (False for prompt padding). `prefill`: the new tokens start an empty cache, so they
+    attend among themselves with the training attention kernel instead of over all S slots.
+    """
+
+    index: jax.Array
+    key_mask_BS: jax.Array
+    prefill: bool = flax.struct.field(pytree_node=False, default=False)
+
+
+Cache = tuple[KVCache, ...] | KVCache
+
+
+def cache_shardings(
+    config: ModelConfig, batch: int, length: int, mesh: Mesh, rules: Rules | None = None
+) -> Cache:
+    """NamedShardings of the cache `init_cache` builds (same tree), from `CACHE_AXES`."""
+    shape = (batch, length, config.num_kv_heads, config.head_dim)
+    if config.scan_layers:
+        axes, shape = ("layers", *CACHE_AXES), (config.num_layers, *shape)
+    else:
+        axes = CACHE_AXES
+    sharding = NamedSharding(mesh, logical_to_spec(axes, rules, shape, mesh))
+    one = KVCache(sharding, sharding)
+    return one if config.scan_layers else (one,) * config.num_layers
+
+
+def init_cache(
+    config: ModelConfig,
+    batch: int,
+    length: int,
+    mesh: Mesh | None = None,
+    rules: Rules | None = None,
+) -> Cache:
+    """An empty cache of `length` slots (call under jit: with a mesh it is created sharded)."""
+    shape = (batch, length, config.num_kv_heads, config.head_dim)
+    if config.scan_layers:
+        shape = (config.num_layers, *shape)
+    zeros = KVCache(jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype))
+    cache = zeros if config.scan_layers else (zeros,) * config.num_layers
+    if mesh is None:
+        return cache
+    return jax.lax.with_sharding_constraint(
+        cache, cache_shardings(config, batch, length, mesh, rules)
+    )
+
+
+def cached_attention(
+    q_BTNH: jax.Array,
+    k_BTKH: jax.Array,
+    v_BTKH: jax.Array,
+    cache: KVCache,
+    view: CacheView,
+    sliding: bool | jax.Array,
+    config: ModelConfig,
+) -> tuple[jax.Array, KVCache]:
+    """Write the new keys/values at `view.index`, then attend (causal, GQA, sliding window)."""
+    k_BSKH = jax.lax.dynamic_update_slice_in_dim(
+        cache.k, k_BTKH.astype(cache.k.dtype), view.index, axis=1
+    )
+    v_BSKH = jax.lax.dynamic_update_slice_in_dim(
+        cache.v, v_BTKH.astype(cache.v.dtype), view.index, axis=1
+    )
+    new_cache = KVCache(k_BSKH, v_BSKH)
+    seq_len = q_BTNH.shape[1]
+    if view.prefill:  # nothing older in the cache: the training kernel on the prompt alone
+        mask_B1TT = attention_mask_BTS(view.key_mask_BS[:, :seq_len], None)
+        out = dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask_B1TT, sliding, config)
+        return out, new_cache
+    query_slot_T1 = (view.index + jnp.arange(seq_len, dtype=jnp.int32))[:, None]
+    key_slot_1S = jnp.arange(k_BSKH.shape[1], dtype=jnp.int32)[None, :]
+    visible_TS = key_slot_1S <= query_slot_T1
+    if config.sliding_window is not None:
+        in_window_TS = key_slot_1S > query_slot_T1 - config.sliding_window
+        if isinstance(sliding, bool):
+            visible_TS = visible_TS & in_window_TS if sliding else visible_TS
+        else:  # scanned stack mixing full and sliding layers
+            visible_TS = visible_TS & (in_window_TS | ~sliding)
+    mask_B1TS = view.key_mask_BS[:, None, None, :] & visible_TS[None, None]
+    out = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_B1TS)
+    return out, new_cache
+
+
+def apply_layers_cached(
+    layers: nnx.Module,
+    h_BTD: jax.Array,
+    context: tuple,
+    cache: Cache,
+    view: CacheView,
+    config: ModelConfig,
+) -> tuple[jax.Array, Cache]:
+    """The block stack with a cache: `block.cached(h, *context, sliding, cache, view)` per layer.
+
+    Mirrors `layers.apply_layers` (a scanned stack scans over its cache's layer axis too) but
+    never rematerialises: decoding takes no gradients.
+    """
+    h_BTD = constrain_batch(h_BTD, config)
+    if not config.scan_layers:
+        new_cache = []
+        for block, sliding, layer_cache in zip(layers, config.sliding_layers, cache, strict=True):
+            h_BTD, layer_cache = block.cached(h_BTD, *context, sliding, layer_cache, view)
+            h_BTD = constrain_batch(h_BTD, config)
+            new_cache.append(layer_cache)
+        return h_BTD, tuple(new_cache)
+
+    graphdef, stacked_state = nnx.split(layers)
+    uniform = len(set(config.sliding_layers)) == 1
+
+    def body(h: jax.Array, xs: tuple) -> tuple[jax.Array, KVCache]:
+        block_state, sliding, layer_cache = xs
+        block = nnx.merge(graphdef, block_state)
+        sliding = config.sliding_layers[0] if uniform else sliding
+        h, layer_cache = block.cached(h, *context, sliding, layer_cache, view)
+        return constrain_batch(h, config), layer_cache
+
+    xs = (stacked_state, jnp.asarray(config.sliding_layers), cache)
+    return jax.lax.scan(body, h_BTD, xs)
