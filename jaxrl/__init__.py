@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxrl.callbacks.base import TrainerCallback, TrainerControl, TrainerState
 from jaxrl.callbacks.bema import BEMACallback
+from jaxrl.callbacks.completions import LogCompletionsCallback, WeaveCallback
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.config import DPOConfig, RewardConfig, SFTConfig, TrainingConfig
 from jaxrl.trainers import DPOTrainer, EvalPrediction, RewardTrainer, SFTTrainer
@@ -28,6 +29,7 @@ __all__ = [
     "DPOConfig",
     "DPOTrainer",
     "EvalPrediction",
+    "LogCompletionsCallback",
     "RewardConfig",
     "RewardTrainer",
     "SFTConfig",
@@ -37,5 +39,6 @@ __all__ = [
     "TrainerControl",
     "TrainerState",
     "TrainingConfig",
+    "WeaveCallback",
     "set_seed",
 ]

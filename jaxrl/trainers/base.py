@@ -11,6 +11,7 @@ not contain algorithm math.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -90,8 +91,14 @@ class Trainer(TrainLoop):
         self.train_dataset = (
             self._prepare_dataset(train_dataset, "train") if train_dataset is not None else None
         )
+        # The untokenized eval rows (their `prompt` column feeds the completion callbacks).
+        self.raw_eval_dataset = (
+            self._load_data(eval_dataset, "eval") if eval_dataset is not None else None
+        )
         self.eval_dataset = (
-            self._prepare_dataset(eval_dataset, "eval") if eval_dataset is not None else None
+            self._prepare_dataset(self.raw_eval_dataset, "eval")
+            if eval_dataset is not None
+            else None
         )
         self.seq_len = self._choose_seq_len()
         self.dp = parallel.data_parallel_size(self.mesh)
@@ -407,6 +414,76 @@ class Trainer(TrainLoop):
         self.log(metrics)
         self._event("on_evaluate", metrics=metrics)
         return metrics
+
+    # ----------------------------------------------------------------- generation
+    def generation_config(self, generation_config: Any = None, **overrides: Any):
+        """A `jaxrl.generation.GenerationConfig` from a transformers `GenerationConfig` (or ours,
+        or None: the model directory's `generation_config.json` if any, else transformers'
+        defaults), with the tokenizer's EOS and pad ids where the config gives none."""
+        from jaxrl.generation import GenerationConfig
+
+        tok = self.processing_class
+        ids = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+        if isinstance(generation_config, GenerationConfig):
+            return dataclasses.replace(generation_config, **overrides)
+        if generation_config is None:
+            from transformers import GenerationConfig as HFGenerationConfig
+
+            generation_config = HFGenerationConfig()
+            if self.model_path is not None and os.path.isfile(
+                os.path.join(self.model_path, "generation_config.json")
+            ):
+                generation_config = HFGenerationConfig.from_pretrained(self.model_path)
+        for name, value in ids.items():
+            if getattr(generation_config, name, None) is None:
+                overrides.setdefault(name, value)
+        if getattr(generation_config, "max_new_tokens", None) is None:
+            # transformers' default budget is max_length=20 tokens in total; per prompt that
+            # depends on its length, so we give 20 new tokens (GenerationConfig's default).
+            overrides.setdefault("max_new_tokens", 20)
+        return GenerationConfig.from_transformers(generation_config, **overrides)
+
+    def sampler(self):
+        """The KV-cache sampler over this trainer's model graph and mesh (built once)."""
+        if getattr(self, "_sampler", None) is None:
+            from jaxrl.generation import Sampler
+
+            graphdef = self.graphdef if self.train_state is not None else nnx.graphdef(self.model)
+            self._sampler = Sampler(graphdef, mesh=self.mesh, rules=self.rules)
+        return self._sampler
+
+    def current_params(self) -> Any:
+        """The policy params: the train state's (no copy) or, before training, the model's."""
+        if self.train_state is not None:
+            return self.train_state.params
+        return nnx.state(self.model)
+
+    def generate_completions(
+        self,
+        prompts: list[str],
+        generation_config: Any = None,
+        batch_size: int | None = None,
+        params: Any = None,
+    ) -> list[str]:
+        """Decoded completions of text prompts from the current policy (or `params`), batched by
+        `per_device_eval_batch_size` x data-parallel devices, special tokens skipped (TRL's
+        `_generate_completions`)."""
+        tok = self.processing_class
+        config = self.generation_config(generation_config)
+        batch_size = batch_size or self.args.per_device_eval_batch_size * self.dp
+        params = self.current_params() if params is None else params
+        out: list[str] = []
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start : start + batch_size]
+            ids = [tok(p)["input_ids"] for p in chunk]
+            # A short final chunk is filled with copies so every call has the same batch shape.
+            ids += [ids[-1]] * (batch_size - len(ids))
+            sample = self.sampler()(params, ids, config, seed=self.args.seed + start)
+            tokens, mask = jax.device_get((sample.completion_ids_BN, sample.completion_mask_BN))
+            for row in range(len(chunk)):
+                kept = [int(t) for t, m in zip(tokens[row], mask[row], strict=True) if m]
+                out.append(tok.decode(kept, skip_special_tokens=True))
+        return out
 
     # ----------------------------------------------------------------- export
     def current_model(self):

@@ -82,6 +82,18 @@ class TrainLoop:
             **kwargs,
         )
 
+    def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        """Add a callback (an instance or a class), as HF's `Trainer.add_callback`."""
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback: TrainerCallback | type[TrainerCallback]):
+        """Remove and return a callback (by instance or class); None if absent (HF)."""
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        """Remove a callback (by instance or class), as HF's `Trainer.remove_callback`."""
+        self.callback_handler.remove_callback(callback)
+
     def _reporting_callbacks(self) -> list[TrainerCallback]:
         cbs: list[TrainerCallback] = []
         report = self.args.report_to
