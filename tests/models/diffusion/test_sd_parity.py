@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-
 from flax import nnx
 
 from jaxrl import parallel
