@@ -351,7 +351,7 @@ def save_unet(unet: UNet2DConditionModel, path: str | Path) -> None:
         unet,
         path,
         f"{DIFFUSERS_WEIGHTS}.safetensors",
-        skip=lambda p: any(str(k).startswith("lora_") for k in p),
+        skip=lambda p: "lora" in p,
     )
     if jax.process_index() == 0:
         config = dict(unet.config.raw) or _default_unet_config(unet.config)

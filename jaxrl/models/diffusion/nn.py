@@ -39,7 +39,8 @@ def _shifted(init: Any, fan_in: int) -> Any:
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel + bias; kernel [in, out] with logical axes `axes`."""
+    """y = x @ kernel + bias (+ lora(x) once an adapter is attached); kernel [in, out] with
+    logical axes `axes`."""
 
     def __init__(
         self,
@@ -55,11 +56,16 @@ class Linear(nnx.Module):
         init = _shifted(_fan_in_init(n_in), n_in)
         self.kernel = make_param(rngs, init, (n_in, n_out), axes, dt.param_dtype)
         self.bias = make_param(rngs, init, (n_out,), (axes[1],), dt.param_dtype) if bias else None
+        # A low-rank adapter (`jaxrl.models.diffusion.lora`) attached after construction.
+        self.lora = nnx.data(None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        x = x.astype(self.dtype)
+        y = jnp.dot(x, self.kernel[...].astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
+        if self.lora is not None:
+            y = y + self.lora(x)
         return y
 
 
