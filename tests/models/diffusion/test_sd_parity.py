@@ -118,3 +118,60 @@ def test_clip_text_matches_transformers(tiny_clip_text):
         want = ref(torch.from_numpy(ids)).last_hidden_state.numpy()
     ours = nnx.jit(lambda m, x: m(x))(model, ids)
     np.testing.assert_allclose(np.asarray(ours), want, atol=1e-4)
+
+
+def _tiny_clip_tokenizer(path):
+    import json
+
+    import transformers
+
+    words = ["a", "cat", "dog", "photo", "of"]
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for w in words:
+        vocab[f"{w}</w>"] = len(vocab)
+    for ch in sorted(set("".join(words))):
+        vocab.setdefault(ch, len(vocab))
+        vocab.setdefault(f"{ch}</w>", len(vocab))
+    (path / "vocab.json").write_text(json.dumps(vocab))
+    (path / "merges.txt").write_text("#version: 0.2\n")
+    return transformers.CLIPTokenizer(
+        str(path / "vocab.json"), str(path / "merges.txt"), model_max_length=20
+    )
+
+
+def test_load_pipeline_directory(sd1_unet, tiny_vae, tiny_clip_text, tmp_path):
+    import transformers
+
+    (tmp_path / "tok").mkdir()
+    tokenizer = _tiny_clip_tokenizer(tmp_path / "tok")
+    unet_ref, unet_path = sd1_unet
+    pipe = diffusers.StableDiffusionPipeline(
+        vae=tiny_vae[0],
+        text_encoder=transformers.CLIPTextModel.from_pretrained(tiny_clip_text[1]).eval(),
+        tokenizer=tokenizer,
+        unet=diffusers.UNet2DConditionModel.from_pretrained(unet_path).eval(),
+        scheduler=diffusers.PNDMScheduler(skip_prk_steps=True, steps_offset=1),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.save_pretrained(tmp_path / "sd")
+    from jaxrl.models.diffusion import load_pipeline
+    from jaxrl.models.diffusion.ddim import DDIMScheduler
+
+    sd = load_pipeline(tmp_path / "sd")
+    prompts = ["a photo of a cat", ""]
+    ids = sd.tokenizer(
+        prompts, padding="max_length", max_length=sd.tokenizer.model_max_length, truncation=True
+    ).input_ids
+    with torch.no_grad():
+        want = pipe.text_encoder(torch.tensor(ids))[0].numpy()
+    ours = nnx.jit(lambda m, x: m(x))(sd.text_encoder, np.asarray(ids))
+    np.testing.assert_allclose(np.asarray(ours), want, atol=1e-4)
+    ref = diffusers.DDIMScheduler.from_config(pipe.scheduler.config)
+    ref.set_timesteps(10)
+    ddim = DDIMScheduler.from_config(sd.scheduler_config)
+    assert ddim.timesteps(10).tolist() == ref.timesteps.tolist()
+    assert sd.vae.config.scaling_factor == pipe.vae.config.scaling_factor
+    with pytest.raises(FileNotFoundError, match="not a diffusers Stable Diffusion directory"):
+        load_pipeline(tmp_path / "sd" / "unet")
