@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,10 @@ TRANSFORMERS_WEIGHTS = "model"
 TRANSFORMERS_BIN = "pytorch_model"
 # Pre-0.14 diffusers checkpoints name the VAE attention projections differently.
 LEGACY_VAE_NAMES = {"to_q": "query", "to_k": "key", "to_v": "value", "to_out.0": "proj_attn"}
+# Buffers some checkpoints carry (transformers 4.x CLIP position ids), never parameters.
+IGNORED_SUFFIXES = ("position_ids",)
+CLIP_TEXT_PARTS = ("text_model.", "text_projection.", "logit_scale")
+CLIP_VISION_PARTS = ("vision_model.", "visual_projection.", "logit_scale")
 
 
 class WeightFiles:
@@ -132,12 +137,16 @@ def load_weights(
     rules: parallel.Rules | None = None,
     key_prefix: str = "",
     legacy_vae: bool = False,
+    other_parts: tuple[str, ...] = (),
 ) -> nnx.Module:
     """`create()`'s module with every param read from `files` (key = `key_prefix` + our path),
-    checked for shape and placed into its sharding one tensor at a time."""
+    checked for shape and placed into its sharding one tensor at a time. Checkpoint tensors left
+    unused trigger a warning, except buffers and keys starting with one of `other_parts` (the
+    other tower of a CLIPModel checkpoint)."""
     graphdef, abstract = nnx.split(nnx.eval_shape(create))
     flat_shardings = dict(nnx.to_flat_state(_shardings(abstract, mesh, rules)))
     loaded = []
+    used: set[str] = set()
     for path, variable in nnx.to_flat_state(abstract):
         path = tuple(path)
         key = key_prefix + torch_key(path)
@@ -147,6 +156,7 @@ def load_weights(
                 f"{files.directory} has no weight '{key}' (config.json and the weights disagree, "
                 "or the checkpoint is incomplete)."
             )
+        used.add(found[0])
         x = torch_to_ours(found[1], path)
         if tuple(x.shape) != tuple(variable.shape):
             raise ValueError(
@@ -157,6 +167,17 @@ def load_weights(
         x = np.asarray(x, dtype=variable.dtype)
         value = jax.make_array_from_callback(x.shape, flat_shardings[path], lambda i, x=x: x[i])
         loaded.append((path, variable.replace(value=value)))
+    unused = sorted(
+        k
+        for k in set(files.keys()) - used
+        if not k.startswith(other_parts) and not k.endswith(IGNORED_SUFFIXES)
+    )
+    if unused:
+        warnings.warn(
+            f"{files.directory} has {len(unused)} weight(s) the model does not use: "
+            f"{', '.join(unused[:20])}{' ...' if len(unused) > 20 else ''}",
+            stacklevel=2,
+        )
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 
@@ -227,7 +248,7 @@ def load_clip_text(
         )
 
     files = WeightFiles(directory, (TRANSFORMERS_WEIGHTS, TRANSFORMERS_BIN))
-    return load_weights(create, files, mesh=mesh, rules=rules)
+    return load_weights(create, files, mesh=mesh, rules=rules, other_parts=CLIP_VISION_PARTS)
 
 
 def load_clip_vision(
@@ -249,7 +270,7 @@ def load_clip_vision(
         )
 
     files = WeightFiles(directory, (TRANSFORMERS_WEIGHTS, TRANSFORMERS_BIN))
-    return load_weights(create, files, mesh=mesh, rules=rules)
+    return load_weights(create, files, mesh=mesh, rules=rules, other_parts=CLIP_TEXT_PARTS)
 
 
 @dataclasses.dataclass

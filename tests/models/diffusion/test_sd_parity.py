@@ -175,3 +175,24 @@ def test_load_pipeline_directory(sd1_unet, tiny_vae, tiny_clip_text, tmp_path):
     assert sd.vae.config.scaling_factor == pipe.vae.config.scaling_factor
     with pytest.raises(FileNotFoundError, match="not a diffusers Stable Diffusion directory"):
         load_pipeline(tmp_path / "sd" / "unet")
+
+
+def test_loader_warns_on_unused_weights_only(tiny_clip_text, tiny_vae, tmp_path):
+    import shutil
+    import warnings
+
+    from safetensors.numpy import load_file, save_file
+
+    _, clip_path = tiny_clip_text
+    _, vae_path = tiny_vae
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_clip_text(clip_path)
+        load_vae(vae_path)
+    shutil.copytree(clip_path, tmp_path / "clip")
+    weights = load_file(tmp_path / "clip" / "model.safetensors")
+    weights["stray.weight"] = np.zeros(3, np.float32)
+    weights["text_model.embeddings.position_ids"] = np.arange(20)[None]  # a buffer: not warned
+    save_file(weights, tmp_path / "clip" / "model.safetensors")
+    with pytest.warns(UserWarning, match=r"1 weight\(s\) the model does not use: stray.weight"):
+        load_clip_text(tmp_path / "clip")
