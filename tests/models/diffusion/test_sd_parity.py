@@ -196,3 +196,33 @@ def test_loader_warns_on_unused_weights_only(tiny_clip_text, tiny_vae, tmp_path)
     save_file(weights, tmp_path / "clip" / "model.safetensors")
     with pytest.warns(UserWarning, match=r"1 weight\(s\) the model does not use: stray.weight"):
         load_clip_text(tmp_path / "clip")
+
+
+def test_vae_legacy_attention_names(tiny_vae, tmp_path):
+    """Pre-0.14 diffusers VAEs name the mid-block attention query/key/value/proj_attn."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    _, path = tiny_vae
+    shutil.copytree(path, tmp_path / "vae")
+    weights = load_file(tmp_path / "vae" / "diffusion_pytorch_model.safetensors")
+    renames = {
+        ".to_q.": ".query.",
+        ".to_k.": ".key.",
+        ".to_v.": ".value.",
+        ".to_out.0.": ".proj_attn.",
+    }
+    old = {}
+    for key, value in weights.items():
+        for new, legacy in renames.items():
+            key = key.replace(new, legacy)
+        old[key] = value
+    assert any(".proj_attn." in k for k in old)
+    save_file(old, tmp_path / "vae" / "diffusion_pytorch_model.safetensors")
+    latents = np.random.default_rng(3).standard_normal((1, 4, 8, 8)).astype(np.float32)
+    decode = nnx.jit(lambda m, z: m.decode(z))
+    np.testing.assert_array_equal(
+        np.asarray(decode(load_vae(tmp_path / "vae"), latents)),
+        np.asarray(decode(load_vae(path), latents)),
+    )
