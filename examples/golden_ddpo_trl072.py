@@ -122,9 +122,13 @@ def main() -> None:
     t = {k: torch.from_numpy(v) for k, v in inputs.items()}
 
     unet = diffusers.UNet2DConditionModel(**UNET).eval()
-    unet.load_state_dict({k: torch.from_numpy(v) for k, v in fill_weights(unet.state_dict(), 0).items()})
+    unet.load_state_dict(
+        {k: torch.from_numpy(v) for k, v in fill_weights(unet.state_dict(), 0).items()}
+    )
     vae = diffusers.AutoencoderKL(**VAE).eval()
-    vae.load_state_dict({k: torch.from_numpy(v) for k, v in fill_weights(vae.state_dict(), 1).items()})
+    vae.load_state_dict(
+        {k: torch.from_numpy(v) for k, v in fill_weights(vae.state_dict(), 1).items()}
+    )
     scheduler = diffusers.DDIMScheduler(**SCHEDULER)
     scheduler.set_timesteps(STEPS)
 
@@ -181,7 +185,9 @@ def main() -> None:
     timesteps = scheduler.timesteps.tolist()
 
     t0 = scheduler.timesteps[0]
-    noise = unet(torch.cat([t["initial_latents"]] * 2), t0, torch.cat([neg, t["prompt_embeds"]])).sample
+    noise = unet(
+        torch.cat([t["initial_latents"]] * 2), t0, torch.cat([neg, t["prompt_embeds"]])
+    ).sample
     uncond, cond = noise.chunk(2)
     cfg_noise = uncond + GUIDANCE * (cond - uncond)
 
@@ -189,8 +195,11 @@ def main() -> None:
     losses = []
     for step, offsets, advantages, train_cfg in LOSS_CASES:
         config = DDPOConfig(
-            sample_guidance_scale=GUIDANCE, sample_eta=ETA, train_cfg=train_cfg,
-            train_clip_range=1e-4, train_adv_clip_max=5,
+            sample_guidance_scale=GUIDANCE,
+            sample_eta=ETA,
+            train_cfg=train_cfg,
+            train_clip_range=1e-4,
+            train_adv_clip_max=5,
         )
         trainer = object.__new__(DDPOTrainer)
         trainer.config = config
