@@ -11,8 +11,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl.checkpoint import (
-    Checkpointer,
     CheckpointCorruptError,
+    Checkpointer,
     CheckpointMismatchError,
     install_sigterm_handler,
 )
