@@ -239,6 +239,13 @@ def resolve_checkpoint_dir(path_or_hub_id: str | Path) -> Path:
         ) from err
 
 
+class MissingWeightError(KeyError, ValueError):
+    """A weight the config needs is not in the checkpoint (a ValueError too: bad user input)."""
+
+    def __str__(self) -> str:  # KeyError would print the message as a quoted repr
+        return str(self.args[0])
+
+
 def _lookup_key(key: str, reader: CheckpointReader, config: ModelConfig) -> str | None:
     if key in reader:
         return key
@@ -256,9 +263,10 @@ def _read_param(
     for layer, key in enumerate(entry.keys()):
         found = _lookup_key(key, reader, config)
         if found is None:
-            raise KeyError(
+            raise MissingWeightError(
                 f"Checkpoint {directory} has no weight '{key}' needed by {config.model_type} "
-                f"(config and weights disagree, or the checkpoint is incomplete)."
+                f"(config and weights disagree, or the checkpoint is incomplete). Use the "
+                "config.json that came with these weights, or re-download the checkpoint."
             )
         x = reader.get(found)
         if tuple(x.shape) != tuple(entry.hf_shape):

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from transformers import PretrainedConfig
 
-from jaxrl import parallel
+from jaxrl import parallel, run_dir
 from jaxrl.callbacks.base import (
     CallbackHandler,
     DefaultFlowCallback,
@@ -36,6 +36,7 @@ from jaxrl.callbacks.base import (
     TrainerControl,
     TrainerState,
 )
+from jaxrl.callbacks.collapse import CollapseWarningCallback
 from jaxrl.callbacks.jsonl import JsonlMetricsCallback
 from jaxrl.checkpoint import Checkpointer, install_sigterm_handler
 from jaxrl.config import TrainingConfig
@@ -89,6 +90,7 @@ class Trainer:
         if not isinstance(self.args, TrainingConfig):
             raise TypeError(f"args must be a {self.config_class.__name__}, got {type(args)}.")
         a = self.args
+        run_dir.check_output_dir(a.output_dir)  # [run_dir] before loading anything
         if a.fp16 and jax.default_backend() == "cpu":
             # As HF's Trainer: fp16 mixed precision is a GPU feature (XLA:CPU has no f16 dot
             # with f32 accumulation).
@@ -112,7 +114,7 @@ class Trainer:
         self.is_world_process_zero = jax.process_index() == 0
         self.control = TrainerControl()
         self.state = TrainerState(is_world_process_zero=self.is_world_process_zero)
-        default_cbs: list[TrainerCallback] = [DefaultFlowCallback()]
+        default_cbs: list[TrainerCallback] = [DefaultFlowCallback(), CollapseWarningCallback()]
         default_cbs.append(JsonlMetricsCallback(os.path.join(a.output_dir, "metrics.jsonl")))
         default_cbs += self._reporting_callbacks()
         self.callback_handler = CallbackHandler(default_cbs + list(callbacks or []))
@@ -448,7 +450,9 @@ class Trainer:
                 self._callback_states(),
             ),
         }
-        tree, meta = self._checkpointer().restore(step, abstract)
+        # [checkpoint] asked for the newest step: a damaged one falls back to an older intact one
+        latest = step == self._checkpointer().latest_step()
+        tree, meta = self._checkpointer().restore(step, abstract, fall_back=latest)
         self.train_state = tree["train_state"]
         for cb in self.callback_handler.callbacks:
             name = type(cb).__name__
@@ -460,7 +464,14 @@ class Trainer:
             for k in now_cfg
             if k in saved_cfg
             and saved_cfg[k] != now_cfg[k]
-            and k not in ("output_dir", "resume_from_checkpoint", "disable_tqdm", "report_to")
+            and k
+            not in (
+                "output_dir",
+                "resume_from_checkpoint",
+                "overwrite_output_dir",
+                "disable_tqdm",
+                "report_to",
+            )
         )
         if changed:  # the run continues, but it is no longer the run that was saved
             logger.warning("Resuming with changed config fields: %s", ", ".join(changed))
@@ -470,7 +481,7 @@ class Trainer:
                 setattr(self.state, k, v)
         self._log_window = meta.get("log_window", [])
         self._tokens_seen = meta.get("tokens_seen", 0)
-        logger.info("Resumed from step %d", step)
+        logger.info("Resumed from step %d", self.state.global_step)
 
     # ----------------------------------------------------------------- metrics
     def _flush_pending(self):
@@ -519,9 +530,26 @@ class Trainer:
 
     # ----------------------------------------------------------------- train
     def train(self, resume_from_checkpoint: Any = None) -> TrainerState:
-        a = self.args
         if self.train_dataset is None:
             raise ValueError("train() needs a train_dataset.")
+        # [run_dir] refuse a used output_dir / a concurrent run; the lock is held while training.
+        lock = run_dir.prepare(
+            self.args.output_dir,
+            resume_from_checkpoint=(
+                resume_from_checkpoint
+                if resume_from_checkpoint is not None
+                else self.args.resume_from_checkpoint
+            ),
+            overwrite_output_dir=self.args.overwrite_output_dir,
+            process_index=jax.process_index(),
+        )
+        try:
+            return self._train(resume_from_checkpoint)
+        finally:
+            lock.release()
+
+    def _train(self, resume_from_checkpoint: Any) -> TrainerState:
+        a = self.args
         os.makedirs(a.output_dir, exist_ok=True)
         if self.train_state is None:
             self.train_state = self._build_state()
