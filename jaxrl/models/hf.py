@@ -116,6 +116,7 @@ def from_config(
 ) -> Model:
     """Randomly initialised model (normal(0, initializer_range) weights, as HF), created sharded."""
     _check_task(task)
+    mesh = None if mesh is None else parallel.normalize_mesh(mesh, rules)
     labels = _num_labels(hf_config, task, num_labels)
     config = config_from_hf(
         _prepare_hf_config(hf_config, task, labels),
@@ -306,6 +307,7 @@ def from_pretrained(
     import transformers
 
     _check_task(task)
+    mesh = None if mesh is None else parallel.normalize_mesh(mesh, rules)
     directory = resolve_checkpoint_dir(path_or_hub_id)
     config_file = directory / "config.json"
     if not config_file.exists():
