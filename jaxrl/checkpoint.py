@@ -266,11 +266,14 @@ class SigtermFlag:
 def install_sigterm_handler() -> SigtermFlag:
     """Install a SIGTERM handler that only sets a flag (preemption -> save -> exit).
 
-    Must be called from the main thread (a Python signal rule). On multi-host runs the loop should
-    agree on the flag across hosts before saving, since only some hosts may get the signal.
+    Must be called from the main thread (a Python signal rule). With several processes the
+    handler is left to JAX: `jax.distributed.initialize` installs a preemption notifier on SIGTERM
+    that tells every host, and `Checkpointer.reached_preemption` turns True on all of them at the
+    same step; a Python handler here would replace that notifier and only one host would stop.
     """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("install_sigterm_handler() must be called from the main thread.")
     flag = SigtermFlag()
-    flag._previous = signal.signal(signal.SIGTERM, flag._handle)
+    if jax.process_count() == 1:
+        flag._previous = signal.signal(signal.SIGTERM, flag._handle)
     return flag

@@ -201,7 +201,9 @@ def initialize_distributed() -> None:
     """Call `jax.distributed.initialize()` on multi-host setups; no-op on a single host.
 
     Multi-host is detected from the usual launcher variables (JAX coordinator, SLURM, Open MPI)
-    or a TPU pod slice (more than one TPU worker host listed).
+    or a TPU pod slice (more than one TPU worker host listed). Without a cluster manager, set
+    JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID on
+    every process (e.g. several processes on one machine over loopback, as the tests do).
     """
     env = os.environ
     tpu_hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
@@ -212,4 +214,11 @@ def initialize_distributed() -> None:
         or len(tpu_hosts) > 1
     )
     if multi_host and not jax.distributed.is_initialized():
-        jax.distributed.initialize()
+        explicit = {}
+        if "JAX_NUM_PROCESSES" in env and "JAX_PROCESS_ID" in env:
+            explicit = dict(
+                coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
+                num_processes=int(env["JAX_NUM_PROCESSES"]),
+                process_id=int(env["JAX_PROCESS_ID"]),
+            )
+        jax.distributed.initialize(**explicit)
