@@ -426,7 +426,7 @@ def save_pretrained(model: Model, path: str | Path, *, max_shard_size: int | str
     if write:
         path.mkdir(parents=True, exist_ok=True)
         _write_config(config, task, model, path)
-    for name, keys in zip(names, shards):
+    for name, keys in zip(names, shards, strict=True):
         shard_specs = {k: specs[k] for k in keys}
         if write:
             write_safetensors(path / name, shard_specs, fetch, metadata={"format": "pt"})
@@ -437,7 +437,7 @@ def save_pretrained(model: Model, path: str | Path, *, max_shard_size: int | str
         total = sum(int(np.prod(s)) * d.itemsize for s, d in specs.values())
         index = {
             "metadata": {"total_size": total},
-            "weight_map": {k: name for name, keys in zip(names, shards) for k in keys},
+            "weight_map": {k: name for name, keys in zip(names, shards, strict=True) for k in keys},
         }
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
