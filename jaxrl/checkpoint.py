@@ -5,11 +5,16 @@ data position, config). Orbax writes into a temporary directory and renames it o
 interrupted save never replaces the latest good checkpoint; half-written temporary directories
 are never listed as steps. Also provides the SIGTERM flag a training loop polls so a preempted
 job saves before it exits. HF-format model export lives with the models, not here.
+
+A damaged newest checkpoint (a missing or truncated metadata or array file, e.g. a disk that
+filled up, or a copy that was cut short) is named in a warning, moved aside to
+`damaged-<step>-<time>` (nothing is deleted) and resume falls back to the newest intact step.
 """
 
 import logging
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,10 @@ logger = logging.getLogger(__name__)
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint's tree structure or shapes differ from the state we are restoring into."""
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint's files are missing or unreadable (and no intact older step was usable)."""
 
 
 def _path_names(path: tuple) -> tuple[str, ...]:
@@ -102,6 +111,9 @@ class Checkpointer:
                 max_to_keep=save_total_limit,
                 enable_async_checkpointing=async_save,
                 create=True,
+                # Temporary directories of saves killed mid-write are removed at start-up, so a
+                # re-save of that step later cannot collide with them.
+                cleanup_tmp_directories=True,
             ),
         )
 
@@ -134,7 +146,7 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def restore(
-        self, step: int | None = None, abstract_state: PyTree = None
+        self, step: int | None = None, abstract_state: PyTree = None, *, fall_back: bool = False
     ) -> tuple[PyTree, dict[str, Any]]:
         """Restore `step` (default: latest) into `abstract_state`'s shapes, dtypes and shardings.
 
@@ -142,12 +154,15 @@ class Checkpointer:
         `jax.eval_shape` plus the param shardings); each array is read straight into its target
         sharding; a leaf without a sharding comes back as a host numpy array (e.g. callback
         buffers kept on the CPU). Raises CheckpointMismatchError naming the first key whose shape
-        differs.
+        differs, CheckpointCorruptError when the step's files are damaged.
+
+        With `step=None` or `fall_back=True`, a damaged step is named in a warning, moved aside
+        and the next older step is tried; the metadata returned is that of the step restored.
         """
         if abstract_state is None:
             raise TypeError("restore() needs `abstract_state`, the pytree to restore into.")
         if step is None:
-            step = self.latest_step()
+            step, fall_back = self.latest_step(), True
             if step is None:
                 raise FileNotFoundError(
                     f"No checkpoint found in {self.directory}; train without "
@@ -157,16 +172,65 @@ class Checkpointer:
             raise FileNotFoundError(
                 f"No checkpoint for step {step} in {self.directory}; available: {self.all_steps()}."
             )
-        saved = self._manager.item_metadata(step)["state"]
-        _check_compatible(saved.tree, abstract_state, f"{self.directory / str(step)}")
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state),
-                metadata=ocp.args.JsonRestore(),
-            ),
+        candidates = [s for s in reversed(self.all_steps()) if s <= step] if fall_back else [step]
+        damaged: list[str] = []
+        for candidate in candidates:
+            try:
+                return self._restore_step(candidate, abstract_state)
+            except CheckpointCorruptError as err:
+                if not fall_back:
+                    raise
+                damaged.append(str(err))
+                logger.warning("%s Falling back to an older checkpoint.", err)
+                self._move_aside(candidate)
+        raise CheckpointCorruptError(
+            f"No intact checkpoint in {self.directory}: every step is damaged "
+            f"({' '.join(damaged)}). Start a new run (a new output_dir, or "
+            "--overwrite_output_dir true) or restore the checkpoints from a backup."
         )
+
+    def _restore_step(self, step: int, abstract_state: PyTree) -> tuple[PyTree, dict[str, Any]]:
+        where = self.directory / str(step)
+        try:
+            saved = self._manager.item_metadata(step)["state"]
+            if saved is None:
+                raise FileNotFoundError(f"{where / 'state' / '_METADATA'} is missing")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointCorruptError(
+                f"Checkpoint {where} is damaged: its state metadata is unreadable ({err})."
+            ) from err
+        _check_compatible(saved.tree, abstract_state, str(where))
+        try:
+            restored = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state),
+                    metadata=ocp.args.JsonRestore(),
+                ),
+            )
+        except CheckpointMismatchError:
+            raise
+        except Exception as err:  # tensorstore raises a bare Exception for truncated arrays
+            first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise CheckpointCorruptError(
+                f"Checkpoint {where} is damaged: a file is missing, truncated or corrupt "
+                f"({type(err).__name__}: {first_line})."
+            ) from err
+        if restored["metadata"] is None:
+            raise CheckpointCorruptError(
+                f"Checkpoint {where} is damaged: {where / 'metadata'} holds no metadata."
+            )
         return restored["state"], restored["metadata"]
+
+    def _move_aside(self, step: int) -> None:
+        # Renamed, not deleted: the files may still be worth inspecting, and a resumed run must
+        # be able to save this step number again. Only process 0 touches shared files.
+        if jax.process_index() == 0:
+            src = self.directory / str(step)
+            dst = self.directory / f"damaged-{step}-{int(time.time())}"
+            src.rename(dst)
+            logger.warning("Moved damaged checkpoint %s to %s.", src, dst)
+        self._manager.reload()
 
     def reached_preemption(self, step: int) -> bool:
         """Multi-host: True on every host at the same step once any host got SIGTERM (orbax's
@@ -202,11 +266,14 @@ class SigtermFlag:
 def install_sigterm_handler() -> SigtermFlag:
     """Install a SIGTERM handler that only sets a flag (preemption -> save -> exit).
 
-    Must be called from the main thread (a Python signal rule). On multi-host runs the loop should
-    agree on the flag across hosts before saving, since only some hosts may get the signal.
+    Must be called from the main thread (a Python signal rule). With several processes the
+    handler is left to JAX: `jax.distributed.initialize` installs a preemption notifier on SIGTERM
+    that tells every host, and `Checkpointer.reached_preemption` turns True on all of them at the
+    same step; a Python handler here would replace that notifier and only one host would stop.
     """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("install_sigterm_handler() must be called from the main thread.")
     flag = SigtermFlag()
-    flag._previous = signal.signal(signal.SIGTERM, flag._handle)
+    if jax.process_count() == 1:
+        flag._previous = signal.signal(signal.SIGTERM, flag._handle)
     return flag

@@ -101,6 +101,9 @@ class TrainingConfig:
     """Fields shared by all trainers; names and defaults follow HF TrainingArguments / TRL."""
 
     output_dir: str = "trainer_output"
+    # HF (v4) semantics: start afresh in an output_dir holding an earlier run, deleting its
+    # checkpoints, metrics.jsonl and final/; without it (or resume_from_checkpoint) that is refused.
+    overwrite_output_dir: bool = False
     per_device_train_batch_size: int = 8
     per_device_eval_batch_size: int = 8
     gradient_accumulation_steps: int = 1

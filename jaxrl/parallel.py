@@ -73,6 +73,31 @@ def make_mesh(
     return jax.make_mesh(tuple(sizes), MESH_AXES, (AxisType.Auto,) * 3, devices=devices)
 
 
+def normalize_mesh(mesh: Mesh, rules: Rules | None = None) -> Mesh:
+    """Accept any `jax.make_mesh` mesh whose axes the rules name ("data", "fsdp", "tensor" by
+    default; any subset, a missing axis is size 1). Explicit or manual axes (JAX's default axis
+    type) are re-declared Auto over the same devices: params and activations are sharded by
+    name and the compiler propagates the rest, which explicit axes would forbid."""
+    known = sorted({a for _, target in merge_rules(rules) for a in _as_axes(target)})
+    unused = [name for name, size in mesh.shape.items() if size > 1 and name not in known]
+    if unused:
+        raise ValueError(
+            f"Mesh axes {unused} (sizes {[mesh.shape[n] for n in unused]}) are not used by the "
+            f"sharding rules, which shard over axes named {known}. Name the mesh axes from these, "
+            "e.g. jax.make_mesh((2, 4), ('data', 'fsdp')) (a missing axis means size 1), or "
+            "map logical axes onto your names with rules=[('embed', 'your_axis'), ...]."
+        )
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
+
+
+def _as_axes(target: MeshAxes) -> tuple[str, ...]:
+    if target is None:
+        return ()
+    return (target,) if isinstance(target, str) else tuple(target)
+
+
 def merge_rules(overrides: Iterable[Sequence[Any]] | None, base: Rules = DEFAULT_RULES) -> Rules:
     """`base` with entries of `overrides` (e.g. a YAML list of [name, mesh_axes] pairs) replaced by name."""
     merged = dict(base)
@@ -116,8 +141,8 @@ def logical_to_spec(
     spec: list[MeshAxes] = []
     for dim, name in enumerate(axes):
         mesh_axes = tuple(a for a in _mesh_axes_for(name, table) if a not in used)
-        if mesh is not None:
-            mesh_axes = tuple(a for a in mesh_axes if mesh.shape[a] > 1)
+        if mesh is not None:  # an axis the mesh lacks counts as size 1
+            mesh_axes = tuple(a for a in mesh_axes if mesh.shape.get(a, 1) > 1)
         if shape is not None and mesh is not None and mesh_axes:
             if shape[dim] % math.prod(mesh.shape[a] for a in mesh_axes):
                 mesh_axes = ()  # tiny or odd dims: replicate rather than fail
@@ -143,13 +168,13 @@ def param_shardings(state: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
 
 def batch_sharding(mesh: Mesh, rules: Rules | None = None) -> NamedSharding:
     """Sharding of a batch array: leading dim over the `batch` rule, other dims replicated."""
-    return NamedSharding(mesh, logical_to_spec(("batch",), rules))
+    return NamedSharding(mesh, logical_to_spec(("batch",), rules, mesh=mesh))
 
 
 def data_parallel_size(mesh: Mesh, rules: Rules | None = None) -> int:
     """Number of ways the batch dim is split (product of the mesh axes `batch` maps to)."""
     table = _rule_table(rules)
-    return math.prod(mesh.shape[a] for a in _mesh_axes_for("batch", table))
+    return math.prod(mesh.shape.get(a, 1) for a in _mesh_axes_for("batch", table))
 
 
 def shard_batch(
@@ -176,7 +201,9 @@ def initialize_distributed() -> None:
     """Call `jax.distributed.initialize()` on multi-host setups; no-op on a single host.
 
     Multi-host is detected from the usual launcher variables (JAX coordinator, SLURM, Open MPI)
-    or a TPU pod slice (more than one TPU worker host listed).
+    or a TPU pod slice (more than one TPU worker host listed). Without a cluster manager, set
+    JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID on
+    every process (e.g. several processes on one machine over loopback, as the tests do).
     """
     env = os.environ
     tpu_hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
@@ -187,4 +214,11 @@ def initialize_distributed() -> None:
         or len(tpu_hosts) > 1
     )
     if multi_host and not jax.distributed.is_initialized():
-        jax.distributed.initialize()
+        explicit = {}
+        if "JAX_NUM_PROCESSES" in env and "JAX_PROCESS_ID" in env:
+            explicit = dict(
+                coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
+                num_processes=int(env["JAX_NUM_PROCESSES"]),
+                process_id=int(env["JAX_PROCESS_ID"]),
+            )
+        jax.distributed.initialize(**explicit)

@@ -58,7 +58,7 @@ def _load_split(script, split: str):
 
 def build_trainer(argv: list[str]) -> Any:
     """Parse the command line and build the trainer (shared by `jaxrl.train` and `jaxrl.bench`)."""
-    from jaxrl import trainers
+    from jaxrl import run_dir, trainers
     from jaxrl.config import CONFIGS, parse_config
     from jaxrl.data import task
 
@@ -67,6 +67,10 @@ def build_trainer(argv: list[str]) -> Any:
     default_yaml = CONFIG_DIR / f"{algo}.yaml"
     yaml_path = None if has_config or not default_yaml.exists() else default_yaml
     args, script = parse_config(CONFIGS[algo], yaml_path=yaml_path, cli_args=rest)
+    # [run_dir] fail on an unusable output_dir before loading any data or model
+    run_dir.check_output_dir(
+        args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir
+    )
 
     compute_metrics = None
     tokenizer = None

@@ -46,8 +46,8 @@ CONTRACT = ("algo", "step_s", "tokens_per_sec", "compile_s", "peak_bytes", "devi
         ],
     ],
 )
-def test_last_line_is_the_json_contract(capsys, argv):
-    assert main([*argv, "--steps", "1", "--warmup", "0", "--output_dir", "/tmp/jaxrl_bench_t"]) == 0
+def test_last_line_is_the_json_contract(capsys, argv, tmp_path):
+    assert main([*argv, "--steps", "1", "--warmup", "0", "--output_dir", str(tmp_path)]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(CONTRACT) <= set(result)
     assert result["algo"] == argv[1] and result["devices"] == 8

@@ -10,7 +10,12 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.checkpoint import Checkpointer, CheckpointMismatchError, install_sigterm_handler
+from jaxrl.checkpoint import (
+    CheckpointCorruptError,
+    Checkpointer,
+    CheckpointMismatchError,
+    install_sigterm_handler,
+)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +63,7 @@ def test_round_trip_restores_into_target_sharding(tmp_path, mesh):
     np.testing.assert_array_equal(state["params"]["w"], 3.0 * np.arange(64.0).reshape(8, 8))
     np.testing.assert_array_equal(state["params"]["b"], 3.0 * np.ones(4))
     assert int(state["step"]) == 3
-    for restored, target in zip(jax.tree.leaves(state), jax.tree.leaves(abstract)):
+    for restored, target in zip(jax.tree.leaves(state), jax.tree.leaves(abstract), strict=True):
         assert restored.sharding == target.sharding
 
 
@@ -143,4 +148,76 @@ def test_leaves_without_sharding_restore_as_host_arrays(tmp_path, mesh):
     tree, _ = ckpt.restore(1, abstract)
     assert isinstance(tree["host"]["ema"], np.ndarray)
     np.testing.assert_array_equal(tree["host"]["ema"], [0.0, 1.0, 2.0])
+    ckpt.close()
+
+
+def _array_files(step_dir):
+    # OCDBT data files (small arrays are stored inline in the B-tree nodes, also under `d/`).
+    return [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+
+
+DAMAGE = {
+    "missing metadata": lambda d: (d / "metadata" / "metadata").unlink(),
+    "truncated metadata JSON": lambda d: (d / "metadata" / "metadata").write_text('{"ste'),
+    "missing state metadata": lambda d: (d / "state" / "_METADATA").unlink(),
+    "truncated array files": lambda d: [os.truncate(p, 100) for p in _array_files(d)],
+    "missing array files": lambda d: [p.unlink() for p in _array_files(d)],
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_newest_checkpoint_falls_back_to_intact_one(tmp_path, mesh, damage, caplog):
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    for step in (1, 2):
+        ckpt.save(step, _state(mesh, float(step)), {"step": step})
+    ckpt.close()
+    DAMAGE[damage](tmp_path / "2")
+
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    with caplog.at_level("WARNING", logger="jaxrl.checkpoint"):
+        state, metadata = ckpt.restore(abstract_state=_abstract(mesh))
+    assert metadata == {"step": 1} and float(state["params"]["b"][0]) == 1.0
+    assert f"{tmp_path / '2'} is damaged" in caplog.text
+    # The damaged step is moved aside (not deleted), so the resumed run can save step 2 again.
+    assert ckpt.all_steps() == [1]
+    assert [p.name.split("-")[:2] for p in tmp_path.glob("damaged-*")] == [["damaged", "2"]]
+    ckpt.save(2, _state(mesh, 5.0), {"step": 2, "again": True})
+    assert ckpt.restore(abstract_state=_abstract(mesh))[1] == {"step": 2, "again": True}
+    ckpt.close()
+
+
+def test_fall_back_from_an_explicit_newest_step(tmp_path, mesh):
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    for step in (1, 2, 3):
+        ckpt.save(step, _state(mesh, float(step)), {"step": step})
+    DAMAGE["truncated array files"](tmp_path / "3")
+    with pytest.raises(CheckpointCorruptError, match=r"/3 is damaged"):
+        ckpt.restore(3, abstract_state=_abstract(mesh))  # an explicit step never falls back
+    assert ckpt.restore(3, abstract_state=_abstract(mesh), fall_back=True)[1] == {"step": 2}
+    ckpt.close()
+
+
+def test_no_intact_checkpoint_names_the_directory(tmp_path, mesh):
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    for step in (1, 2):
+        ckpt.save(step, _state(mesh, float(step)), {"step": step})
+    ckpt.close()
+    for step in (1, 2):
+        DAMAGE["truncated metadata JSON"](tmp_path / str(step))
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    with pytest.raises(CheckpointCorruptError, match=f"No intact checkpoint in {tmp_path}"):
+        ckpt.restore(abstract_state=_abstract(mesh))
+    ckpt.close()
+
+
+def test_resave_of_a_step_whose_save_was_interrupted(tmp_path, mesh):
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(1, _state(mesh, 1.0), {"step": 1})
+    ckpt.close()
+    torn = tmp_path / "2.orbax-checkpoint-tmp-99"
+    (torn / "state").mkdir(parents=True)
+    (torn / "state" / "garbage").write_bytes(b"\x00partial")
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(2, _state(mesh, 2.0), {"step": 2})
+    assert ckpt.restore(abstract_state=_abstract(mesh))[1] == {"step": 2}
     ckpt.close()

@@ -8,6 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl.parallel import (
     DEFAULT_RULES,
+    MESH_AXES,
     data_parallel_size,
     logical_to_spec,
     make_mesh,
@@ -74,3 +75,35 @@ def test_shard_batch_splits_batch_dim():
     np.testing.assert_array_equal(np.asarray(out["input_ids"]), batch["input_ids"])
     with pytest.raises(ValueError, match="not divisible by the data-parallel size 4"):
         shard_batch({"x": np.zeros((6, 2))}, mesh)
+
+
+MESHES = {
+    "explicit axes (jax.make_mesh default)": lambda: jax.make_mesh((2, 2, 2), MESH_AXES),
+    "fsdp only": lambda: jax.make_mesh((8,), ("fsdp",)),
+    "data and tensor": lambda: jax.make_mesh((4, 2), ("data", "tensor")),
+}
+
+
+@pytest.mark.parametrize("make", list(MESHES.values()), ids=list(MESHES))
+def test_from_pretrained_accepts_any_make_mesh(make):
+    from jaxrl import models
+    from jaxrl.data import task
+
+    path = task.asset_path("sft_model")
+    ids = np.array([[3, 4, 5, 6, 7, 8, 9, 10]] * 8)
+    want = np.asarray(models.from_pretrained(path)(ids))
+    mesh = make()
+    model = models.from_pretrained(path, mesh=mesh)
+    np.testing.assert_allclose(np.asarray(model(ids)), want, atol=1e-5)
+    embed = model.model.embed_tokens.embedding.value
+    assert embed.sharding.mesh.axis_names == mesh.axis_names
+    # vocab x embed is split over tensor x fsdp: never left whole on every device.
+    assert embed.addressable_shards[0].data.size < embed.size
+
+
+def test_mesh_with_unknown_axis_names_says_which_names_it_needs():
+    from jaxrl import models
+    from jaxrl.data import task
+
+    with pytest.raises(ValueError, match=r"\['x'\].*\['data', 'fsdp', 'tensor'\]"):
+        models.from_pretrained(task.asset_path("sft_model"), mesh=jax.make_mesh((8,), ("x",)))

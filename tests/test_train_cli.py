@@ -68,6 +68,7 @@ def test_bad_algo(capsys):
     assert "ppo2" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_reproduces_metrics(tmp_path):
     ref, killed = tmp_path / "ref", tmp_path / "killed"
     p_ref = cli(ref)
@@ -87,6 +88,7 @@ def test_sigkill_then_resume_reproduces_metrics(tmp_path):
     assert step_lines(killed / "metrics.jsonl") == want  # bit-for-bit equal floats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM])
 def test_sigterm_saves_before_exit(tmp_path, sig):
     out = tmp_path / "run"

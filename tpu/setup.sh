@@ -1,16 +1,38 @@
 #!/usr/bin/env bash
-# On every worker: copy this checkout, install jax[tpu] and jaxrl, mount gs://$BUCKET at /gcs.
+# shellcheck source-path=SCRIPTDIR
+# On every worker (idempotent, safe to rerun): copy this checkout, install jax[tpu] pinned to the
+# jax version jaxrl is tested with, install jaxrl, install gcsfuse from Google's apt repository
+# and mount gs://$BUCKET at /gcs (checkpoints must live where every host sees them).
 set -euo pipefail
-: "${TPU_NAME:?}" "${ZONE:?}" "${BUCKET:?}"
-root="$(cd "$(dirname "$0")/.." && pwd)"
-tar -C "$root" --exclude .git --exclude outputs -czf /tmp/jaxrl.tgz .
-gcloud compute tpus tpu-vm scp /tmp/jaxrl.tgz "$TPU_NAME":~/jaxrl.tgz --zone "$ZONE" --worker=all
-gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone "$ZONE" --worker=all --command "
-  set -e
-  mkdir -p ~/jaxrl && tar -C ~/jaxrl -xzf ~/jaxrl.tgz
-  python3 -m pip install -q -U 'jax[tpu]' && python3 -m pip install -q -e ~/jaxrl
-  if ! mountpoint -q /gcs; then
-    sudo mkdir -p /gcs && sudo chown \$USER /gcs
-    (command -v gcsfuse >/dev/null) || (sudo apt-get update -q && sudo apt-get install -y -q gcsfuse)
-    gcsfuse --implicit-dirs $BUCKET /gcs
-  fi"
+here="$(cd "$(dirname "$0")" && pwd)"
+# shellcheck source=common.sh
+source "$here/common.sh"
+: "${BUCKET:?set BUCKET (a gs:// bucket name without the prefix)}"
+# Must match the jax pin in pyproject.toml (tests/test_tpu_scripts.py checks it).
+JAX_VERSION=0.10.2
+root="$(cd "$here/.." && pwd)"
+tarball="$(mktemp -t jaxrl.XXXXXX.tgz)"
+trap 'rm -f "$tarball"' EXIT
+tar -C "$root" --exclude .git --exclude outputs -czf "$tarball" .
+gc compute tpus tpu-vm scp "$tarball" "$TPU_NAME":jaxrl.tgz --zone "$ZONE" --worker=all
+on_all_workers "
+set -euo pipefail
+mkdir -p ~/jaxrl && tar -C ~/jaxrl -xzf ~/jaxrl.tgz
+if [ \"\$(python3 -c 'import jax; print(jax.__version__)' 2>/dev/null)\" != $JAX_VERSION ]; then
+  python3 -m pip install -q 'jax[tpu]==$JAX_VERSION' \
+    -f https://storage.googleapis.com/jax-releases/libtpu_releases.html
+fi
+python3 -m pip install -q -e ~/jaxrl
+if ! command -v gcsfuse >/dev/null; then
+  curl -fsSL https://packages.cloud.google.com/apt/doc/apt-key.gpg \
+    | sudo tee /usr/share/keyrings/cloud.google.asc >/dev/null
+  echo \"deb [signed-by=/usr/share/keyrings/cloud.google.asc] https://packages.cloud.google.com/apt gcsfuse-\$(lsb_release -c -s) main\" \
+    | sudo tee /etc/apt/sources.list.d/gcsfuse.list >/dev/null
+  sudo apt-get update -q && sudo apt-get install -y -q gcsfuse
+fi
+if ! mountpoint -q /gcs; then
+  sudo mkdir -p /gcs && sudo chown \"\$USER\" /gcs
+  gcsfuse --implicit-dirs $BUCKET /gcs
+fi
+echo \"setup: \$(hostname) ready (jax \$(python3 -c 'import jax; print(jax.__version__)'))\"
+"

@@ -104,7 +104,10 @@ class BatchIterator:
             columns = self._data[idx]
         else:
             columns = {k: [v[i] for i in idx] for k, v in self._data.items()}
-        examples = [dict(zip(columns, values)) for values in zip(*columns.values())]
+        examples = [
+            dict(zip(columns, values, strict=True))
+            for values in zip(*columns.values(), strict=True)
+        ]
         return self._collate_fn(examples)
 
     def skip(self, num_batches: int) -> None:

@@ -61,7 +61,7 @@ def require_columns(
 def common_prefix_length(ids: Sequence[int], other_ids: Sequence[int]) -> int:
     """Number of leading tokens two id sequences share (TRL `common_prefix_length`)."""
     n = 0
-    for a, b in zip(ids, other_ids):
+    for a, b in zip(ids, other_ids, strict=False):  # lengths differ: stop at the shorter
         if a != b:
             break
         n += 1

@@ -55,7 +55,7 @@ def _unpad_pair(example: dict[str, Any], *, ids_cols: tuple, mask_cols: tuple | 
     for i, name in enumerate(("chosen_input_ids", "rejected_input_ids")):
         ids = list(example[ids_cols[i]])
         if mask_cols is not None and mask_cols[i] in example:
-            ids = [t for t, m in zip(ids, example[mask_cols[i]]) if m]
+            ids = [t for t, m in zip(ids, example[mask_cols[i]], strict=True) if m]
         out[name] = ids
     return out
 

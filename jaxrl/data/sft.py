@@ -93,7 +93,10 @@ def _tokenize_example(
     prompt_len = common_prefix_length(prompt_ids, ids)
     completion_mask = [0] * prompt_len + [1] * (len(ids) - prompt_len)
     trained = completion_mask if completion_only_loss else [1] * len(ids)
-    return {"input_ids": ids, "loss_mask": [int(a and c) for a, c in zip(assistant, trained)]}
+    return {
+        "input_ids": ids,
+        "loss_mask": [int(a and c) for a, c in zip(assistant, trained, strict=True)],
+    }
 
 
 def _check_assistant_mask(mask: list[int], assistant_only_loss: bool) -> None:

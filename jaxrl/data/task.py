@@ -82,7 +82,10 @@ def wrong_answer(a: int, b: int, rng: np.random.Generator) -> str:
     correct = a + b
     width = len(str(OPERAND_MAX))
     no_carry = int(
-        "".join(str((int(x) + int(y)) % 10) for x, y in zip(f"{a:0{width}d}", f"{b:0{width}d}"))
+        "".join(
+            str((int(x) + int(y)) % 10)
+            for x, y in zip(f"{a:0{width}d}", f"{b:0{width}d}", strict=True)
+        )
     )
     digits = str(correct)
     candidates = {no_carry, correct + 10, correct - 10}
@@ -121,7 +124,7 @@ def is_correct(prompt: str, completion: str) -> bool:
 
 def reward_fn(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
     """TRL reward-function signature: 1.0 for a correct sum, else 0.0."""
-    return [float(is_correct(p, c)) for p, c in zip(prompts, completions)]
+    return [float(is_correct(p, c)) for p, c in zip(prompts, completions, strict=True)]
 
 
 def exact_match(pred_ids: Any, targets: Any, loss_mask: Any) -> np.ndarray:

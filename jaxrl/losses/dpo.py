@@ -300,7 +300,7 @@ def dpo_multi_loss(
             "give one weight per loss type (or none for equal weights)."
         )
     total = None
-    for loss_type, weight in zip(loss_types, weights):
+    for loss_type, weight in zip(loss_types, weights, strict=True):
         losses, chosen_rewards, rejected_rewards = dpo_loss(
             policy_chosen_logps,
             policy_rejected_logps,

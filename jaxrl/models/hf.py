@@ -116,6 +116,7 @@ def from_config(
 ) -> Model:
     """Randomly initialised model (normal(0, initializer_range) weights, as HF), created sharded."""
     _check_task(task)
+    mesh = None if mesh is None else parallel.normalize_mesh(mesh, rules)
     labels = _num_labels(hf_config, task, num_labels)
     config = config_from_hf(
         _prepare_hf_config(hf_config, task, labels),
@@ -239,6 +240,13 @@ def resolve_checkpoint_dir(path_or_hub_id: str | Path) -> Path:
         ) from err
 
 
+class MissingWeightError(KeyError, ValueError):
+    """A weight the config needs is not in the checkpoint (a ValueError too: bad user input)."""
+
+    def __str__(self) -> str:  # KeyError would print the message as a quoted repr
+        return str(self.args[0])
+
+
 def _lookup_key(key: str, reader: CheckpointReader, config: ModelConfig) -> str | None:
     if key in reader:
         return key
@@ -256,9 +264,10 @@ def _read_param(
     for layer, key in enumerate(entry.keys()):
         found = _lookup_key(key, reader, config)
         if found is None:
-            raise KeyError(
+            raise MissingWeightError(
                 f"Checkpoint {directory} has no weight '{key}' needed by {config.model_type} "
-                f"(config and weights disagree, or the checkpoint is incomplete)."
+                f"(config and weights disagree, or the checkpoint is incomplete). Use the "
+                "config.json that came with these weights, or re-download the checkpoint."
             )
         x = reader.get(found)
         if tuple(x.shape) != tuple(entry.hf_shape):
@@ -298,6 +307,7 @@ def from_pretrained(
     import transformers
 
     _check_task(task)
+    mesh = None if mesh is None else parallel.normalize_mesh(mesh, rules)
     directory = resolve_checkpoint_dir(path_or_hub_id)
     config_file = directory / "config.json"
     if not config_file.exists():
@@ -416,7 +426,7 @@ def save_pretrained(model: Model, path: str | Path, *, max_shard_size: int | str
     if write:
         path.mkdir(parents=True, exist_ok=True)
         _write_config(config, task, model, path)
-    for name, keys in zip(names, shards):
+    for name, keys in zip(names, shards, strict=True):
         shard_specs = {k: specs[k] for k in keys}
         if write:
             write_safetensors(path / name, shard_specs, fetch, metadata={"format": "pt"})
@@ -427,7 +437,7 @@ def save_pretrained(model: Model, path: str | Path, *, max_shard_size: int | str
         total = sum(int(np.prod(s)) * d.itemsize for s, d in specs.values())
         index = {
             "metadata": {"total_size": total},
-            "weight_map": {k: name for name, keys in zip(names, shards) for k in keys},
+            "weight_map": {k: name for name, keys in zip(names, shards, strict=True) for k in keys},
         }
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 

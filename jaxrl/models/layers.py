@@ -410,7 +410,7 @@ def apply_layers(
 
     h_BTD = constrain_batch(h_BTD, config)
     if not config.scan_layers:
-        for block, sliding in zip(layers, config.sliding_layers):
+        for block, sliding in zip(layers, config.sliding_layers, strict=True):
             graphdef, block_state = nnx.split(block)
             h_BTD = block_fn(graphdef, sliding)(h_BTD, block_state, context, None)
         return h_BTD

@@ -34,17 +34,55 @@ SAFE_TO_NP = {
 NP_TO_SAFE = {v: k for k, v in SAFE_TO_NP.items()}
 
 
+class WeightsFileError(ValueError):
+    """A weight file is truncated or corrupt; the message names the file."""
+
+
+def _corrupt(path: Path, what: str) -> WeightsFileError:
+    return WeightsFileError(
+        f"Weight file {path} is {what}. Re-download or re-save the checkpoint (an interrupted "
+        "copy or download leaves such files)."
+    )
+
+
 class SafetensorsFile:
-    """Memory-mapped safetensors file: `get(key)` reads only that tensor."""
+    """Memory-mapped safetensors file: `get(key)` reads only that tensor.
+
+    The header is checked when the file is opened: every tensor's bytes must lie inside the
+    file, so a truncated or corrupt file is one clear error naming it, before any tensor is read.
+    """
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        size = self.path.stat().st_size
         with open(self.path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
+            head = f.read(8)
+            if len(head) < 8:
+                raise _corrupt(self.path, f"truncated ({size} bytes, shorter than a header)")
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > size - 8:
+                raise _corrupt(self.path, "corrupt or truncated (its header runs past the end)")
+            try:
+                header = json.loads(f.read(header_len))
+                if not isinstance(header, dict):
+                    raise ValueError("the header is not a JSON object")
+            except (ValueError, UnicodeDecodeError) as err:
+                raise _corrupt(self.path, f"corrupt (unreadable header: {err})") from err
         self.metadata = header.pop("__metadata__", {}) or {}
         self.entries: dict[str, dict[str, Any]] = header
         self.data_start = 8 + header_len
+        for key, entry in self.entries.items():
+            try:
+                end = int(entry["data_offsets"][1])
+                SAFE_TO_NP[entry["dtype"]]
+            except (KeyError, TypeError, IndexError, ValueError) as err:
+                raise _corrupt(self.path, f"corrupt (bad header entry for {key!r})") from err
+            if self.data_start + end > size:
+                raise _corrupt(
+                    self.path,
+                    f"truncated: {key!r} ends at byte {self.data_start + end} but the file has "
+                    f"{size} bytes",
+                )
 
     def keys(self) -> list[str]:
         return list(self.entries)
@@ -79,7 +117,12 @@ class TorchBinFile:
                 "safetensors."
             ) from err
         self._torch = torch
-        self.tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            self.tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except (RuntimeError, EOFError, OSError, ValueError) as err:
+            if isinstance(err, FileNotFoundError):
+                raise
+            raise _corrupt(Path(path), f"corrupt or truncated ({err})") from err
 
     def keys(self) -> list[str]:
         return list(self.tensors)
@@ -103,8 +146,17 @@ class CheckpointReader:
         ):
             index = directory / index_name
             if index.exists():
-                weight_map = json.loads(index.read_text())["weight_map"]
+                try:
+                    weight_map = json.loads(index.read_text())["weight_map"]
+                except (ValueError, KeyError, TypeError) as err:
+                    raise _corrupt(index, f"corrupt (no readable weight_map: {err})") from err
                 files = [directory / name for name in dict.fromkeys(weight_map.values())]
+                missing = [p.name for p in files if not p.exists()]
+                if missing:
+                    raise FileNotFoundError(
+                        f"{index} lists weight files that are missing: {missing}. Download or "
+                        "copy the complete checkpoint."
+                    )
                 break
             if (directory / single).exists():
                 files = [directory / single]

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from transformers import PretrainedConfig
 
-from jaxrl import parallel
+from jaxrl import parallel, run_dir
 from jaxrl.callbacks.base import (
     TrainerCallback,
 )
@@ -76,6 +76,7 @@ class Trainer(TrainLoop):
         if not isinstance(self.args, TrainingConfig):
             raise TypeError(f"args must be a {self.config_class.__name__}, got {type(args)}.")
         a = self.args
+        run_dir.check_output_dir(a.output_dir)  # [run_dir] before loading anything
         if a.fp16 and jax.default_backend() == "cpu":
             # As HF's Trainer: fp16 mixed precision is a GPU feature (XLA:CPU has no f16 dot
             # with f32 accumulation).

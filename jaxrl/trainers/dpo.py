@@ -162,8 +162,8 @@ class DPOTrainer(Trainer):
             dataset[k] for k in ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
         )
         if self.args.prefix_sharing:
-            return [len(pi) + len(ci) + len(ri) for pi, ci, ri in zip(p, c, r)]
-        return [len(pi) + max(len(ci), len(ri)) for pi, ci, ri in zip(p, c, r)]
+            return [len(pi) + len(ci) + len(ri) for pi, ci, ri in zip(p, c, r, strict=True)]
+        return [len(pi) + max(len(ci), len(ri)) for pi, ci, ri in zip(p, c, r, strict=True)]
 
     def _max_length(self) -> int | None:
         # Each prompt + completion is already cut to max_length; a prefix-shared row holds two

@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl import run_dir
 from jaxrl.callbacks.base import (
     CallbackHandler,
     DefaultFlowCallback,
@@ -35,6 +36,7 @@ from jaxrl.callbacks.base import (
     TrainerControl,
     TrainerState,
 )
+from jaxrl.callbacks.collapse import CollapseWarningCallback
 from jaxrl.callbacks.jsonl import JsonlMetricsCallback
 from jaxrl.checkpoint import Checkpointer, install_sigterm_handler
 
@@ -65,7 +67,7 @@ class TrainLoop:
         self.is_world_process_zero = jax.process_index() == 0
         self.control = TrainerControl()
         self.state = TrainerState(is_world_process_zero=self.is_world_process_zero)
-        default_cbs: list[TrainerCallback] = [DefaultFlowCallback()]
+        default_cbs: list[TrainerCallback] = [DefaultFlowCallback(), CollapseWarningCallback()]
         default_cbs.append(JsonlMetricsCallback(os.path.join(a.output_dir, "metrics.jsonl")))
         default_cbs += self._reporting_callbacks()
         self.callback_handler = CallbackHandler(default_cbs + list(callbacks or []))
@@ -220,7 +222,9 @@ class TrainLoop:
                 self._callback_states(),
             ),
         }
-        tree, meta = self._checkpointer().restore(step, abstract)
+        # Asked for the newest step: a damaged one falls back to an older intact one.
+        latest = step == self._checkpointer().latest_step()
+        tree, meta = self._checkpointer().restore(step, abstract, fall_back=latest)
         self.train_state = tree["train_state"]
         for cb in self.callback_handler.callbacks:
             name = type(cb).__name__
@@ -232,7 +236,14 @@ class TrainLoop:
             for k in now_cfg
             if k in saved_cfg
             and saved_cfg[k] != now_cfg[k]
-            and k not in ("output_dir", "resume_from_checkpoint", "disable_tqdm", "report_to")
+            and k
+            not in (
+                "output_dir",
+                "resume_from_checkpoint",
+                "overwrite_output_dir",
+                "disable_tqdm",
+                "report_to",
+            )
         )
         if changed:  # the run continues, but it is no longer the run that was saved
             logger.warning("Resuming with changed config fields: %s", ", ".join(changed))
@@ -242,7 +253,7 @@ class TrainLoop:
                 setattr(self.state, k, v)
         self._log_window = meta.get("log_window", [])
         self._tokens_seen = meta.get("tokens_seen", 0)
-        logger.info("Resumed from step %d", step)
+        logger.info("Resumed from step %d", self.state.global_step)
 
     # ----------------------------------------------------------------- metrics
     def _flush_pending(self):
@@ -293,8 +304,25 @@ class TrainLoop:
 
     # ----------------------------------------------------------------- train
     def train(self, resume_from_checkpoint: Any = None) -> TrainerState:
-        a = self.args
         self._check_can_train()
+        # Refuse a used output_dir or a concurrent run; the lock is held while training.
+        lock = run_dir.prepare(
+            self.args.output_dir,
+            resume_from_checkpoint=(
+                resume_from_checkpoint
+                if resume_from_checkpoint is not None
+                else self.args.resume_from_checkpoint
+            ),
+            overwrite_output_dir=getattr(self.args, "overwrite_output_dir", False),
+            process_index=jax.process_index(),
+        )
+        try:
+            return self._train(resume_from_checkpoint)
+        finally:
+            lock.release()
+
+    def _train(self, resume_from_checkpoint: Any) -> TrainerState:
+        a = self.args
         os.makedirs(a.output_dir, exist_ok=True)
         self._ensure_state()
         self._pending = None

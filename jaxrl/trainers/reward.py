@@ -38,7 +38,7 @@ class RewardTrainer(Trainer):
 
     def _example_lengths(self, dataset: datasets.Dataset) -> list[int]:
         c, r = dataset["chosen_input_ids"], dataset["rejected_input_ids"]
-        return [max(len(a), len(b)) for a, b in zip(c, r)]
+        return [max(len(a), len(b)) for a, b in zip(c, r, strict=True)]
 
     def _collate(self, examples: list[dict]) -> dict[str, np.ndarray]:
         rows = collate_reward(examples, self.seq_len, self.processing_class.pad_token_id)

@@ -62,7 +62,7 @@ class NumpyBEMA:
 
 
 def assert_tree_close(tree, leaves, **tol):
-    for a, b in zip(jax.tree.leaves(tree), leaves):
+    for a, b in zip(jax.tree.leaves(tree), leaves, strict=True):
         np.testing.assert_allclose(np.asarray(a, np.float64), b, **tol)
 
 
@@ -94,7 +94,7 @@ def test_bema_matches_trl_loop(update_freq, update_after, kwargs):
         new_state = update(state, params, step)
         if any(
             not np.array_equal(a, b)
-            for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(state))
+            for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(state), strict=True)
         ):
             changed_steps.append(step)
         assert bool(bema_should_update(step, update_freq, update_after)) == (
@@ -127,7 +127,7 @@ def test_sync_ref_matches_loop_and_schedule():
             ref = sync(ref, policy, 0.6)
             ref_np = [
                 (1 - 0.6) * r + 0.6 * np.array(p, np.float64)
-                for r, p in zip(ref_np, jax.tree.leaves(policy))
+                for r, p in zip(ref_np, jax.tree.leaves(policy), strict=True)
             ]
     assert [s for s in range(1, 9) if sync_ref_should_update(s, 4)] == [4, 8]
     assert_tree_close(ref, ref_np, rtol=1e-6, atol=1e-6)
@@ -158,10 +158,12 @@ def test_sharded_equals_unsharded_and_keeps_shardings():
         ref_state = ref_update(ref_state, policy, step)
     for buffers in state:
         assert jax.tree.map(lambda x: x.sharding, buffers) == shardings
-    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
     synced = jax.jit(sync_ref_update)(sharded_params, sharded_policy, 0.6)
     assert jax.tree.map(lambda x: x.sharding, synced) == shardings
-    for a, b in zip(jax.tree.leaves(synced), jax.tree.leaves(sync_ref_update(params, policy, 0.6))):
+    for a, b in zip(
+        jax.tree.leaves(synced), jax.tree.leaves(sync_ref_update(params, policy, 0.6)), strict=True
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -64,7 +64,7 @@ def test_gradients_match_naive(inputs):
 
     g_chunked = jax.jit(jax.grad(chunked, argnums=(0, 1)))(hidden, unembed)
     g_full = jax.grad(full, argnums=(0, 1))(hidden, unembed)
-    for a, b in zip(g_chunked, g_full):
+    for a, b in zip(g_chunked, g_full, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
@@ -92,7 +92,7 @@ def test_bf16_inputs_accumulate_in_f32(inputs):
         hidden, unembed
     )
     assert grads[0].dtype == jnp.bfloat16
-    for a, b in zip(grads, ref_grads):
+    for a, b in zip(grads, ref_grads, strict=True):
         np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=0.1, rtol=0.05)
 
 

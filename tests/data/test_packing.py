@@ -30,7 +30,9 @@ def test_rows_bounded_and_positions_restart_per_document():
         pack_bfd(docs, 16, on_seq_length_overflow="split"),
         pack_wrapped(docs, 16),
     ):
-        for ids, seg, pos in zip(packed["input_ids"], packed["segment_ids"], packed["positions"]):
+        for ids, seg, pos in zip(
+            packed["input_ids"], packed["segment_ids"], packed["positions"], strict=True
+        ):
             assert 0 < len(ids) <= 16 and len(seg) == len(pos) == len(ids)
             seg, pos = np.asarray(seg), np.asarray(pos)
             assert seg[0] == 1 and np.all(np.diff(seg) >= 0) and np.all(np.diff(seg) <= 1)

@@ -164,7 +164,7 @@ def test_reference_free_treats_ref_logps_as_zero(batch):
     free = call("sigmoid", batch, reference_free=True)
     zero = {**batch, "rc": np.zeros_like(batch["rc"]), "rr": np.zeros_like(batch["rr"])}
     explicit = call("sigmoid", zero)
-    for a, b in zip(free, explicit):
+    for a, b in zip(free, explicit, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
     np.testing.assert_allclose(free[1], BETA * batch["pc"], rtol=1e-5)
 

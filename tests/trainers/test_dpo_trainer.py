@@ -89,7 +89,7 @@ def test_matches_trl_dpo_trainer(tmp_path, tokenizer, hf_model_dir, pref_data, p
         prefix_sharing=prefix_sharing,
     )
     assert len(ours) == len(theirs) == 3
-    for step, (o, t) in enumerate(zip(ours, theirs)):
+    for step, (o, t) in enumerate(zip(ours, theirs, strict=True)):
         for key in TRL_METRICS:
             if step == 0 and key == "rewards/accuracies":
                 continue  # rewards are 0 up to float noise at step 1: the sign is arbitrary
@@ -161,7 +161,7 @@ def test_precomputed_reference_equals_live_reference(
     assert pre.train_state.ref_params is None  # no reference weights held during training
     cache = os.listdir(tmp_path / "pre" / "ref_logps_cache")
     assert len(cache) == 1
-    for a, b in zip(live, pre_logs):
+    for a, b in zip(live, pre_logs, strict=True):
         for key in ("loss", "rewards/chosen", "rewards/margins"):
             np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6)
 
@@ -187,24 +187,30 @@ def test_sync_ref_model_soft_update(tmp_path, tokenizer, hf_model_dir, pref_data
     p0 = jax.tree.leaves(nnx.state(init))
     ref = jax.tree.leaves(trainer.train_state.ref_params)
     pol = jax.tree.leaves(trainer.train_state.params)
-    for r, p, i in zip(ref, pol, p0):
+    for r, p, i in zip(ref, pol, p0, strict=True):
         np.testing.assert_allclose(
             np.asarray(r), alpha * np.asarray(p) + (1 - alpha) * np.asarray(i), rtol=1e-5, atol=1e-7
         )
 
 
 def test_multi_loss_with_weights(tmp_path, tokenizer, hf_model_dir, pref_data):
-    _, logs = dpo(
-        tmp_path,
-        hf_model_dir,
-        tokenizer,
-        pref_data[0],
-        max_steps=1,
-        loss_type=["sigmoid", "sft"],
-        loss_weights=[0.5, 1.0],
-    )
-    # Step 1: sigmoid = log 2; sft = mean NLL of chosen tokens = -logps/chosen / tokens.
-    assert logs[0]["loss"] > 0.5 * math.log(2)
+    def first_loss(weights):
+        _, logs = dpo(
+            tmp_path / str(weights),
+            hf_model_dir,
+            tokenizer,
+            pref_data[0],
+            max_steps=1,
+            loss_type=["sigmoid", "sft"],
+            loss_weights=weights,
+        )
+        return logs[0]["loss"]
+
+    # Step 1 (policy == reference): loss = w_sigmoid * log 2 + w_sft * sft, linear in each weight.
+    a, b = first_loss([0.5, 1.0]), first_loss([1.0, 3.0])
+    sft = a - 0.5 * math.log(2)
+    assert sft > 0.1
+    np.testing.assert_allclose(b, math.log(2) + 3.0 * sft, rtol=1e-5)
 
 
 def test_bema_callback_matches_reference_and_exports(tmp_path, tokenizer, hf_model_dir, pref_data):
@@ -233,7 +239,9 @@ def test_bema_callback_matches_reference_and_exports(tmp_path, tokenizer, hf_mod
     state = averaging.bema_init(jax.device_get(nnx.state(init)))
     for step, params in enumerate(seen, start=1):
         state = averaging.bema_update(state, params, step, update_freq=2, lag=1)
-    for got, want in zip(jax.tree.leaves(bema.buffers.bema), jax.tree.leaves(state.bema)):
+    for got, want in zip(
+        jax.tree.leaves(bema.buffers.bema), jax.tree.leaves(state.bema), strict=True
+    ):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
     # Exported BEMA weights load in transformers.
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "bema")
@@ -302,7 +310,9 @@ def test_bema_buffers_survive_resume(tmp_path, tokenizer, hf_model_dir, pref_dat
         callbacks=[resumed],
     )
     trainer.train()
-    for got, want in zip(jax.tree.leaves(resumed.buffers), jax.tree.leaves(full.buffers)):
+    for got, want in zip(
+        jax.tree.leaves(resumed.buffers), jax.tree.leaves(full.buffers), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -332,7 +342,7 @@ def test_same_metrics_with_accumulation_and_on_a_2x2x2_mesh(
         mesh_tensor=2,
     )
     for other in (accum, mesh):
-        for b, o in zip(base, other):
+        for b, o in zip(base, other, strict=True):
             for key in keys:
                 np.testing.assert_allclose(o[key], b[key], rtol=5e-5, atol=1e-7, err_msg=key)
 

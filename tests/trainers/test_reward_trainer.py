@@ -36,7 +36,16 @@ def test_reward_trains_and_exports(tmp_path, tokenizer, hf_model_dir, pref_data)
     assert logs[0]["min_reward"] <= logs[0]["mean_reward"] <= logs[0]["max_reward"]
     assert np.mean([h["loss"] for h in logs[-3:]]) < np.mean([h["loss"] for h in logs[:3]])
     metrics = trainer.evaluate()
-    assert 0.0 <= metrics["eval_accuracy"] <= 1.0
+    # Accuracy = share of eval pairs whose chosen reward beats the rejected one, scored one by one.
+    model = trainer.current_model()
+
+    def score(ids):
+        return float(np.asarray(model(np.array([ids]), np.ones((1, len(ids)), np.int32)))[0, 0])
+
+    ds = trainer.eval_dataset
+    pairs = zip(ds["chosen_input_ids"], ds["rejected_input_ids"], strict=True)
+    wins = [score(c) > score(r) for c, r in pairs]
+    assert metrics["eval_accuracy"] == pytest.approx(np.mean(wins), abs=1e-6)
 
     out = trainer.save_model(str(tmp_path / "rm"))
     hf = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()

@@ -40,9 +40,8 @@ def test_golden_one_step(tmp_path, tokenizer, sft_data):
     print(f"GOLDEN_LOSS = {loss!r}\nGOLDEN_GRAD_NORM = {gn!r}")
     # Random-init next-token loss is close to log(vocab) = log(16).
     assert abs(loss - math.log(16)) < 0.2
-    if GOLDEN_LOSS is not None:
-        np.testing.assert_allclose(loss, GOLDEN_LOSS, rtol=1e-5)
-        np.testing.assert_allclose(gn, GOLDEN_GRAD_NORM, rtol=1e-5)
+    np.testing.assert_allclose(loss, GOLDEN_LOSS, rtol=1e-5)
+    np.testing.assert_allclose(gn, GOLDEN_GRAD_NORM, rtol=1e-5)
 
 
 def test_accumulation_is_token_weighted(tmp_path, tokenizer, sft_data):
@@ -56,7 +55,7 @@ def test_accumulation_is_token_weighted(tmp_path, tokenizer, sft_data):
         per_device_train_batch_size=1,
         gradient_accumulation_steps=8,
     )
-    for f, a in zip(full, accum):
+    for f, a in zip(full, accum, strict=True):
         for key in ("loss", "grad_norm", "mean_token_accuracy", "entropy", "num_tokens"):
             np.testing.assert_allclose(a[key], f[key], rtol=2e-5, err_msg=key)
 
@@ -72,7 +71,7 @@ def test_mesh_shapes_give_same_metrics(tmp_path, tokenizer, sft_data):
         mesh_fsdp=2,
         mesh_tensor=2,
     )
-    for o, s in zip(one, sharded):
+    for o, s in zip(one, sharded, strict=True):
         for key in ("loss", "grad_norm", "mean_token_accuracy"):
             np.testing.assert_allclose(s[key], o[key], rtol=2e-5, err_msg=key)
 
@@ -106,8 +105,12 @@ def test_loss_decreases_and_eval_metrics(tmp_path, tokenizer, sft_data):
     assert metrics["eval_rows"] == 20.0
     assert seen[0].predictions.shape == seen[0].label_ids.shape
     assert 0 <= seen[0].predictions.min() and seen[0].predictions.max() < 16  # argmax token ids
-    assert 0 < metrics["eval_mean_token_accuracy"] <= 1
-    assert math.isfinite(metrics["eval_loss"])
+    # Token accuracy is the share of trained tokens whose argmax is the label, over all rows.
+    preds, labels = seen[-1].predictions, seen[-1].label_ids
+    trained = labels != -100
+    want = np.mean(preds[trained] == labels[trained])
+    assert metrics["eval_mean_token_accuracy"] == pytest.approx(want, abs=1e-6)
+    assert metrics["eval_loss"] < logs[0]["loss"]  # held-out loss also went down
 
 
 def test_nan_stops_with_clear_error_and_no_bad_checkpoint(tmp_path, tokenizer, sft_data):
@@ -153,10 +156,14 @@ def test_user_optimizer_pair(tmp_path, tokenizer, sft_data):
     assert logs[-1]["learning_rate"] == pytest.approx(1e-2)
 
 
-@pytest.mark.parametrize("optim", ["sgd", "adafactor", "lion"])
-def test_builtin_optimizers_train(tmp_path, tokenizer, sft_data, optim):
-    _, logs = run(tmp_path, tokenizer, sft_data[0], optim=optim, max_steps=2, learning_rate=1e-3)
-    assert all(math.isfinite(entry["loss"]) for entry in logs)
+def test_builtin_optimizers_train(tmp_path, tokenizer, sft_data):
+    second_losses = {}
+    for optim, lr in (("adamw_torch", 3e-3), ("sgd", 0.3), ("adafactor", 3e-3), ("lion", 1e-3)):
+        _, logs = run(tmp_path / optim, tokenizer, sft_data[0], optim=optim, max_steps=4, learning_rate=lr)  # fmt: skip
+        assert logs[-1]["loss"] < logs[0]["loss"], optim  # each one actually trains
+        second_losses[optim] = logs[1]["loss"]
+    # Same first step (same init and batch), different updates: the option is not ignored.
+    assert len({round(v, 6) for v in second_losses.values()}) == 4, second_losses
 
 
 def test_packing_bfd_trains(tmp_path, tokenizer, sft_data):
@@ -169,8 +176,9 @@ def test_packing_bfd_trains(tmp_path, tokenizer, sft_data):
         max_steps=2,
         per_device_train_batch_size=2,
     )
-    # Packed rows hold several documents: more trained tokens per row than unpacked data.
-    assert logs[0]["num_tokens"] > 2 * 10
+    # Packed rows hold several documents: 2 rows carry more tokens than 2 of the longest examples.
+    longest = max(len(ids) for ids in make(tmp_path / "u", tokenizer, sft_data[0]).train_dataset["input_ids"])  # fmt: skip
+    assert logs[0]["num_tokens"] > 2 * longest
 
 
 def test_bf16_compute_over_f32_params(tmp_path, tokenizer, sft_data):

@@ -1,0 +1,217 @@
+"""`python -m jaxrl.train` on bad input: exit status 2 and one paragraph naming the file, line,
+row, column or field and the fix; never a traceback. One table row per case: add a case by
+adding a line to CASES (a setup that writes the bad input and returns the flags, the expected
+status, and words the message must contain).
+
+Also here: what the output-dir guard does when a run is resumed or overwritten, a stale lock, and
+a kill before the first checkpoint followed by a resume.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxrl.data import task
+from jaxrl.train import main
+
+# A tiny SFT run on the embedded task: fast, and every field not set here has TRL's default.
+BASE = ["--algo", "sft", "--max_steps", "1", "--disable_tqdm", "true", "--mesh_fsdp", "1"]
+BASE += ["--mesh_data", "-1", "--save_strategy", "no", "--per_device_train_batch_size", "1"]
+BASE += ["--eval_strategy", "no"]
+GOOD_ROWS = [{"text": f"{a}+{a}={2 * a}"} for a in range(16)]
+
+
+def _jsonl(path: Path, rows) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def _data(tmp: Path) -> list[str]:
+    return ["--dataset_name", _jsonl(tmp / "good.jsonl", GOOD_ROWS)]
+
+
+def _model_copy(tmp: Path) -> Path:
+    model = tmp / "model"
+    shutil.copytree(task.asset_path("sft_model"), model)
+    return model
+
+
+def _rewrite_safetensors(path: Path, drop: str) -> None:
+    from jaxrl.models.weights_io import SafetensorsFile, write_safetensors
+
+    src = SafetensorsFile(path)
+    arrays = {k: src.get(k) for k in src.keys() if k != drop}
+    specs = {k: (v.shape, v.dtype) for k, v in arrays.items()}
+    tmp = path.with_suffix(".tmp")
+    write_safetensors(tmp, specs, arrays.__getitem__, metadata={"format": "pt"})
+    tmp.replace(path)
+
+
+def missing_weight(tmp: Path) -> list[str]:
+    model = _model_copy(tmp)
+    _rewrite_safetensors(model / "model.safetensors", "model.layers.0.mlp.up_proj.weight")
+    return [*_data(tmp), "--model_name_or_path", str(model)]
+
+
+def truncated_weights(tmp: Path) -> list[str]:
+    model = _model_copy(tmp)
+    weights = model / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    return [*_data(tmp), "--model_name_or_path", str(model)]
+
+
+def corrupt_weights(tmp: Path) -> list[str]:
+    model = _model_copy(tmp)
+    (model / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json" * 4)
+    return [*_data(tmp), "--model_name_or_path", str(model)]
+
+
+def output_dir_is_a_file(tmp: Path) -> list[str]:
+    (tmp / "out").write_text("not a directory")
+    # The bad dataset is never read: output_dir is checked before loading anything.
+    return ["--dataset_name", _jsonl(tmp / "bad.jsonl", ["{broken"])]
+
+
+def previous_run(tmp: Path) -> list[str]:
+    (tmp / "out" / "checkpoints" / "4").mkdir(parents=True)
+    (tmp / "out" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    return _data(tmp)
+
+
+def live_lock(tmp: Path) -> list[str]:
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    live_lock.holders.append(holder)
+    (tmp / "out").mkdir()
+    lock = {"pid": holder.pid, "host": socket.gethostname(), "started": 0}
+    (tmp / "out" / "jaxrl.lock").write_text(json.dumps(lock))
+    return _data(tmp)
+
+
+live_lock.holders = []
+
+
+def unrelated_directory(tmp: Path) -> list[str]:
+    (tmp / "notes").mkdir()
+    (tmp / "notes" / "readme.txt").write_text("hello")
+    (tmp / "notes" / "plot.png").write_bytes(b"\x89PNG")
+    return ["--dataset_name", str(tmp / "notes")]
+
+
+# (id, setup(tmp) -> extra flags, expected exit status, words the message must contain)
+CASES = [
+    ("empty dataset file", lambda t: ["--dataset_name", _jsonl(t / "e.jsonl", [])], 2, ["e.jsonl", "is empty"]),
+    ("malformed JSON line", lambda t: ["--dataset_name", _jsonl(t / "m.jsonl", ['{"text": "a"}', '{"text": "b"', '{"text": "c"}'])], 2, ["m.jsonl", "line 2", "not valid JSON"]),
+    ("null in a text column", lambda t: ["--dataset_name", _jsonl(t / "n.jsonl", [{"text": "a"}, {"text": None}])], 2, ["'text'", "row 2", "null"]),
+    ("number in a text column", lambda t: ["--dataset_name", _jsonl(t / "i.jsonl", [{"text": "a"}, {"text": "b"}, {"text": 7}])], 2, ["'text'", "row 3", "7 (int)"]),
+    ("directory of unrelated files", unrelated_directory, 2, ["notes", "readme.txt", "save_to_disk"]),
+    ("checkpoint missing a weight", missing_weight, 2, ["model.layers.0.mlp.up_proj.weight", "re-download"]),
+    ("truncated safetensors", truncated_weights, 2, ["model.safetensors", "truncated"]),
+    ("corrupt safetensors", corrupt_weights, 2, ["model.safetensors", "corrupt"]),
+    ("output_dir is a file", output_dir_is_a_file, 2, ["is an existing file", "--output_dir"]),
+    ("output_dir holds a previous run", previous_run, 2, ["--overwrite_output_dir", "--resume_from_checkpoint", "checkpoints/", "metrics.jsonl"]),
+    ("output_dir in use by a live run", live_lock, 2, ["in use by another run", "jaxrl.lock"]),
+]  # fmt: skip
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _stop_lock_holders():
+    yield
+    for holder in live_lock.holders:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("setup,status,words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clear_paragraph(tmp_path, capsys, setup, status, words):
+    extra = setup(tmp_path)
+    assert main([*BASE, "--output_dir", str(tmp_path / "out"), *extra]) == status
+    err = capsys.readouterr().err
+    message = [line for line in err.splitlines() if line.startswith("jaxrl.train: error:")]
+    assert len(message) == 1, err[-3000:]
+    for word in words:
+        assert word in message[0], f"{word!r} not in {message[0]!r}"
+    assert "Traceback" not in err
+
+
+def test_a_bad_input_exits_2_without_traceback_as_a_process(tmp_path):
+    """The same contract seen from outside: the process status, and stderr with no traceback."""
+    data = _jsonl(tmp_path / "m.jsonl", ['{"text": "a"}', "{oops"])
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxrl.train", *BASE, "--dataset_name", data],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "m.jsonl: line 2 is not valid JSON" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def _run(out: Path, *extra: str) -> int:
+    return main([*BASE, "--output_dir", str(out), "--logging_steps", "1", *extra])
+
+
+def _steps(out: Path) -> list[int]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if "loss" in r]
+
+
+@pytest.mark.slow
+def test_overwrite_and_resume_keep_one_runs_results(tmp_path):
+    data = _data(tmp_path)
+    out = tmp_path / "out"
+    save = ["--save_strategy", "steps", "--save_steps", "2", "--max_steps", "4"]
+    assert _run(out, *data, *save) == 0
+    assert _steps(out) == [1, 2, 3, 4]
+    # Refused without a choice; the first run's results are untouched.
+    assert _run(out, *data, *save) == 2
+    assert _steps(out) == [1, 2, 3, 4] and (out / "checkpoints" / "4").is_dir()
+    # Resume continues the same run (nothing left to do at step 4: no new step lines).
+    assert _run(out, *data, *save, "--resume_from_checkpoint", "true") == 0
+    assert _steps(out) == [1, 2, 3, 4]
+    # Overwrite starts afresh: the old step directories are gone, not mixed with new ones.
+    assert _run(out, *data, "--max_steps", "1", "--overwrite_output_dir", "true") == 0
+    assert _steps(out) == [1] and not (out / "checkpoints" / "4").exists()
+    assert not (out / "jaxrl.lock").exists()
+
+
+@pytest.mark.slow
+def test_kill_before_first_checkpoint_then_resume_has_no_duplicate_lines(tmp_path):
+    data = _data(tmp_path)
+    out = tmp_path / "out"
+    # What a run killed (SIGKILL) after logging 2 steps but before any save leaves behind:
+    # metrics lines, no checkpoint, and a lock whose holder is gone.
+    assert _run(out, *data, "--max_steps", "2") == 0
+    shutil.rmtree(out / "final")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)  # fmt: skip
+    lock = {"pid": int(dead.stdout), "host": socket.gethostname(), "started": 0}
+    (out / "jaxrl.lock").write_text(json.dumps(lock))
+    assert _run(out, *data, "--max_steps", "3", "--resume_from_checkpoint", "true") == 0
+    assert _steps(out) == [1, 2, 3]  # restarted from scratch: no line twice
+
+
+@pytest.mark.slow
+def test_resume_falls_back_past_a_damaged_newest_checkpoint(tmp_path, caplog, capsys):
+    data = _data(tmp_path)
+    out = tmp_path / "out"
+    save = ["--save_strategy", "steps", "--save_steps", "2", "--max_steps", "4"]
+    assert _run(out, *data, *save, "--max_steps", "4") == 0
+    want = _steps(out)
+    (out / "checkpoints" / "4" / "metadata" / "metadata").write_text('{"trunc')
+    shutil.rmtree(out / "final")
+    assert _run(out, *data, *save, "--resume_from_checkpoint", "true") == 0
+    assert "checkpoints/4 is damaged" in caplog.text
+    assert _steps(out) == want  # steps 3 and 4 re-run from step 2, lines not duplicated
+    assert list((out / "checkpoints").glob("damaged-4-*"))
+    # Every checkpoint damaged: a clear error naming the directory.
+    for step in (2, 4):
+        (out / "checkpoints" / str(step) / "metadata" / "metadata").write_text("{")
+    capsys.readouterr()
+    assert _run(out, *data, *save, "--resume_from_checkpoint", "true") == 2
+    assert f"No intact checkpoint in {out / 'checkpoints'}" in capsys.readouterr().err
