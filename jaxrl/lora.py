@@ -434,7 +434,7 @@ def _make_lora_layer(
     dropout_id = None
     if config.lora_dropout > 0:
         ids = first_id + jnp.arange(math.prod(lead_shape), dtype=jnp.int32).reshape(lead_shape)
-        dropout_id = LoraDropoutId(ids, out_sharding=lead_axes)
+        dropout_id = LoraDropoutId(ids, out_sharding=lead_axes, eager_sharding=False)
     return LoraDense(
         layer, param(a, a_axes), param(b, b_axes), config.scaling, config.lora_dropout, dropout_id
     )
