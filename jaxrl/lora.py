@@ -481,7 +481,10 @@ def apply_lora(model: nnx.Module, config: LoraConfig, rngs: nnx.Rngs) -> nnx.Mod
             f"target_modules {targets!r} matched no linear layer of this {model_config.model_type}"
             " model (names as in the HF checkpoint, e.g. 'q_proj' or 'model.layers.0.mlp.up_proj')."
         )
-    missing = [t for t in (config.modules_to_save or ()) if t not in found_saved]
+    # PEFT writes its automatic SEQ_CLS head names into saved configs; only one of them exists.
+    missing = [
+        t for t in (config.modules_to_save or ()) if t not in found_saved and t not in SEQ_CLS_HEADS
+    ]
     if missing:
         raise ValueError(f"modules_to_save {missing} matched no module of this model.")
     next_id = 0
@@ -585,6 +588,28 @@ def quantize_base(model: nnx.Module, scheme: str = "nf4") -> nnx.Module:
             continue
         module.kernel = quant.quantize_params({"kernel": module.kernel}, scheme=scheme)["kernel"]
     return model
+
+
+def base_quantization(model_config: Any) -> str | None:
+    """The `quantize_base` scheme TRL `ModelConfig` fields ask for: "int8" (`load_in_8bit`),
+    "nf4" (`load_in_4bit` with `bnb_4bit_quant_type="nf4"`) or None."""
+    if model_config.load_in_8bit and model_config.load_in_4bit:
+        raise ValueError("Set at most one of load_in_8bit and load_in_4bit.")
+    if model_config.load_in_8bit:
+        return "int8"
+    if not model_config.load_in_4bit:
+        return None
+    if model_config.bnb_4bit_quant_type != "nf4":
+        raise ValueError(
+            f"bnb_4bit_quant_type={model_config.bnb_4bit_quant_type!r} is not supported; jaxrl's "
+            "4-bit base is NF4 (QLoRA's default), set bnb_4bit_quant_type='nf4'."
+        )
+    if model_config.use_bnb_nested_quant:
+        raise ValueError(
+            "use_bnb_nested_quant (double quantization of the absmax) is not implemented; the "
+            "NF4 base keeps f32 block absmax (4.5 bits per weight). Drop the option."
+        )
+    return "nf4"
 
 
 # ---------------------------------------------------------------- PEFT files
