@@ -20,9 +20,18 @@ needs the model's abstract quantized tree; it targets quantized *compute* in spe
 call patterns. Here we need storage-only compression of an arbitrary params pytree that any
 model code can consume after `dequantize_params`, with the original shardings kept, which is a
 few lines of `jnp` and needs no extra dependency.
+
+4-bit NF4 (`scheme="nf4"`, QLoRA's frozen base): bitsandbytes' NormalFloat4 with blockwise absmax
+over blocks of 64 consecutive fan-in elements of each output channel (bitsandbytes flattens the
+torch `[out, in]` weight, so its blocks are exactly these when `in % 64 == 0`, as in every
+released model; a shorter fan-in tail is zero-padded to a whole block). Each element stores the
+index of the nearest of the 16 `NF4_LEVELS`, two per byte; each block one f32 absmax: 4.5 bits
+per weight. No double quantization of the absmax (bitsandbytes' `bnb_4bit_use_double_quant`,
+off by default in transformers' `BitsAndBytesConfig`).
 """
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +44,28 @@ PyTree = Any
 ChannelAxes = tuple[int, ...] | Callable[[tuple, tuple[int, ...]], tuple[int, ...]]
 
 _INT8_MAX = 127.0
+NF4_BLOCK = 64
+# The 16 NF4 levels (QLoRA, Dettmers et al. 2023, Appendix E; bitsandbytes `get_4bit_type("nf4")`
+# and its CUDA `dDequantizeNF4` table): quantiles of N(0, 1) scaled to [-1, 1], with an exact zero.
+NF4_LEVELS = (
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
+SCHEMES = ("int8", "nf4")
 
 
 @struct.dataclass
@@ -52,6 +83,34 @@ class QuantizedArray:
     def dequantize(self, dtype: jnp.dtype | None = None) -> jax.Array:
         out = self.values.astype(jnp.float32) * self.scale
         return out.astype(dtype or self.dtype)
+
+
+@struct.dataclass
+class NF4Array(QuantizedArray):
+    """4-bit NF4 storage of one leaf (a `QuantizedArray`, so every `param_value` consumer
+    dequantizes it at its point of use).
+
+    The reduced (fan-in) axes, contiguous from `axis`, are flattened to `R` elements and split
+    into blocks: `values` is uint8 `[pre..., R_pad / 64, 32, post...]` holding two level indices
+    per byte (even element in the high nibble, as bitsandbytes packs), `scale` the f32 block
+    absmax `[pre..., R_pad / 64, 1, post...]`. `shape` is the original shape.
+    """
+
+    shape: tuple[int, ...] = struct.field(pytree_node=False, default=())
+    axis: int = struct.field(pytree_node=False, default=0)
+
+    def dequantize(self, dtype: jnp.dtype | None = None) -> jax.Array:
+        hi, lo = self.values >> 4, self.values & 0xF
+        codes = jnp.stack([hi, lo], axis=self.axis + 2)  # [pre, nb, 32, 2, post]
+        codes = codes.reshape(
+            *self.values.shape[: self.axis + 1], -1, *codes.shape[self.axis + 3 :]
+        )
+        out = jnp.asarray(NF4_LEVELS, jnp.float32)[codes] * self.scale
+        n_red = len(self.shape) - (out.ndim - 2)
+        red = math.prod(self.shape[self.axis : self.axis + n_red])
+        flat = out.reshape(*out.shape[: self.axis], -1, *out.shape[self.axis + 2 :])
+        flat = jax.lax.slice_in_dim(flat, 0, red, axis=self.axis)
+        return flat.reshape(self.shape).astype(dtype or self.dtype)
 
 
 def _is_quantizable(x: Any) -> bool:
@@ -91,6 +150,62 @@ def _quantize_leaf(x: jax.Array, keep: tuple[int, ...]) -> QuantizedArray:
     return QuantizedArray(values=values, scale=scale, dtype=jnp.dtype(x.dtype).name)
 
 
+# Decision thresholds: an element goes to the level above a midpoint only when strictly greater
+# (bitsandbytes' `dQuantizeNF4` decision tree), i.e. `searchsorted(..., side="left")`.
+_NF4_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(NF4_LEVELS[:-1], NF4_LEVELS[1:], strict=True))
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "n_red"))
+def _nf4_blocks(x: jax.Array, axis: int, n_red: int) -> tuple[jax.Array, jax.Array]:
+    pre, post = x.shape[:axis], x.shape[axis + n_red :]
+    red = math.prod(x.shape[axis : axis + n_red])
+    n_blocks = -(-red // NF4_BLOCK)
+    x32 = x.astype(jnp.float32).reshape(*pre, red, *post)
+    pad = [(0, 0)] * x32.ndim
+    pad[axis] = (0, n_blocks * NF4_BLOCK - red)
+    blocks = jnp.pad(x32, pad).reshape(*pre, n_blocks, NF4_BLOCK, *post)
+    absmax = jnp.max(jnp.abs(blocks), axis=axis + 1, keepdims=True)
+    scale = jnp.where(absmax > 0, absmax, 1.0)  # an all-zero block maps to level 7 (exact 0)
+    codes = jnp.searchsorted(jnp.asarray(_NF4_MIDPOINTS, jnp.float32), blocks / scale)
+    pairs = codes.astype(jnp.uint8).reshape(*pre, n_blocks, NF4_BLOCK // 2, 2, *post)
+    hi, lo = jnp.take(pairs, 0, axis=axis + 2), jnp.take(pairs, 1, axis=axis + 2)
+    return (hi << 4) | lo, scale
+
+
+def _blocked_sharding(x: jax.Array, axis: int, n_red: int, n_blocks: int) -> NamedSharding | None:
+    """The leaf's sharding carried to the blocked layout: the first fan-in axis's mesh axes move
+    to the block axis when they divide it; the within-block axis is replicated."""
+    sharding = getattr(x, "sharding", None)
+    if isinstance(x, jax.core.Tracer) or not isinstance(sharding, NamedSharding):
+        return None
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    block_spec = spec[axis]
+    if block_spec is not None:
+        names = (block_spec,) if isinstance(block_spec, str) else tuple(block_spec)
+        if n_blocks % math.prod(sharding.mesh.shape[n] for n in names):
+            block_spec = None
+    return NamedSharding(
+        sharding.mesh, PartitionSpec(*spec[:axis], block_spec, None, *spec[axis + n_red :])
+    )
+
+
+def _quantize_leaf_nf4(x: jax.Array, keep: tuple[int, ...]) -> NF4Array:
+    reduce_axes = [i for i in range(x.ndim) if i not in keep]
+    axis, n_red = reduce_axes[0], len(reduce_axes)
+    if reduce_axes != list(range(axis, axis + n_red)):
+        raise ValueError(
+            f"NF4 blocks run along contiguous fan-in axes; got axes {reduce_axes} of a leaf "
+            f"with shape {x.shape}. Pass channel_axes that leave one contiguous run of axes."
+        )
+    values, scale = _nf4_blocks(x, axis, n_red)
+    sharding = _blocked_sharding(x, axis, n_red, values.shape[axis])
+    if sharding is not None:
+        values, scale = jax.device_put(values, sharding), jax.device_put(scale, sharding)
+    return NF4Array(
+        values=values, scale=scale, dtype=jnp.dtype(x.dtype).name, shape=tuple(x.shape), axis=axis
+    )
+
+
 def channel_axes_for(
     shape: tuple[int, ...], axis_names: tuple | None, n_in: int | None
 ) -> tuple[int, ...]:
@@ -116,8 +231,11 @@ def channel_axes_for(
     return tuple(sorted(set(layer_axes) | {len(shape) - 1}))
 
 
-def quantize_params(params: PyTree, *, channel_axes: ChannelAxes | None = None) -> PyTree:
-    """Same tree with every float leaf of ndim >= 2 replaced by a `QuantizedArray`.
+def quantize_params(
+    params: PyTree, *, channel_axes: ChannelAxes | None = None, scheme: str = "int8"
+) -> PyTree:
+    """Same tree with every float leaf of ndim >= 2 replaced by a `QuantizedArray` (`scheme="int8"`)
+    or an `NF4Array` (`scheme="nf4"`: blocks of 64 along the reduced axes, which must be contiguous).
 
     Works on `nnx.State` (quantized values stay inside their `nnx.Param`, metadata kept) and on
     plain pytrees of arrays. `channel_axes=None` picks the axes with `channel_axes_for` from
@@ -126,6 +244,9 @@ def quantize_params(params: PyTree, *, channel_axes: ChannelAxes | None = None) 
     inputs give values with the leaf's sharding and scales sharded along the kept axes; under
     `jit`, sharding propagation does the same.
     """
+    if scheme not in SCHEMES:
+        raise ValueError(f"Quantization scheme {scheme!r} is not supported; use one of {SCHEMES}.")
+    quantize_leaf = _quantize_leaf if scheme == "int8" else _quantize_leaf_nf4
 
     def quantize(path, leaf):
         value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
@@ -145,7 +266,7 @@ def quantize_params(params: PyTree, *, channel_axes: ChannelAxes | None = None) 
             # Nothing to reduce (e.g. stacked per-layer norm scales): a scale per element would
             # cost more memory than the weight itself.
             return leaf
-        return jax.tree.map(lambda x: _quantize_leaf(x, keep), leaf)
+        return jax.tree.map(lambda x: quantize_leaf(x, keep), leaf)
 
     return jax.tree_util.tree_map_with_path(
         quantize, params, is_leaf=lambda x: isinstance(x, nnx.Variable)

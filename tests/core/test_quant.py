@@ -1,13 +1,22 @@
-"""Int8 reference weights: documented error bounds, memory vs bf16, sharding preserved."""
+"""Int8 reference weights and NF4 (QLoRA) bases: documented error bounds, memory vs bf16,
+sharding preserved, NF4 equal to bitsandbytes."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl.core.logprobs import token_logprobs
-from jaxrl.core.quant import QuantizedArray, dequantize_params, param_bytes, quantize_params
+from jaxrl.core.quant import (
+    NF4_LEVELS,
+    NF4Array,
+    QuantizedArray,
+    dequantize_params,
+    param_bytes,
+    quantize_params,
+)
 
 D, F, V = 64, 256, 512
 
@@ -131,3 +140,75 @@ def test_nnx_metadata_picks_output_channels():
     err = np.abs(w - np.asarray(deq["o_proj"].get_value(), np.float32))
     # bound on int8 rounding plus the final bf16 rounding of the dequantized value
     assert np.all(err <= np.abs(w).max(axis=(1, 2), keepdims=True) / 254 + np.abs(w) / 128)
+
+
+# ---------------------------------------------------------------- NF4 (QLoRA base)
+
+# bitsandbytes' NF4 table (functional.get_4bit_type("nf4"); QLoRA paper, Appendix E), copied here
+# by hand so a change to jaxrl's table cannot go unnoticed.
+BNB_NF4 = [
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+]  # fmt: skip
+
+
+def test_nf4_levels_are_the_bitsandbytes_table():
+    assert list(NF4_LEVELS) == BNB_NF4
+
+
+def test_nf4_picks_the_nearest_level_of_each_block():
+    rng = np.random.default_rng(5)
+    # fan-in 96: one full block and one zero-padded block per output channel; stacked layers
+    w = jnp.asarray(rng.normal(0, 0.05, (2, 96, 3)), jnp.float32)
+    q = quantize_params({"w": w}, channel_axes=(0, 2), scheme="nf4")["w"]
+    assert isinstance(q, NF4Array) and q.values.dtype == jnp.uint8
+    assert q.values.shape == (2, 2, 32, 3) and q.scale.shape == (2, 2, 1, 3)
+    deq = np.asarray(q.dequantize())
+    assert deq.shape == w.shape
+    w_np = np.asarray(w)
+    for start, stop in ((0, 64), (64, 96)):
+        block = w_np[:, start:stop]
+        absmax = np.abs(block).max(axis=1, keepdims=True)
+        normed = block / absmax
+        nearest = np.asarray(BNB_NF4)[np.abs(normed[..., None] - np.asarray(BNB_NF4)).argmin(-1)]
+        np.testing.assert_allclose(deq[:, start:stop], nearest * absmax, rtol=1e-6)
+
+
+def test_nf4_matches_bitsandbytes():
+    bnb = pytest.importorskip("bitsandbytes.functional")
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(6)
+    w_oi = rng.normal(0, 0.02, (8, 128)).astype(np.float32)  # torch layout [out, in]
+    packed, state = bnb.quantize_4bit(torch.from_numpy(w_oi), blocksize=64, quant_type="nf4")
+    ours = quantize_params({"k": jnp.asarray(w_oi.T)}, channel_axes=(1,), scheme="nf4")["k"]
+    assert param_bytes(ours) / (w_oi.size * 2) == 4.5 / 16  # 4 bits + an f32 absmax per 64
+    # ours [in/64, 32, out] -> bitsandbytes' flat [out, in] order, two elements per byte
+    ours_bytes = np.asarray(ours.values).transpose(2, 0, 1).reshape(-1)
+    np.testing.assert_array_equal(ours_bytes, packed.numpy().reshape(-1))
+    np.testing.assert_array_equal(
+        np.asarray(ours.scale).transpose(2, 0, 1).reshape(-1), state.absmax.numpy()
+    )
+    np.testing.assert_array_equal(
+        np.asarray(ours.dequantize()).T, bnb.dequantize_4bit(packed, state).numpy()
+    )
+
+
+def test_nf4_sharding_follows_the_kernel():
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "tensor"))
+    w = jnp.asarray(np.random.default_rng(7).normal(size=(512, 16)), jnp.bfloat16)
+    sharded = jax.device_put(w, NamedSharding(mesh, PartitionSpec("fsdp", "tensor")))
+    q = quantize_params({"k": sharded}, channel_axes=(1,), scheme="nf4")["k"]
+    assert q.values.sharding.spec == PartitionSpec("fsdp", None, "tensor")
+    assert q.scale.sharding.spec == PartitionSpec("fsdp", None, "tensor")
+    deq = jax.jit(lambda t: t.dequantize())(q)
+    assert deq.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        deq, quantize_params({"k": w}, channel_axes=(1,), scheme="nf4")["k"].dequantize()
+    )
+
+
+def test_unknown_scheme_is_rejected():
+    with pytest.raises(ValueError, match="scheme"):
+        quantize_params(tiny_params(), scheme="fp4")
