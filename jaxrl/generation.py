@@ -259,6 +259,15 @@ def filter_top_k_top_p(scaled_BV: jax.Array, top_k: int, top_p: float) -> jax.Ar
     return scaled_BV
 
 
+def sample_categorical(rng: jax.Array, logits_BV: jax.Array) -> jax.Array:
+    """One token per row from softmax(logits) by inverting the CDF with one uniform per row
+    (Gumbel-max would draw B x V random numbers: on CPU the sampler's costliest op)."""
+    cdf_BV = jnp.cumsum(jax.nn.softmax(logits_BV, axis=-1), axis=-1)
+    u_B1 = jax.random.uniform(rng, (logits_BV.shape[0], 1), jnp.float32) * cdf_BV[:, -1:]
+    # The first token whose CDF exceeds u: zero-probability tokens never are.
+    return jnp.minimum(jnp.sum(cdf_BV <= u_B1, axis=-1), logits_BV.shape[-1] - 1)
+
+
 def choose_tokens(
     logits_BV: jax.Array, rng: jax.Array, step: jax.Array, config: GenerationConfig
 ) -> tuple[jax.Array, jax.Array]:
@@ -274,7 +283,7 @@ def choose_tokens(
         scaled_BV = jnp.where(banned_V, -jnp.inf, scaled_BV)
     if config.do_sample:
         filtered_BV = filter_top_k_top_p(scaled_BV, config.top_k, config.top_p)
-        tokens_B = jax.random.categorical(jax.random.fold_in(rng, step), filtered_BV, axis=-1)
+        tokens_B = sample_categorical(jax.random.fold_in(rng, step), filtered_BV)
     else:
         tokens_B = jnp.argmax(scaled_BV, axis=-1)
     tokens_B = tokens_B.astype(jnp.int32)
