@@ -42,7 +42,7 @@ from jax.sharding import Mesh
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.kv_cache import Cache, CacheView, init_cache
 from jaxrl.models.layers import default_positions
-from jaxrl.parallel import Rules, batch_sharding
+from jaxrl.parallel import Rules, batch_sharding, data_parallel_size
 
 MIN_BUCKET = 16
 # transformers GenerationConfig fields that change the output and that we do not implement,
@@ -95,8 +95,9 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         eos = self.eos_token_id
-        if isinstance(eos, Sequence):
-            object.__setattr__(self, "eos_token_id", tuple(int(i) for i in eos))
+        if eos is not None:
+            eos = tuple(int(i) for i in eos) if isinstance(eos, Sequence) else int(eos)
+            object.__setattr__(self, "eos_token_id", eos)
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
@@ -339,7 +340,7 @@ class Sampler:
         model_config = self._model_config(params)
         ids_BP, mask_BP = left_pad(prompts, prompt_mask, self.prompt_buckets, config.pad_id)
         self._check_positions(model_config, mask_BP, config)
-        rng = jax.random.key(seed) if isinstance(seed, int) else seed
+        rng = jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
         ids_BP, mask_BP = self._place(ids_BP), self._place(mask_BP)
         state = self._prefill(params, ids_BP, mask_BP, rng, config)
         state, completion_mask_BN = self._decode(params, state, config)
@@ -371,6 +372,12 @@ class Sampler:
     def _place(self, x: np.ndarray) -> jax.Array:
         if self.mesh is None:
             return jnp.asarray(x)
+        n_split = data_parallel_size(self.mesh, self.rules)
+        if len(x) % n_split:
+            raise ValueError(
+                f"{len(x)} prompts cannot be split over the mesh's data-parallel size {n_split}; "
+                "give a multiple of it (e.g. repeat or pad the prompt list)."
+            )
         return jax.device_put(x, batch_sharding(self.mesh, self.rules))
 
     def _prefill_fn(

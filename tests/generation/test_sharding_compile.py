@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec
 
 from jaxrl import models
@@ -38,6 +39,8 @@ def test_sharded_equals_unsharded(hf_causal):
     # The (scanned: layer-stacked) cache is split by batch over data x fsdp, kv heads over tensor.
     spec = cache_shardings(sharded_model.config, 4, 21, mesh).k.spec
     assert spec == PartitionSpec(None, ("data", "fsdp"), "tensor", None, None)
+    with pytest.raises(ValueError, match="data-parallel size 4"):
+        sharded(None, prompts[:3], config)
 
 
 def test_compiles_once_per_prompt_bucket(hf_causal):
