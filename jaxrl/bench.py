@@ -272,13 +272,16 @@ def _generate_flags(argv: list[str]) -> Any:
     return parser.parse_args(argv)
 
 
-def _timed(fn: Any, steps: int) -> list[float]:
-    times = []
+def _timed(fn: Any, steps: int) -> tuple[list[float], list[float]]:
+    """Wall-clock and process CPU seconds of each call (CPU time is what a loaded, shared
+    machine perturbs least)."""
+    wall, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - t0)
-    return times
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return wall, cpu
 
 
 def run_generate(argv: list[str]) -> dict:
@@ -319,7 +322,7 @@ def run_generate(argv: list[str]) -> dict:
     jax_generate()
     first_call_s = time.perf_counter() - t0
     _timed(jax_generate, flags.warmup)
-    jax_times = _timed(jax_generate, flags.steps)
+    jax_times, jax_cpu = _timed(jax_generate, flags.steps)
 
     torch_ids = torch.from_numpy(ids)
     hf_kwargs = dict(
@@ -337,7 +340,7 @@ def run_generate(argv: list[str]) -> dict:
             torch_model.generate(**hf_kwargs, max_new_tokens=max_new_tokens)
 
     hf_generate(2)  # first-call setup outside the timing, as for jaxrl's compile
-    hf_times = _timed(hf_generate, flags.steps)
+    hf_times, hf_cpu = _timed(hf_generate, flags.steps)
     load_after = os.getloadavg()[0]
 
     step_s, hf_step_s = float(np.median(jax_times)), float(np.median(hf_times))
@@ -361,10 +364,13 @@ def run_generate(argv: list[str]) -> dict:
         "device_kind": devices[0].device_kind,
         "mfu": mfu,
         "step_s_all": jax_times,
+        "cpu_s": float(np.median(jax_cpu)),
         "transformers_step_s": hf_step_s,
         "transformers_step_s_all": hf_times,
+        "transformers_cpu_s": float(np.median(hf_cpu)),
         "transformers_tokens_per_sec": tokens / hf_step_s,
         "speedup_vs_transformers": hf_step_s / step_s,
+        "cpu_time_ratio_vs_transformers": float(np.median(hf_cpu) / np.median(jax_cpu)),
         "torch_threads": torch.get_num_threads(),
         "load_avg_before_after": [load_before, load_after],
         "cpu_count": os.cpu_count(),
