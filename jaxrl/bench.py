@@ -1,4 +1,4 @@
-"""`python -m jaxrl.bench --algo {forward,sft,reward,dpo} [bench flags] [train flags]`.
+"""`python -m jaxrl.bench --algo {forward,sft,reward,dpo,generate} [bench flags] [train flags]`.
 
 Runs the real jitted train step of the chosen algorithm: a few warm-up steps, then timed steps,
 and prints as its last line one JSON object with `algo, step_s, tokens_per_sec, compile_s,
@@ -10,6 +10,13 @@ only (no optimizer update).
 
 Bench flags: --preset NAME, --seq_len T, --steps N (default 10), --warmup N (default 2).
 Everything else is a training-config flag, as for `jaxrl.train`.
+
+`--algo generate` times `jaxrl.generation.Sampler` against transformers `generate` (PyTorch on
+CPU) on the same random model, prompts and sampling settings (TRL's GRPO defaults: temperature
+1, no top-k/top-p, no EOS so every row generates all tokens), and reports both and their ratio.
+Its flags: --preset NAME (default: a 4-layer, 256-wide Llama), --batch B (32), --prompt_len P
+(32), --max_new_tokens N (64), --steps (3), --warmup (1), --torch_threads (PyTorch's default).
+One step = one whole `generate` call (prefill + N decode steps); tokens = generated tokens.
 """
 
 from __future__ import annotations
@@ -98,6 +105,15 @@ def _peak_bytes() -> tuple[int, str]:
     if "peak_bytes_in_use" in stats:
         return int(stats["peak_bytes_in_use"]), "device"
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host_rss"
+
+
+def _algo(argv: list[str]) -> str | None:
+    for i, a in enumerate(argv):
+        if a == "--algo" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--algo="):
+            return a.split("=", 1)[1]
+    return None
 
 
 def build(argv: list[str]) -> tuple[Any, dict, str]:
@@ -226,10 +242,151 @@ def run(argv: list[str]) -> dict:
     }
 
 
+def _generate_bench_model() -> Any:
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+    )
+
+
+def _generate_flags(argv: list[str]) -> Any:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m jaxrl.bench --algo generate")
+    parser.add_argument("--algo", choices=["generate"], required=True)
+    parser.add_argument("--preset", default=None)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt_len", type=int, default=32)
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--torch_threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def _timed(fn: Any, steps: int) -> tuple[list[float], list[float]]:
+    """Wall-clock and process CPU seconds of each call (CPU time is what a loaded, shared
+    machine perturbs least)."""
+    wall, cpu = [], []
+    for _ in range(steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return wall, cpu
+
+
+def run_generate(argv: list[str]) -> dict:
+    """Sampler vs transformers `generate` on one random model (see the module docstring)."""
+    import os
+    import tempfile
+
+    import torch
+    import transformers
+
+    from jaxrl import models
+    from jaxrl.generation import GenerationConfig, Sampler
+    from jaxrl.models import presets
+
+    flags = _generate_flags(argv)
+    if flags.torch_threads:
+        torch.set_num_threads(flags.torch_threads)
+    hf_config = (
+        _generate_bench_model() if flags.preset is None else presets.get_preset(flags.preset)
+    )
+    hf_config.eos_token_id = None  # every row generates max_new_tokens on both sides
+    torch.manual_seed(flags.seed)
+    torch_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        torch_model.save_pretrained(tmp)
+        model = models.from_pretrained(tmp)
+    batch, prompt_len, n_new = flags.batch, flags.prompt_len, flags.max_new_tokens
+    ids = np.random.default_rng(flags.seed).integers(3, hf_config.vocab_size, (batch, prompt_len))
+    gen = GenerationConfig(max_new_tokens=n_new, do_sample=True, top_k=0, top_p=1.0)
+    sampler = Sampler(model, prompt_buckets=(prompt_len,))
+    seeds = iter(range(1 << 30))
+
+    def jax_generate() -> None:
+        jax.block_until_ready(sampler(None, ids, gen, seed=next(seeds)))
+
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    jax_generate()
+    first_call_s = time.perf_counter() - t0
+    _timed(jax_generate, flags.warmup)
+    jax_times, jax_cpu = _timed(jax_generate, flags.steps)
+
+    torch_ids = torch.from_numpy(ids)
+    hf_kwargs = dict(
+        input_ids=torch_ids,
+        attention_mask=torch.ones_like(torch_ids),
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        pad_token_id=0,
+    )
+
+    def hf_generate(max_new_tokens: int = n_new) -> None:
+        with torch.no_grad():
+            torch_model.generate(**hf_kwargs, max_new_tokens=max_new_tokens)
+
+    hf_generate(2)  # first-call setup outside the timing, as for jaxrl's compile
+    hf_times, hf_cpu = _timed(hf_generate, flags.steps)
+    load_after = os.getloadavg()[0]
+
+    step_s, hf_step_s = float(np.median(jax_times)), float(np.median(hf_times))
+    tokens = batch * n_new
+    devices = jax.devices()
+    peak = peak_flops(devices[0])
+    # Forward FLOPs of every token run (prompt + generated), attention at the mean context.
+    fwd_flops = presets.flops_per_token(hf_config, prompt_len + n_new // 2) / 3
+    mfu = (
+        fwd_flops * batch * (prompt_len + n_new) / step_s / (peak * len(devices)) if peak else None
+    )
+    peak_bytes, peak_src = _peak_bytes()
+    return {
+        "algo": "generate",
+        "step_s": step_s,
+        "tokens_per_sec": tokens / step_s,
+        "compile_s": max(first_call_s - step_s, 0.0),
+        "peak_bytes": peak_bytes,
+        "peak_bytes_source": peak_src,
+        "devices": len(devices),
+        "device_kind": devices[0].device_kind,
+        "mfu": mfu,
+        "step_s_all": jax_times,
+        "cpu_s": float(np.median(jax_cpu)),
+        "transformers_step_s": hf_step_s,
+        "transformers_step_s_all": hf_times,
+        "transformers_cpu_s": float(np.median(hf_cpu)),
+        "transformers_tokens_per_sec": tokens / hf_step_s,
+        "speedup_vs_transformers": hf_step_s / step_s,
+        "cpu_time_ratio_vs_transformers": float(np.median(hf_cpu) / np.median(jax_cpu)),
+        "torch_threads": torch.get_num_threads(),
+        "load_avg_before_after": [load_before, load_after],
+        "cpu_count": os.cpu_count(),
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "max_new_tokens": n_new,
+        "tokens_per_step": tokens,
+        "preset": flags.preset,
+        "steps": flags.steps,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        result = run(argv)
+        result = run_generate(argv) if _algo(argv) == "generate" else run(argv)
     except ValueError as e:
         print(f"jaxrl.bench: error: {e}", file=sys.stderr)
         return 2
