@@ -97,7 +97,7 @@ def test_step_stats_match_trl_v072(family, case):
                 keep = mask_flat if key == "ppo/policy/ratio" else mask_BT > 0
                 gv, wv = gv[keep], wv[keep]
             np.testing.assert_allclose(
-                gv, wv, rtol=1e-4, atol=2e-6, err_msg=f"{family}/{case} step {step}: {key}"
+                gv, wv, rtol=1e-4, atol=5e-6, err_msg=f"{family}/{case} step {step}: {key}"
             )
     assert perm_cursor == len(g["permutations"])  # same NumPy draws as TRL (early stop too)
     if case == "base":
