@@ -142,9 +142,7 @@ def run_case(family: str, case: str, overrides: dict, init_dir: Path, out_dir: P
             if config.max_grad_norm is not None:
                 # TRL v0.7.2 keeps a one-shot `filter` iterator; rebuild it so every update clips.
                 trainer.model_params = [p for p in trainer.model.parameters() if p.requires_grad]
-            masks = (
-                [torch.tensor(m) for m in RESPONSE_MASKS] if case == "response_masks" else None
-            )
+            masks = [torch.tensor(m) for m in RESPONSE_MASKS] if case == "response_masks" else None
             stats = trainer.step(
                 [torch.tensor(q) for q in QUERIES],
                 [torch.tensor(r) for r in RESPONSES],
