@@ -240,3 +240,37 @@ def test_dataloader_and_log_stats(gpt2_dir):
     assert logs["env/reward_std"] == pytest.approx(np.std([1, 2, 3, 4], ddof=1))
     assert trainer.log_history[-1]["objective/kl"] == 0.5
     assert jax.process_index() == 0
+
+
+def test_public_forward_rewards_advantages_and_loss_api(gpt2_dir):
+    """TRL's helper methods: batched_forward_pass (logits only on request), compute_rewards,
+    compute_advantages and loss reproduce the first golden step's rollout statistics."""
+    g, _ = _golden("gpt2", "base")
+    want = g["steps"][0]
+    tok = AutoTokenizer.from_pretrained(gpt2_dir)
+    trainer = PPOTrainer(PPOConfig(**g["config"]), str(gpt2_dir), tokenizer=tok)
+    q = [np.array(x) for x in g["queries"]]
+    r = [np.array(x) for x in g["responses"]]
+    inputs = trainer.prepare_model_inputs(q, r)
+    logps, logits, values, masks = trainer.batched_forward_pass(trainer.model, q, r, inputs)
+    assert logits is None
+    np.testing.assert_array_equal(masks, _masks(g))
+    keep = _masks(g) > 0
+    np.testing.assert_allclose(
+        np.asarray(logps)[keep], np.asarray(want["objective/logprobs"])[keep], rtol=1e-5
+    )
+    ref_logps, ref_logits, ref_values, _ = trainer.batched_forward_pass(
+        trainer.ref_model, q, r, inputs, return_logits=True
+    )
+    assert ref_values is None and ref_logits.shape == (*logps.shape, 64)
+    scores = np.asarray(g["scores"][0], np.float32)
+    rewards, non_score = trainer.compute_rewards(scores, logps, ref_logps, masks)
+    np.testing.assert_allclose(
+        float((non_score * masks).sum() / masks.sum()), want["ppo/mean_non_score_reward"], atol=1e-6
+    )
+    values, adv, returns = trainer.compute_advantages(values, rewards, masks)
+    pg, vf, stats = trainer.loss(logps, values, ref_logits, values, logps, masks, adv, returns)
+    assert float(stats["policy/approxkl"]) == 0.0 and float(stats["val/clipfrac"]) == 0.0
+    np.testing.assert_allclose(float(vf), 0.1 * float(stats["loss/value"]), rtol=1e-6)
+    np.testing.assert_allclose(stats["returns/mean"], want["ppo/returns/mean"], rtol=1e-4)
+    np.testing.assert_allclose(stats["val/mean"], want["ppo/val/mean"], rtol=1e-4)
