@@ -13,7 +13,10 @@ from jaxrl.callbacks.bema import BEMACallback
 from jaxrl.callbacks.completions import LogCompletionsCallback, WeaveCallback
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.config import DPOConfig, RewardConfig, SFTConfig, TrainingConfig
+from jaxrl.models.hf import AutoModelForCausalLMWithValueHead
 from jaxrl.trainers import DPOTrainer, EvalPrediction, RewardTrainer, SFTTrainer
+from jaxrl.trainers.ppo import PPOTrainer
+from jaxrl.trainers.ppo_config import PPOConfig
 
 __version__ = "0.1.0"
 
@@ -25,11 +28,14 @@ def set_seed(seed: int) -> None:
 
 
 __all__ = [
+    "AutoModelForCausalLMWithValueHead",
     "BEMACallback",
     "DPOConfig",
     "DPOTrainer",
     "EvalPrediction",
     "LogCompletionsCallback",
+    "PPOConfig",
+    "PPOTrainer",
     "RewardConfig",
     "RewardTrainer",
     "SFTConfig",
