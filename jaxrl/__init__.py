@@ -1,7 +1,8 @@
-"""jaxrl: TRL for JAX. SFT, reward modelling and DPO as pure-functional, sharded JAX.
+"""jaxrl: TRL for JAX. SFT, reward modelling, DPO, GRPO and RLOO as pure-functional JAX.
 
 The public API mirrors TRL's names: `SFTTrainer`/`SFTConfig`, `RewardTrainer`/`RewardConfig`,
-`DPOTrainer`/`DPOConfig`, HF-style callbacks, and `set_seed`.
+`DPOTrainer`/`DPOConfig`, `GRPOTrainer`/`GRPOConfig`, `RLOOTrainer`/`RLOOConfig`, HF-style
+callbacks, and `set_seed`.
 """
 
 import random
@@ -12,7 +13,16 @@ from jaxrl.callbacks.base import TrainerCallback, TrainerControl, TrainerState
 from jaxrl.callbacks.bema import BEMACallback
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.config import DPOConfig, RewardConfig, SFTConfig, TrainingConfig
-from jaxrl.trainers import DPOTrainer, EvalPrediction, RewardTrainer, SFTTrainer
+from jaxrl.trainers import (
+    DPOTrainer,
+    EvalPrediction,
+    GRPOConfig,
+    GRPOTrainer,
+    RewardTrainer,
+    RLOOConfig,
+    RLOOTrainer,
+    SFTTrainer,
+)
 
 __version__ = "0.1.0"
 
@@ -28,8 +38,12 @@ __all__ = [
     "DPOConfig",
     "DPOTrainer",
     "EvalPrediction",
+    "GRPOConfig",
+    "GRPOTrainer",
     "RewardConfig",
     "RewardTrainer",
+    "RLOOConfig",
+    "RLOOTrainer",
     "SFTConfig",
     "SFTTrainer",
     "SyncRefModelCallback",

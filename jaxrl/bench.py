@@ -1,4 +1,4 @@
-"""`python -m jaxrl.bench --algo {forward,sft,reward,dpo} [bench flags] [train flags]`.
+"""`python -m jaxrl.bench --algo {forward,sft,reward,dpo,grpo} [bench flags] [train flags]`.
 
 Runs the real jitted train step of the chosen algorithm: a few warm-up steps, then timed steps,
 and prints as its last line one JSON object with `algo, step_s, tokens_per_sec, compile_s,
@@ -229,7 +229,12 @@ def run(argv: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        result = run(argv)
+        if "grpo" in (argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--algo"):
+            from jaxrl.bench_grpo import run as run_grpo  # jaxrl vs TRL GRPOTrainer
+
+            result = run_grpo(argv)
+        else:
+            result = run(argv)
     except ValueError as e:
         print(f"jaxrl.bench: error: {e}", file=sys.stderr)
         return 2

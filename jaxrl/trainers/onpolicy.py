@@ -50,8 +50,8 @@ from jaxrl.rewards import (
     completions_from_texts,
     compute_rewards,
     group_reward_metrics,
-    reward_func_name,
     resolve_reward_weights,
+    reward_func_name,
 )
 from jaxrl.trainers.base import Trainer
 from jaxrl.trainers.onpolicy_config import OnPolicyConfig
@@ -187,7 +187,9 @@ class OnPolicyTrainer(Trainer):
             pad_token_id=self.processing_class.pad_token_id,
         )
         self.sampler: Sampler | None = None
-        self._buffer: dict[str, jax.Array] | None = None
+        # The current generation batch (device arrays, rows shuffled): `input_ids`,
+        # `attention_mask`, `completion_mask`, `advantages` and, when used, `old_logps`/`ref_logps`.
+        self.rollout: dict[str, jax.Array] | None = None
         self._buffer_generation = -1
         self._buffer_metrics: dict[str, float] = {}
         self._buffer_tokens = 0.0
@@ -433,7 +435,7 @@ class OnPolicyTrainer(Trainer):
         # TRL shuffles the generation batch once before splitting it into micro-step slices.
         order = np.random.default_rng([a.seed, plan.generation]).permutation(len(advantages_N))
         sharding = self._rollout_sharding()
-        self._buffer = {
+        self.rollout = {
             k: jax.device_put(jnp.take(v, jnp.asarray(order), axis=0), sharding)
             for k, v in rollout.items()
         }
@@ -462,7 +464,7 @@ class OnPolicyTrainer(Trainer):
         if generated:
             self._generate_and_score(plan)
         slices_A = jnp.asarray(plan.slices, jnp.int32)
-        self.train_state, metrics = self._jit_train_step(self.train_state, self._buffer, slices_A)
+        self.train_state, metrics = self._jit_train_step(self.train_state, self.rollout, slices_A)
         # Generation metrics ride on every step of their cycle, so the window mean is TRL's mean
         # over generations; the token count only on the step that generated.
         metrics = {**metrics, **self._buffer_metrics}

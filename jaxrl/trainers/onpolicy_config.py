@@ -11,7 +11,6 @@ finishes it (`resolve_generation_batch`); the checks that do not depend on it ru
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from jaxrl.config import ConfigError, TrainingConfig
 
@@ -148,6 +147,12 @@ class OnPolicyConfig(TrainingConfig):
             raise ConfigError(
                 f"`ref_model_mixup_alpha` must be in [0, 1]; got {self.ref_model_mixup_alpha}."
             )
+        g_eval = self.num_generations_eval or self.num_generations
+        if self.eval_strategy != "no" and self.per_device_eval_batch_size % g_eval:
+            raise ConfigError(
+                f"per_device_eval_batch_size ({self.per_device_eval_batch_size}) must be divisible "
+                f"by the number of generations used for evaluation ({g_eval})."
+            )
         if self.sync_ref_model and self.beta == 0.0:
             raise ConfigError(
                 "sync_ref_model=True needs a reference model, but beta=0.0 loads none; set "
@@ -185,6 +190,3 @@ class OnPolicyConfig(TrainingConfig):
                 "steps_per_generation."
             )
         return gbs, spg
-
-    def chat_kwargs(self) -> dict[str, Any]:
-        return dict(self.chat_template_kwargs or {})

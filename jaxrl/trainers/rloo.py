@@ -29,6 +29,10 @@ class RLOOTrainer(OnPolicyTrainer):
     def _kl_in_reward(self) -> bool:
         return self.args.beta != 0.0
 
+    def _needs_old_logps(self) -> bool:
+        # TRL's RLOO always takes the ratio against the sampling policy's log-probs.
+        return True
+
     def _advantages(
         self, rewards_NK: np.ndarray, rollout: dict[str, jax.Array]
     ) -> tuple[jax.Array, dict[str, float]]:
@@ -66,9 +70,7 @@ class RLOOTrainer(OnPolicyTrainer):
                 model, mb, temperature=a.temperature, chunk_size=chunk, with_stats=True
             )
             mask_BC = mb["completion_mask"]
-            old_B = None
-            if "old_logps" in mb:
-                old_B = jnp.sum(mb["old_logps"] * mask_BC, axis=-1)
+            old_B = jnp.sum(mb["old_logps"] * mask_BC, axis=-1)
             loss_sum, aux = rloo_loss(
                 logps_BC,
                 mb["advantages"],
