@@ -123,6 +123,7 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
+@pytest.mark.slow
 def test_resume_gives_the_same_metrics(hf_model_dir, tokenizer, tmp_path):
     kw = dict(max_steps=4, save_strategy="steps", save_steps=2)
     full, _ = make(hf_model_dir, tokenizer, tmp_path / "a", **kw)
@@ -139,6 +140,7 @@ def test_resume_gives_the_same_metrics(hf_model_dir, tokenizer, tmp_path):
             assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-7), k
 
 
+@pytest.mark.slow
 def test_reference_only_when_beta_and_sync(hf_model_dir, tokenizer, tmp_path):
     trainer, _ = make(hf_model_dir, tokenizer, tmp_path / "a")
     trainer._ensure_state()
@@ -159,6 +161,7 @@ def test_reference_only_when_beta_and_sync(hf_model_dir, tokenizer, tmp_path):
         np.testing.assert_array_equal(np.asarray(r), np.asarray(p))  # alpha=1: ref <- policy
 
 
+@pytest.mark.slow
 def test_conversational_prompts(hf_model_dir, tmp_path):
     from jaxrl.data.char_tokenizer import build_char_tokenizer
     from jaxrl.data.task import CHARS
@@ -176,6 +179,7 @@ def test_conversational_prompts(hf_model_dir, tmp_path):
     assert call["kwargs"]["x"][0] == call["kwargs"]["x"][3]  # extra columns reach the reward
 
 
+@pytest.mark.slow
 def test_reward_model_scores_texts(hf_model_dir, tokenizer, tmp_path):
     import torch
     from trainer_utils import tiny_config
