@@ -1,7 +1,8 @@
-"""jaxrl: TRL for JAX. SFT, reward modelling and DPO as pure-functional, sharded JAX.
+"""jaxrl: TRL for JAX. SFT, reward modelling, DPO, GRPO and RLOO as pure-functional JAX.
 
 The public API mirrors TRL's names: `SFTTrainer`/`SFTConfig`, `RewardTrainer`/`RewardConfig`,
-`DPOTrainer`/`DPOConfig`, HF-style callbacks, and `set_seed`.
+`DPOTrainer`/`DPOConfig`, `GRPOTrainer`/`GRPOConfig`, `RLOOTrainer`/`RLOOConfig`, HF-style
+callbacks, and `set_seed`.
 """
 
 import random
@@ -14,7 +15,16 @@ from jaxrl.callbacks.completions import LogCompletionsCallback, WeaveCallback
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.config import DPOConfig, RewardConfig, SFTConfig, TrainingConfig
 from jaxrl.models.hf import AutoModelForCausalLMWithValueHead
-from jaxrl.trainers import DPOTrainer, EvalPrediction, RewardTrainer, SFTTrainer
+from jaxrl.trainers import (
+    DPOTrainer,
+    EvalPrediction,
+    GRPOConfig,
+    GRPOTrainer,
+    RewardTrainer,
+    RLOOConfig,
+    RLOOTrainer,
+    SFTTrainer,
+)
 from jaxrl.trainers.ppo import PPOTrainer
 from jaxrl.trainers.ppo_config import PPOConfig
 
@@ -33,11 +43,15 @@ __all__ = [
     "DPOConfig",
     "DPOTrainer",
     "EvalPrediction",
+    "GRPOConfig",
+    "GRPOTrainer",
     "LogCompletionsCallback",
     "PPOConfig",
     "PPOTrainer",
     "RewardConfig",
     "RewardTrainer",
+    "RLOOConfig",
+    "RLOOTrainer",
     "SFTConfig",
     "SFTTrainer",
     "SyncRefModelCallback",

@@ -1,4 +1,4 @@
-"""`python -m jaxrl.bench --algo {forward,sft,reward,dpo,generate} [bench flags] [train flags]`.
+"""`python -m jaxrl.bench --algo {forward,sft,reward,dpo,generate,grpo} [bench flags] [train flags]`.
 
 Runs the real jitted train step of the chosen algorithm: a few warm-up steps, then timed steps,
 and prints as its last line one JSON object with `algo, step_s, tokens_per_sec, compile_s,
@@ -386,7 +386,15 @@ def run_generate(argv: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        result = run_generate(argv) if _algo(argv) == "generate" else run(argv)
+        algo = _algo(argv)
+        if algo == "generate":
+            result = run_generate(argv)
+        elif algo == "grpo":
+            from jaxrl.bench_grpo import run as run_grpo  # jaxrl vs TRL GRPOTrainer
+
+            result = run_grpo(argv)
+        else:
+            result = run(argv)
     except ValueError as e:
         print(f"jaxrl.bench: error: {e}", file=sys.stderr)
         return 2

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-ALGOS = ("sft", "reward", "dpo")
+ALGOS = ("sft", "reward", "dpo", "grpo", "rloo")
+ONLINE_ALGOS = ("grpo", "rloo")
 DEFAULT_ALGO = "dpo"
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -63,6 +64,8 @@ def build_trainer(argv: list[str]) -> Any:
     from jaxrl.data import task
 
     algo, rest = _split_algo(argv)
+    if algo in ONLINE_ALGOS:
+        return build_online_trainer(algo, rest)
     has_config = any(a == "--config" or a.startswith("--config=") for a in rest)
     default_yaml = CONFIG_DIR / f"{algo}.yaml"
     yaml_path = None if has_config or not default_yaml.exists() else default_yaml
@@ -107,6 +110,54 @@ def build_trainer(argv: list[str]) -> Any:
         eval_dataset=eval_ds,
         processing_class=tokenizer,
         compute_metrics=compute_metrics,
+    )
+
+
+def build_online_trainer(algo: str, rest: list[str]) -> Any:
+    """GRPO/RLOO: prompt datasets and reward functions. The embedded default starts from the
+    shipped SFT model on the arithmetic task's prompts, rewarded by `jaxrl.rewards.arith_correct`
+    (held-out accuracy: `eval_greedy/rewards/arith_correct/mean`, greedy exact match)."""
+    from jaxrl.config import parse_config
+    from jaxrl.data import task
+    from jaxrl.rewards import arith_correct
+    from jaxrl.trainers.grpo import GRPOTrainer
+    from jaxrl.trainers.grpo_config import GRPOConfig
+    from jaxrl.trainers.rloo import RLOOTrainer
+    from jaxrl.trainers.rloo_config import RLOOConfig
+
+    config_cls, trainer_cls = {
+        "grpo": (GRPOConfig, GRPOTrainer),
+        "rloo": (RLOOConfig, RLOOTrainer),
+    }[algo]
+    has_config = any(a == "--config" or a.startswith("--config=") for a in rest)
+    default_yaml = CONFIG_DIR / f"{algo}.yaml"
+    yaml_path = None if has_config or not default_yaml.exists() else default_yaml
+    args, script = parse_config(config_cls, yaml_path=yaml_path, cli_args=rest)
+    if script.dataset_name is None:
+        train_ds = str(task.asset_path("sft_train.jsonl"))
+        eval_ds = str(task.asset_path("sft_test.jsonl"))
+    else:
+        train_ds = _load_split(script, script.dataset_train_split)
+        eval_ds = _load_split(script, script.dataset_test_split)
+    tokenizer = None
+    if script.model_name_or_path is None:
+        tokenizer = task.load_tokenizer()
+        model = str(task.asset_path("sft_model"))
+    else:
+        model = script.model_name_or_path
+    if script.tokenizer_name_or_path is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(script.tokenizer_name_or_path)
+    if args.eval_strategy == "no":
+        eval_ds = None
+    return trainer_cls(
+        model=model,
+        reward_funcs=arith_correct,
+        args=args,
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        processing_class=tokenizer,
     )
 
 
