@@ -1,9 +1,11 @@
 """`python -m jaxrl.train --algo {sft,reward,dpo} [--config FILE.yaml] [--field value ...]`.
 
-A thin entry point over the library. With no model/dataset flags it runs offline on the embedded
-arithmetic task: SFT trains the shipped tiny model config from scratch; reward and DPO start
-from the shipped SFT-trained model. Exit status 0 on success; on bad input one paragraph on
-stderr and status 2.
+A thin entry point over the library. With no model and no dataset flag it runs offline on the
+embedded arithmetic task and its recipe (`jaxrl/recipes/ALGO.yaml`): SFT trains the shipped tiny
+model config from scratch; reward and DPO start from the shipped SFT-trained model. With a model
+or a dataset given, every field the user leaves unset keeps the config class default (TRL's), and a
+recipe applies only when named with `--config NAME_OR_PATH`. Exit status 0 on success; on bad
+input one paragraph on stderr and status 2.
 """
 
 from __future__ import annotations
@@ -18,7 +20,25 @@ import numpy as np
 
 ALGOS = ("sft", "reward", "dpo")
 DEFAULT_ALGO = "dpo"
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# Recipes ship inside the package so that an installed wheel runs the embedded job too.
+CONFIG_DIR = Path(__file__).resolve().parent / "recipes"
+
+
+def recipe_path(name_or_path: str) -> Path:
+    """`--config` value -> YAML file: a shipped recipe name (`dpo`, `sft.yaml`) or a path."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    shipped = CONFIG_DIR / (
+        name_or_path if name_or_path.endswith(".yaml") else f"{name_or_path}.yaml"
+    )
+    if path.parent == Path(".") and shipped.exists():
+        return shipped
+    names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    raise FileNotFoundError(
+        f"--config {name_or_path!r} is neither a file nor a shipped recipe; give a YAML path or "
+        f"one of {names}."
+    )
 
 
 def task_compute_metrics(pred) -> dict[str, float]:
@@ -45,6 +65,27 @@ def _split_algo(argv: list[str]) -> tuple[str, list[str]]:
     return algo, rest
 
 
+def _flag_value(argv: list[str], name: str) -> str | None:
+    for i, token in enumerate(argv):
+        if token == f"--{name}" and i + 1 < len(argv):
+            return argv[i + 1]
+        if token.startswith(f"--{name}="):
+            return token.split("=", 1)[1]
+    return None
+
+
+def _without_config(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for i, token in enumerate(argv):
+        if skip:
+            skip = False
+        elif token == "--config":
+            skip = i + 1 < len(argv)
+        elif not token.startswith("--config="):
+            out.append(token)
+    return out
+
+
 def _load_split(script, split: str):
     from jaxrl.data.loading import load_dataset_any
 
@@ -63,10 +104,17 @@ def build_trainer(argv: list[str]) -> Any:
     from jaxrl.data import task
 
     algo, rest = _split_algo(argv)
-    has_config = any(a == "--config" or a.startswith("--config=") for a in rest)
-    default_yaml = CONFIG_DIR / f"{algo}.yaml"
-    yaml_path = None if has_config or not default_yaml.exists() else default_yaml
-    args, script = parse_config(CONFIGS[algo], yaml_path=yaml_path, cli_args=rest)
+    config = _flag_value(rest, "config")
+    if config is not None:
+        yaml_path = recipe_path(config)
+    elif (
+        _flag_value(rest, "model_name_or_path") is None
+        and _flag_value(rest, "dataset_name") is None
+    ):
+        yaml_path = CONFIG_DIR / f"{algo}.yaml"  # the embedded job: its recipe, then the flags
+    else:
+        yaml_path = None  # a user's model or data: TRL's defaults, never the demo recipe
+    args, script = parse_config(CONFIGS[algo], yaml_path=yaml_path, cli_args=_without_config(rest))
 
     compute_metrics = None
     tokenizer = None
@@ -77,7 +125,9 @@ def build_trainer(argv: list[str]) -> Any:
         compute_metrics = task_compute_metrics if algo != "reward" else None
     else:
         train_ds = _load_split(script, script.dataset_train_split)
-        eval_ds = _load_split(script, script.dataset_test_split)
+        eval_ds = (
+            None if args.eval_strategy == "no" else _load_split(script, script.dataset_test_split)
+        )
     if script.model_name_or_path is None:
         tokenizer = task.load_tokenizer()
         if algo == "sft":
