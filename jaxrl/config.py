@@ -83,7 +83,7 @@ WSD_SHAPES = ("linear", "cosine", "1-sqrt")
 STRATEGIES = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
-REPORT_TO = ("none", "all", "wandb", "tensorboard")
+REPORT_TO = ("none", "all", "wandb")
 # Attention implementations TRL scripts name: all compute exact softmax attention, which is what
 # jaxrl's XLA attention computes, so they map to it (no kernel choice exists on JAX).
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
@@ -917,9 +917,13 @@ def _fail(message: str) -> typing.NoReturn:
     raise ValueError(message)
 
 
-def _split_cli(cli_args: list[str], bool_keys: set[str]) -> dict[str, str | bool]:
-    """`--key value`, `--key=value` and bare `--flag` (bool fields only) -> {key: raw}."""
-    parsed: dict[str, str | bool] = {}
+def split_cli(
+    cli_args: list[str], bool_keys: set[str], list_keys: set[str] = frozenset()
+) -> dict[str, str | bool | list[str]]:
+    """Command-line tokens -> {key: raw value}, with HF `HfArgumentParser`'s spellings:
+    `--key value`, `--key=value`, a bare `--flag` (bool fields), `--no_flag` (bool false) and
+    `--key v1 v2 ...` (list fields)."""
+    parsed: dict[str, str | bool | list[str]] = {}
     i = 0
     while i < len(cli_args):
         token = cli_args[i]
@@ -929,18 +933,69 @@ def _split_cli(cli_args: list[str], bool_keys: set[str]) -> dict[str, str | bool
             )
         key, eq, raw = token[2:].partition("=")
         key = key.replace("-", "_")
+        values = []
+        while i + 1 + len(values) < len(cli_args) and not cli_args[i + 1 + len(values)].startswith(
+            "--"
+        ):
+            values.append(cli_args[i + 1 + len(values)])
+            if key not in list_keys:
+                break
         if eq:
             parsed[key] = raw
             i += 1
-        elif i + 1 < len(cli_args) and not cli_args[i + 1].startswith("--"):
-            parsed[key] = cli_args[i + 1]
-            i += 2
+        elif values:
+            parsed[key] = values if key in list_keys and len(values) > 1 else values[0]
+            i += 1 + len(values)
         elif key in bool_keys:
             parsed[key] = True
+            i += 1
+        elif key.startswith("no_") and key[3:] in bool_keys:
+            parsed[key[3:]] = False
             i += 1
         else:
             raise ConfigError(f"Flag `--{key}` needs a value: `--{key} VALUE` or `--{key}=VALUE`.")
     return parsed
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """Init fields of dataclass `cls` -> their resolved type annotations."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def kinds_of_keys(types_by_key: dict[str, Any]) -> tuple[set[str], set[str]]:
+    """(bool keys, list keys) of a {key: annotation} map, for `split_cli`."""
+    bool_keys = {k for k, t in types_by_key.items() if bool in _union_members(t)}
+    list_keys = {
+        k
+        for k, t in types_by_key.items()
+        if any(m is list or typing.get_origin(m) is list for m in _union_members(t))
+    }
+    return bool_keys, list_keys
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML mapping from `path`, or ConfigError naming the file (and line) and the fix."""
+    try:
+        values = _parse_text(Path(path).read_text()) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or str(error)
+        raise ConfigError(
+            f"{path}{where} is not valid YAML ({problem}); fix the file there (each line is "
+            "`field: value`, lists as `[a, b]`)."
+        ) from None
+    except OSError as error:
+        raise ConfigError(f"Cannot read config file {path}: {error.strerror}.") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path} must contain a mapping of field: value.")
+    return values
+
+
+def coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Convert a YAML/CLI value to `annotation`, or raise ConfigError naming the key."""
+    return _coerce(key, value, annotation)
 
 
 def parse_config(
@@ -955,31 +1010,17 @@ def parse_config(
     separately. `--config FILE` on the command line is used when `yaml_path` is not given.
     Unknown keys and bad values raise ConfigError naming the key and the closest valid keys.
     """
-    config_types = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    script_types = typing.get_type_hints(ScriptArguments)
-    all_types = {**script_types, **{k: v for k, v in config_types.items() if k in names}}
-    bool_keys = {k for k, t in all_types.items() if bool in _union_members(t)}
+    script_types = field_types(ScriptArguments)
+    all_types = {**script_types, **field_types(cls)}
+    bool_keys, list_keys = kinds_of_keys(all_types)
 
-    cli_values = _split_cli(list(cli_args or []), bool_keys)
+    cli_values = split_cli(list(cli_args or []), bool_keys, list_keys)
     if yaml_path is None and "config" in cli_values:
         yaml_path = str(cli_values["config"])
 
     sources: list[tuple[str, dict[str, Any]]] = []
     if yaml_path is not None:
-        try:
-            yaml_values = _parse_text(Path(yaml_path).read_text()) or {}
-        except yaml.YAMLError as error:
-            mark = getattr(error, "problem_mark", None)
-            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(error, "problem", None) or str(error)
-            raise ConfigError(
-                f"{yaml_path}{where} is not valid YAML ({problem}); fix the file there (each line "
-                "is `field: value`, lists as `[a, b]`)."
-            ) from None
-        if not isinstance(yaml_values, dict):
-            raise ConfigError(f"{yaml_path} must contain a mapping of field: value.")
-        sources.append((str(yaml_path), yaml_values))
+        sources.append((str(yaml_path), read_yaml(yaml_path)))
     sources += [("the command line", cli_values), ("overrides", dict(overrides or {}))]
 
     config_kwargs: dict[str, Any] = {}
