@@ -115,6 +115,17 @@ DPO_LOSS_TYPES = (
 REF_MODEL_QUANTIZATIONS = ("int8",)
 
 
+# Fields whose config side is here but whose behaviour lives in the training loop, which does not
+# honour them yet: a non-default value is rejected until the loop calls the helpers in
+# jaxrl/loop_options.py and jaxrl/hub.py (remove a name here when its loop side lands).
+LOOP_PENDING: dict[str, Any] = {
+    "logging_strategy": "steps",
+    "save_only_model": False,
+    "load_best_model_at_end": False,
+    "remove_unused_columns": True,
+}
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -296,6 +307,7 @@ class TrainingConfig(_ForeignTrainingFields):
         )
         self._validate_best_model()
         self._validate_hub()
+        self._check_loop_pending()
         self._validate_checkpointing()
         _check(
             self.average_tokens_across_devices,
@@ -414,6 +426,20 @@ class TrainingConfig(_ForeignTrainingFields):
                 f"(every saved step is also evaluated); got save_steps={self.save_steps}, "
                 f"eval_steps={self.eval_steps}.",
             )
+
+    def _check_loop_pending(self) -> None:
+        pending = {k: getattr(self, k) for k, v in LOOP_PENDING.items() if getattr(self, k) != v}
+        if self.save_strategy == "best":
+            pending["save_strategy"] = "best"
+        if self.push_to_hub and self.hub_strategy != "end":
+            pending["hub_strategy"] = self.hub_strategy
+        _check(
+            not pending,
+            f"{', '.join(f'`{k}={v!r}`' for k, v in pending.items())}: accepted by the config, but "
+            "jaxrl's training loop does not act on it yet, so it is refused rather than ignored. "
+            "Use the default (with `push_to_hub`, set `hub_strategy='end'`: the final model is "
+            "pushed by `trainer.push_to_hub()`).",
+        )
 
     def _validate_hub(self) -> None:
         _check_choice("hub_strategy", self.hub_strategy, HUB_STRATEGIES)

@@ -10,7 +10,6 @@ and the config classes (see `fields_table`), and a test keeps both in sync with 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,14 +198,14 @@ TRAINING_ARGUMENTS = (
     ),
 )
 
+_CHAT_TEMPLATE = Foreign(
+    "chat_template_path",
+    str | None,
+    None,
+    "pass a tokenizer with the chat template set as `processing_class`",
+)
 # Fields every TRL trainer config (SFT, reward, DPO) adds with no JAX meaning.
 _TRL_COMMON = (
-    Foreign(
-        "chat_template_path",
-        str | None,
-        None,
-        "pass a tokenizer with the chat template set as `processing_class`",
-    ),
     Foreign(
         "activation_offloading",
         bool,
@@ -227,6 +226,7 @@ _ROUTER = Foreign(
 
 SFT = (
     *_TRL_COMMON,
+    _CHAT_TEMPLATE,
     _PADDING_FREE,
     _ROUTER,
     Foreign(
@@ -241,6 +241,7 @@ SFT = (
 )
 REWARD = (
     *_TRL_COMMON,
+    _CHAT_TEMPLATE,
     Foreign(
         "eos_token",
         str | None,
@@ -280,13 +281,3 @@ def unset_violations(config: Any, fields: tuple[Foreign, ...]) -> list[str]:
                 f"default: {f.default!r})."
             )
     return messages
-
-
-def foreign_names(cls: type) -> dict[str, Foreign]:
-    """The foreign fields a config class carries, by name."""
-    table = getattr(cls, "FOREIGN_FIELDS", ())
-    return {f.name: f for f in table}
-
-
-def is_config_field(cls: type, name: str) -> bool:
-    return any(f.name == name for f in dataclasses.fields(cls))

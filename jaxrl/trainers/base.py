@@ -139,7 +139,7 @@ class Trainer:
     def _make_mesh(self):
         a = self.args
         sizes = (a.mesh_data, a.mesh_fsdp, a.mesh_tensor)
-        devices = jax.devices()
+        devices = jax.devices("cpu") if a.use_cpu else jax.devices()  # HF `use_cpu`
         if -1 not in sizes and math.prod(sizes) < len(devices):
             # Like CUDA_VISIBLE_DEVICES: an explicit smaller mesh uses the first devices.
             logger.warning("Mesh %s uses %d of %d devices.", sizes, math.prod(sizes), len(devices))
