@@ -467,11 +467,11 @@ class TrainingConfig(_ForeignTrainingFields):
 
     def check_datasets(self, *, has_train: bool, has_eval: bool) -> None:
         """Trainer-construction checks that need to know which datasets were given."""
-        needs_eval = self.eval_strategy != "no" or self.eval_on_start
+        asks = [f"`eval_strategy={self.eval_strategy!r}`"] if self.eval_strategy != "no" else []
+        asks += ["`eval_on_start=True`"] if self.eval_on_start else []
         _check(
-            has_eval or not needs_eval,
-            f"`eval_strategy={self.eval_strategy!r}`"
-            f"{' with eval_on_start' if self.eval_on_start else ''} needs an `eval_dataset`, but "
+            has_eval or not asks,
+            f"{' and '.join(asks)} needs an `eval_dataset`, but "
             "none was given (for `python -m jaxrl.train`: `--dataset_test_split` names a split "
             "the dataset lacks). Pass an eval dataset or set `eval_strategy='no'`.",
         )

@@ -126,7 +126,9 @@ def build_trainer(argv: list[str]) -> Any:
     else:
         train_ds = _load_split(script, script.dataset_train_split)
         eval_ds = (
-            None if args.eval_strategy == "no" else _load_split(script, script.dataset_test_split)
+            _load_split(script, script.dataset_test_split)
+            if args.eval_strategy != "no" or args.eval_on_start
+            else None
         )
     if script.model_name_or_path is None:
         tokenizer = task.load_tokenizer()
@@ -143,7 +145,7 @@ def build_trainer(argv: list[str]) -> Any:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(script.tokenizer_name_or_path)
-    if args.eval_strategy == "no":
+    if args.eval_strategy == "no" and not args.eval_on_start:
         eval_ds = None
     cls = {"sft": trainers.SFTTrainer, "reward": trainers.RewardTrainer, "dpo": trainers.DPOTrainer}
     return cls[algo](
