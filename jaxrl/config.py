@@ -83,7 +83,7 @@ WSD_SHAPES = ("linear", "cosine", "1-sqrt")
 STRATEGIES = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
-REPORT_TO = ("none", "all", "wandb")
+REPORT_TO = ("none", "all", "wandb", "tensorboard")
 # Attention implementations TRL scripts name: all compute exact softmax attention, which is what
 # jaxrl's XLA attention computes, so they map to it (no kernel choice exists on JAX).
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
@@ -495,8 +495,9 @@ class TrainingConfig(_ForeignTrainingFields):
         for name in names:
             _check_choice("report_to", name, REPORT_TO)
         if "all" in names:
-            # HF: "all" means every installed integration; wandb is the only one we have.
-            return ["wandb"] if importlib.util.find_spec("wandb") is not None else []
+            # HF: "all" means every installed integration we support.
+            modules = {"wandb": "wandb", "tensorboard": "tensorboardX"}
+            return [n for n, m in modules.items() if importlib.util.find_spec(m) is not None]
         return [name for name in names if name != "none"]
 
     def resolve_model_init_kwargs(self) -> None:

@@ -28,7 +28,8 @@ MAPPED = {
     "`trust_remote_code` only false",
     "average_tokens_across_devices": "always true: the loss is a mean over the global batch",
     "use_cpu": "the mesh is built from `jax.devices('cpu')`",
-    "report_to": "`wandb`; `none`/`all`; metrics.jsonl is always written",
+    "report_to": "`wandb`, `tensorboard` (tensorboardX), `none`/`all`; metrics.jsonl is always "
+    "written",
     "do_train": "accepted; HF's Trainer does not read it either",
     "do_eval": "accepted; HF's Trainer does not read it either",
     "do_predict": "accepted; HF's Trainer does not read it either",

@@ -212,6 +212,10 @@ class Trainer:
             from jaxrl.callbacks.wandb import WandbCallback
 
             cbs.append(WandbCallback())
+        if "tensorboard" in report:
+            from jaxrl.callbacks.tensorboard import TensorBoardCallback
+
+            cbs.append(TensorBoardCallback())
         if not self.args.disable_tqdm:
             from jaxrl.callbacks.progress import RichProgressCallback
 
