@@ -22,7 +22,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxrl.config import ConfigError, coerce, field_types, kinds_of_keys, read_yaml, split_cli
+from jaxrl.config import (
+    ATTN_IMPLEMENTATIONS,
+    DTYPES,
+    ConfigError,
+    coerce,
+    field_types,
+    kinds_of_keys,
+    read_yaml,
+    split_cli,
+)
 
 logger = logging.getLogger("jaxrl")
 
@@ -107,6 +116,24 @@ class ModelConfig:
             raise ConfigError(
                 "`trust_remote_code=True` is not supported: jaxrl runs its own JAX implementation "
                 "of each model family, never a checkpoint's Python code. Remove the flag."
+            )
+        # Checked here too (the trainer checks model_init_kwargs again) so a bad flag stops the
+        # script at parse time with status 2.
+        if self.attn_implementation not in (None, *ATTN_IMPLEMENTATIONS):
+            raise ConfigError(
+                f"`attn_implementation={self.attn_implementation!r}` has no JAX counterpart; "
+                f"jaxrl's XLA attention computes exact softmax attention, which "
+                f"{list(ATTN_IMPLEMENTATIONS)} all map to."
+            )
+        if self.dtype not in (None, *DTYPES):
+            raise ConfigError(
+                f"`dtype={self.dtype!r}` is not supported; choose one of {list(DTYPES)} (it sets "
+                "the parameter dtype; 'auto' is not supported)."
+            )
+        if self.model_revision != "main":
+            raise ConfigError(
+                f"`model_revision={self.model_revision!r}` is not supported: jaxrl loads a local "
+                "directory or the hub's main revision; download the revision and pass its path."
             )
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name in self._PEFT_FIELDS:
