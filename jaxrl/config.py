@@ -465,13 +465,12 @@ class TrainingConfig(_ForeignTrainingFields):
         )
         self.gradient_checkpointing_kwargs = self.activation_checkpointing_kwargs = kwargs or None
 
-    def check_datasets(self, *, has_train: bool, has_eval: bool) -> None:
+    def check_datasets(self, *, has_eval: bool) -> None:
         """Trainer-construction checks that need to know which datasets were given."""
-        asks = [f"`eval_strategy={self.eval_strategy!r}`"] if self.eval_strategy != "no" else []
-        asks += ["`eval_on_start=True`"] if self.eval_on_start else []
+        # As HF's Trainer: a periodic eval needs a dataset (eval_on_start alone is skipped).
         _check(
-            has_eval or not asks,
-            f"{' and '.join(asks)} needs an `eval_dataset`, but "
+            has_eval or self.eval_strategy == "no",
+            f"`eval_strategy={self.eval_strategy!r}` needs an `eval_dataset`, but "
             "none was given (for `python -m jaxrl.train`: `--dataset_test_split` names a split "
             "the dataset lacks). Pass an eval dataset or set `eval_strategy='no'`.",
         )

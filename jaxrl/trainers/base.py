@@ -90,7 +90,7 @@ class Trainer:
         self.args = args if args is not None else self.config_class(output_dir="trainer_output")
         if not isinstance(self.args, TrainingConfig):
             raise TypeError(f"args must be a {self.config_class.__name__}, got {type(args)}.")
-        self._check_script_inputs(peft_config, quantization_config, train_dataset, eval_dataset)
+        self._check_script_inputs(peft_config, quantization_config, eval_dataset)
         a = self.args
         if a.fp16 and jax.default_backend() == "cpu":
             # As HF's Trainer: fp16 mixed precision is a GPU feature (XLA:CPU has no f16 dot
@@ -710,7 +710,7 @@ class Trainer:
 
     # ----------------------------------------------------------------- TRL script surface
     # What TRL's example scripts call on a trainer besides train()/save_model() (jaxrl.scripting).
-    def _check_script_inputs(self, peft_config, quantization_config, train_dataset, eval_dataset):
+    def _check_script_inputs(self, peft_config, quantization_config, eval_dataset):
         from jaxrl.config import ConfigError
 
         if peft_config is not None or quantization_config is not None:
@@ -721,9 +721,7 @@ class Trainer:
             )
         # TRL's scripts set model_init_kwargs after the config is built: validate and map it now.
         self.args.resolve_model_init_kwargs()
-        self.args.check_datasets(
-            has_train=train_dataset is not None, has_eval=eval_dataset is not None
-        )
+        self.args.check_datasets(has_eval=eval_dataset is not None)
 
     @property
     def accelerator(self) -> Any:
