@@ -228,3 +228,15 @@ def test_embedded_yaml_configs_load(algo):
     config, _ = parse_config(CONFIGS[algo], CONFIGS_DIR / f"{algo}.yaml")
     assert config.output_dir == f"outputs/{algo}" and config.bf16 is False
     assert config.max_steps > 0 and config.save_steps % config.eval_steps == 0
+
+
+def test_dpo_truncation_defaults_follow_trl_1_16():
+    """TRL 1.16 has no max_prompt_length and keeps a long sequence's start; jaxrl's default is
+    the same, and TRL < 1.0's prompt truncation is opt-in with `max_prompt_length`."""
+    config = DPOConfig()
+    assert (config.truncation_mode, config.max_prompt_length) == ("keep_start", None)
+    assert DPOConfig(max_prompt_length=32, truncation_mode="keep_end").truncation_mode == "keep_end"
+    with pytest.raises(ConfigError, match="needs `max_prompt_length` set"):
+        DPOConfig(truncation_mode="keep_end")
+    with pytest.raises(ConfigError, match="only 'nll' is implemented"):
+        SFTConfig(loss_type="dft")
