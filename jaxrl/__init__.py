@@ -1,8 +1,10 @@
-"""jaxrl: TRL for JAX. SFT, reward modelling, DPO, GRPO and RLOO as pure-functional JAX.
+"""jaxrl: TRL for JAX. SFT, reward modelling, DPO, PPO, GRPO, RLOO and DDPO as pure-functional JAX.
 
 The public API mirrors TRL's names: `SFTTrainer`/`SFTConfig`, `RewardTrainer`/`RewardConfig`,
-`DPOTrainer`/`DPOConfig`, `GRPOTrainer`/`GRPOConfig`, `RLOOTrainer`/`RLOOConfig`, HF-style
-callbacks, and `set_seed`.
+`DPOTrainer`/`DPOConfig`, `GRPOTrainer`/`GRPOConfig`, `RLOOTrainer`/`RLOOConfig`,
+`PPOTrainer`/`PPOConfig` (TRL v0.7.2's API), HF-style callbacks, `set_seed`, and TRL's scripting
+surface (`TrlParser`, `ScriptArguments`, `ModelConfig`, `get_dataset`, ...), so TRL's example
+scripts run with their imports changed from `trl` to `jaxrl`.
 """
 
 import random
@@ -15,6 +17,15 @@ from jaxrl.callbacks.completions import LogCompletionsCallback, WeaveCallback
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.config import DPOConfig, RewardConfig, SFTConfig, TrainingConfig
 from jaxrl.models.hf import AutoModelForCausalLMWithValueHead
+from jaxrl.scripting import (
+    DatasetMixtureConfig,
+    ModelConfig,
+    ScriptArguments,
+    TrlParser,
+    get_dataset,
+    get_peft_config,
+    get_quantization_config,
+)
 from jaxrl.trainers import (
     DPOTrainer,
     EvalPrediction,
@@ -41,6 +52,7 @@ __all__ = [
     "AutoModelForCausalLMWithValueHead",
     "BEMACallback",
     "DPOConfig",
+    "DatasetMixtureConfig",
     "DPOTrainer",
     "EvalPrediction",
     "GRPOConfig",
@@ -48,11 +60,13 @@ __all__ = [
     "LogCompletionsCallback",
     "PPOConfig",
     "PPOTrainer",
+    "ModelConfig",
     "RewardConfig",
     "RewardTrainer",
     "RLOOConfig",
     "RLOOTrainer",
     "SFTConfig",
+    "ScriptArguments",
     "SFTTrainer",
     "SyncRefModelCallback",
     "TrainerCallback",
@@ -60,5 +74,9 @@ __all__ = [
     "TrainerState",
     "TrainingConfig",
     "WeaveCallback",
+    "TrlParser",
+    "get_dataset",
+    "get_peft_config",
+    "get_quantization_config",
     "set_seed",
 ]

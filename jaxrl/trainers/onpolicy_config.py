@@ -10,6 +10,7 @@ finishes it (`resolve_generation_batch`); the checks that do not depend on it ru
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 
 from jaxrl.config import ConfigError, TrainingConfig
@@ -62,6 +63,7 @@ class OnPolicyConfig(TrainingConfig):
     # False: every dataset column besides `prompt` reaches the reward functions (TRL default);
     # True: only `prompt` does.
     remove_unused_columns: bool = False
+    _honoured_loop_fields: typing.ClassVar[tuple[str, ...]] = ("remove_unused_columns",)
     trust_remote_code: bool = False
     router_aux_loss_coef: float | None = None
     num_generations: int = 8
