@@ -271,7 +271,7 @@ def _split_compare_flags(argv: list[str]) -> tuple[dict, list[str]]:
     return opts, rest
 
 
-def _run_child(cmd: list[str]) -> dict:
+def run_child(cmd: list[str]) -> dict:
     """Run one benchmark process; its last stdout line (JSON) plus its own peak RSS."""
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True)
@@ -288,7 +288,7 @@ def _run_child(cmd: list[str]) -> dict:
     return result
 
 
-def _compare_commands(
+def compare_commands(
     algo: str, point: tuple[str, int, int], steps: int, warmup: int, extra: list[str]
 ) -> dict[str, tuple[list[str], list[str]]]:
     """label -> (jaxrl command, TRL command) for one sweep point."""
@@ -342,15 +342,15 @@ def compare(argv: list[str]) -> list[dict]:
         points = ((opts["preset"], batch, opts["seq_len"]),)
     results = []
     for point in points:
-        for label, (jaxrl_cmd, trl_cmd) in _compare_commands(
+        for label, (jaxrl_cmd, trl_cmd) in compare_commands(
             algo, point, opts["steps"], opts["warmup"], extra
         ).items():
             runs: dict[str, list[dict]] = {"jaxrl": [], "trl": []}
             loads = []
             for _ in range(copts["reps"]):
                 loads.append(os.getloadavg()[0])
-                runs["jaxrl"].append(_run_child(jaxrl_cmd))
-                runs["trl"].append(_run_child(trl_cmd))
+                runs["jaxrl"].append(run_child(jaxrl_cmd))
+                runs["trl"].append(run_child(trl_cmd))
             step = {k: statistics.median(r["step_s"] for r in v) for k, v in runs.items()}
             rss = {k: max(r["peak_rss_bytes"] for r in v) for k, v in runs.items()}
             row = {
