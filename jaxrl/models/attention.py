@@ -152,7 +152,7 @@ def _row_stat_blocks(x_BNT, num_kv, size):
     return x.reshape(nb, B, num_kv, N // num_kv * size)
 
 
-def _key_range(i, size, num_blocks, window):
+def _key_range(i, size, window):
     """Key blocks [lo, hi) that query block i can see: causality ends at the diagonal block;
     a sliding window starts at the block holding key (first query - window + 1)."""
     hi = i + 1
@@ -234,7 +234,7 @@ def _forward(q, k, v, mask, size, window):
             jnp.zeros(rows, jnp.float32),
             jnp.zeros((*rows, H), jnp.float32),
         )
-        lo, hi = _key_range(i, size, nb, window)
+        lo, hi = _key_range(i, size, window)
         m_BKR, denom_BKR, acc_BKRH = jax.lax.fori_loop(lo, hi, key_block, init)
         seen_BKR = denom_BKR > 0
         safe_BKR = jnp.where(seen_BKR, denom_BKR, 1.0)
@@ -286,7 +286,7 @@ def _backward(size, window, res, dout):
             )
             return dq_BKRH, dk_acc.at[j].add(dk_j), dv_acc.at[j].add(dv_j)
 
-        lo, hi = _key_range(i, size, nb, window)
+        lo, hi = _key_range(i, size, window)
         dq0 = jnp.zeros(q_BKRH.shape, jnp.float32)
         dq_BKRH, dk_acc, dv_acc = jax.lax.fori_loop(lo, hi, key_block, (dq0, dk_acc, dv_acc))
         return (dk_acc, dv_acc), dq_BKRH
