@@ -17,14 +17,28 @@ CPU) on the same random model, prompts and sampling settings (TRL's GRPO default
 Its flags: --preset NAME (default: a 4-layer, 256-wide Llama), --batch B (32), --prompt_len P
 (32), --max_new_tokens N (64), --steps (3), --warmup (1), --torch_threads (PyTorch's default).
 One step = one whole `generate` call (prefill + N decode steps); tokens = generated tokens.
+
+`--compare trl [--sweep] [--reps N]` (sft, dpo): times jaxrl against TRL's trainer
+(`examples/bench_trl.py`, torch on this machine) at the `--preset/--seq_len/
+--per_device_train_batch_size` point, or with `--sweep` at every point of `SWEEP`. Each side runs
+in its own child process, alternating jaxrl, TRL, jaxrl, ... `--reps` times (default 3); a line
+per point gives the median step times, the ratio (TRL step / jaxrl step: > 1 means jaxrl is
+faster) and each side's peak RSS. DPO runs TRL's objective and layout on both sides (sigmoid
+loss, two rows per pair, f32); jaxrl's prefix-sharing layout is a separate row labelled
+`prefix_sharing`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -383,8 +397,156 @@ def run_generate(argv: list[str]) -> dict:
     }
 
 
+# ---------------------------------------------------------------- jaxrl vs TRL (--compare trl)
+
+# (preset, batch, seq_len): the shapes of issue 14's table. DPO batches count pairs.
+SWEEP = (
+    ("llama-4x256", 8, 128),
+    ("llama-4x256", 8, 256),
+    ("llama-4x256", 8, 512),
+    ("llama-4x256", 8, 1024),
+    ("llama-4x256", 32, 256),
+    ("llama-8x512", 8, 512),
+)
+_COMPARE_FLAGS = {"--compare": str, "--sweep": None, "--reps": int}
+
+
+def _split_compare_flags(argv: list[str]) -> tuple[dict, list[str]]:
+    opts: dict[str, Any] = {"compare": None, "sweep": False, "reps": 3}
+    rest, i = [], 0
+    while i < len(argv):
+        flag = argv[i].split("=", 1)[0]
+        if flag not in _COMPARE_FLAGS:
+            rest.append(argv[i])
+            i += 1
+        elif _COMPARE_FLAGS[flag] is None:
+            opts[flag[2:]], i = True, i + 1
+        elif "=" in argv[i]:
+            opts[flag[2:]], i = _COMPARE_FLAGS[flag](argv[i].split("=", 1)[1]), i + 1
+        else:
+            opts[flag[2:]], i = _COMPARE_FLAGS[flag](argv[i + 1]), i + 2
+    return opts, rest
+
+
+def run_child(cmd: list[str]) -> dict:
+    """Run one benchmark process; its last stdout line (JSON) plus its own peak RSS."""
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True)
+        stderr = proc.stderr.read()  # until the child exits; stdout goes to a file
+        # wait4 reports this child's own resource usage (ru_maxrss in KiB on Linux).
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        lines = out.read().strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{stderr[-3000:]}")
+    result = json.loads(lines[-1])
+    result["peak_rss_bytes"] = usage.ru_maxrss * 1024
+    return result
+
+
+def compare_commands(
+    algo: str, point: tuple[str, int, int], steps: int, warmup: int, extra: list[str]
+) -> dict[str, tuple[list[str], list[str]]]:
+    """label -> (jaxrl command, TRL command) for one sweep point."""
+    preset, batch, seq_len = point
+    common = ["--steps", str(steps), "--warmup", str(warmup)]
+    jaxrl = [sys.executable, "-m", "jaxrl.bench", "--algo", algo, "--preset", preset]
+    jaxrl += ["--seq_len", str(seq_len), "--per_device_train_batch_size", str(batch), *common]
+    jaxrl += ["--bf16", "false", "--gradient_checkpointing", "false"]
+    script = Path(__file__).resolve().parents[1] / "examples" / "bench_trl.py"
+    if not script.exists():
+        raise ValueError(f"--compare trl runs {script}, which is missing (use a source checkout).")
+    trl = [sys.executable, str(script), "--algo", algo, "--preset", preset]
+    trl += ["--seq_len", str(seq_len), "--batch", str(batch), *common]
+    if algo == "sft":
+        return {"sft": (jaxrl + extra, trl)}
+    # TRL's objective and layout: sigmoid loss only, prompt + completion rows per pair.
+    dpo = ["--loss_type", "sigmoid", "--loss_weights", "null"]
+    dpo += ["--max_prompt_length", str(seq_len // 2)]
+    return {
+        "dpo": (jaxrl + dpo + ["--prefix_sharing", "false"] + extra, trl),
+        "dpo prefix_sharing": (jaxrl + dpo + ["--prefix_sharing", "true"] + extra, trl),
+    }
+
+
+def compare(argv: list[str]) -> list[dict]:
+    """jaxrl vs TRL, interleaved per point (see the module docstring); prints a line per point."""
+    copts, rest = _split_compare_flags(argv)
+    if copts["compare"] != "trl":
+        raise ValueError(f"--compare {copts['compare']!r}: only `--compare trl` is supported.")
+    opts, rest = _split_bench_flags(rest)
+    algo, extra, i = "sft", [], 0
+    batch = 8
+    while i < len(rest):
+        flag, _, value = rest[i].partition("=")
+        if not value and flag in ("--algo", "--per_device_train_batch_size"):
+            value, i = rest[i + 1], i + 1
+        if flag == "--algo":
+            algo = value
+        elif flag == "--per_device_train_batch_size":
+            batch = int(value)
+        else:
+            extra.append(rest[i])
+        i += 1
+    if algo not in ("sft", "dpo"):
+        raise ValueError(f"--compare trl supports --algo sft and dpo, not {algo!r}.")
+    if copts["sweep"]:
+        points = SWEEP
+    elif opts["preset"] is None:
+        raise ValueError("--compare trl needs --sweep or --preset NAME [--seq_len T].")
+    else:
+        points = ((opts["preset"], batch, opts["seq_len"]),)
+    results = []
+    for point in points:
+        for label, (jaxrl_cmd, trl_cmd) in compare_commands(
+            algo, point, opts["steps"], opts["warmup"], extra
+        ).items():
+            runs: dict[str, list[dict]] = {"jaxrl": [], "trl": []}
+            loads = []
+            for _ in range(copts["reps"]):
+                loads.append(os.getloadavg()[0])
+                runs["jaxrl"].append(run_child(jaxrl_cmd))
+                runs["trl"].append(run_child(trl_cmd))
+            step = {k: statistics.median(r["step_s"] for r in v) for k, v in runs.items()}
+            rss = {k: max(r["peak_rss_bytes"] for r in v) for k, v in runs.items()}
+            row = {
+                "algo": label,
+                "preset": point[0],
+                "batch": point[1],
+                "seq_len": point[2],
+                "jaxrl_step_s": step["jaxrl"],
+                "trl_step_s": step["trl"],
+                "speed_ratio": step["trl"] / step["jaxrl"],
+                "jaxrl_step_s_all": [r["step_s"] for r in runs["jaxrl"]],
+                "trl_step_s_all": [r["step_s"] for r in runs["trl"]],
+                "jaxrl_peak_rss_bytes": rss["jaxrl"],
+                "trl_peak_rss_bytes": rss["trl"],
+                "load_avg_1m": loads,
+                "reps": copts["reps"],
+            }
+            print(
+                f"{label:20s} {point[0]} B={point[1]:<3d} T={point[2]:<5d} "
+                f"jaxrl {step['jaxrl']:.4f}s  TRL {step['trl']:.4f}s  "
+                f"jaxrl/TRL speed {row['speed_ratio']:.2f}x  peak RSS jaxrl "
+                f"{rss['jaxrl'] / 2**30:.2f} GiB, TRL {rss['trl'] / 2**30:.2f} GiB  "
+                f"(load {min(loads):.1f}-{max(loads):.1f})",
+                flush=True,
+            )
+            results.append(row)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if any(a.split("=", 1)[0] == "--compare" for a in argv):
+        try:
+            rows = compare(argv)
+        except ValueError as e:
+            print(f"jaxrl.bench: error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(rows))
+        return 0
     try:
         algo = _algo(argv)
         if algo == "generate":

@@ -59,7 +59,9 @@ def test_schedule_equals_transformers(name, kwargs):
     SFTConfig(lr_scheduler_type=name, lr_scheduler_kwargs=kwargs or None, learning_rate=LR)
     schedule = optim.make_schedule(name, LR, TOTAL, WARMUP, kwargs)
     ours = np.asarray([schedule(step) for step in range(TOTAL + 3)], np.float64)
-    np.testing.assert_allclose(ours, _transformers_lrs(name, kwargs), rtol=2e-6, atol=1e-10)  # f32 near zero
+    np.testing.assert_allclose(
+        ours, _transformers_lrs(name, kwargs), rtol=2e-6, atol=1e-10
+    )  # f32 near zero
 
 
 def test_every_accepted_scheduler_is_checked():
