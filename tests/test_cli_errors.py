@@ -32,6 +32,11 @@ def _jsonl(path: Path, rows) -> str:
     return str(path)
 
 
+def _text(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
 def _data(tmp: Path) -> list[str]:
     return ["--dataset_name", _jsonl(tmp / "good.jsonl", GOOD_ROWS)]
 
@@ -116,6 +121,9 @@ CASES = [
     ("output_dir is a file", output_dir_is_a_file, 2, ["is an existing file", "--output_dir"]),
     ("output_dir holds a previous run", previous_run, 2, ["--overwrite_output_dir", "--resume_from_checkpoint", "checkpoints/", "metrics.jsonl"]),
     ("output_dir in use by a live run", live_lock, 2, ["in use by another run", "jaxrl.lock"]),
+    ("malformed YAML config", lambda t: [*_data(t), "--config", _text(t / "bad.yaml", "learning_rate: [1e-4\nmax_steps: 2\n")], 2, ["bad.yaml", "line"]),
+    ("learning_rate is nan", lambda t: [*_data(t), "--learning_rate", "nan"], 2, ["learning_rate"]),
+    ("eval without an eval dataset", lambda t: [*_data(t), "--eval_strategy", "steps"], 2, ["eval_strategy", "eval_dataset"]),
 ]  # fmt: skip
 
 
