@@ -368,14 +368,7 @@ class DDPOTrainer(TrainLoop):
         rewards = np.concatenate(rewards_list)
         self.last_rewards = rewards
         self._images_out(pairs, epoch, global_step)
-        if self.stat_tracker is not None:
-            prompts = self.sd.tokenizer.batch_decode(
-                samples["prompt_ids"], skip_special_tokens=True
-            )
-            advantages = self.stat_tracker.update(prompts, rewards)
-        else:
-            advantages = normalize_rewards(rewards)
-        del samples["prompt_ids"]
+        advantages = self._advantages(samples.pop("prompt_ids"), rewards)
         samples["advantages"] = jnp.asarray(advantages, jnp.float32)
         metrics_U = []
         for inner_epoch in range(c.train_num_inner_epochs):
@@ -390,6 +383,14 @@ class DDPOTrainer(TrainLoop):
             **train,
             "inner_epoch": float(c.train_num_inner_epochs - 1),
         }
+
+    def _advantages(self, prompt_ids: np.ndarray, rewards: np.ndarray) -> np.ndarray:
+        """Per-prompt stat tracking on the decoded prompts (TRL decodes the token ids), or
+        global normalisation."""
+        if self.stat_tracker is None:
+            return normalize_rewards(rewards)
+        prompts = self.sd.tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
+        return self.stat_tracker.update(prompts, rewards)
 
     def calculate_loss(
         self,

@@ -196,3 +196,66 @@ class DDPOConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# Defaults of `python -m jaxrl.train --algo ddpo` without --pretrained_model: the tiny random
+# pipeline, small enough that the compressibility reward visibly rises within minutes on a CPU.
+TINY_CLI_DEFAULTS: dict[str, Any] = dict(
+    num_epochs=8,
+    sample_num_steps=4,
+    sample_batch_size=8,
+    sample_num_batches_per_epoch=2,
+    train_batch_size=4,
+    train_learning_rate=3e-3,
+    mixed_precision="no",
+    logdir="ddpo_output",
+)
+CLI_REWARDS = ("jpeg_compressibility", "jpeg_incompressibility")
+
+
+def _coerce(text: str, default: Any) -> Any:
+    if isinstance(default, bool):
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"expected true/false, got {text!r}")
+        return text.lower() in ("true", "1")
+    if isinstance(default, int):
+        return int(text)
+    if isinstance(default, float):
+        return float(text)
+    if text.lower() in ("none", "null"):
+        return None
+    return text
+
+
+def parse_ddpo_cli(argv: list[str]) -> tuple[DDPOConfig, str]:
+    """`--field value` / `--field=value` pairs -> (DDPOConfig, reward name). `--reward` picks
+    one of CLI_REWARDS (default jpeg_compressibility)."""
+    values: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ValueError(f"unexpected argument {arg!r}; use --field value.")
+        if "=" in arg:
+            k, v = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(argv):
+                raise ValueError(f"{arg} needs a value.")
+            k, v = arg[2:], argv[i + 1]
+            i += 2
+        values[k] = v
+    reward = values.pop("reward", "jpeg_compressibility")
+    if reward not in CLI_REWARDS:
+        raise ValueError(f"--reward {reward!r} is not one of {CLI_REWARDS}.")
+    fields = {f.name: f for f in dataclasses.fields(DDPOConfig)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown DDPOConfig field(s): {', '.join(unknown)}.")
+    base = {} if values.get("pretrained_model") else dict(TINY_CLI_DEFAULTS)
+    kwargs: dict[str, Any] = dict(base)
+    for k, v in values.items():
+        f = fields[k]
+        default = f.default if f.default is not dataclasses.MISSING else None
+        kwargs[k] = _coerce(v, base.get(k, default))
+    return DDPOConfig(**kwargs), reward
