@@ -13,7 +13,14 @@ from jaxrl.callbacks.bema import BEMACallback
 from jaxrl.callbacks.completions import LogCompletionsCallback, WeaveCallback
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.config import DPOConfig, RewardConfig, SFTConfig, TrainingConfig
-from jaxrl.trainers import DPOTrainer, EvalPrediction, RewardTrainer, SFTTrainer
+from jaxrl.trainers import (
+    DDPOConfig,
+    DDPOTrainer,
+    DPOTrainer,
+    EvalPrediction,
+    RewardTrainer,
+    SFTTrainer,
+)
 
 __version__ = "0.1.0"
 
@@ -25,6 +32,8 @@ def set_seed(seed: int) -> None:
 
 
 __all__ = [
+    "DDPOConfig",
+    "DDPOTrainer",
     "BEMACallback",
     "DPOConfig",
     "DPOTrainer",

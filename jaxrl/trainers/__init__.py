@@ -2,12 +2,16 @@
 per algorithm."""
 
 from jaxrl.trainers.base import EvalPrediction, Trainer
+from jaxrl.trainers.ddpo import DDPOTrainer
+from jaxrl.trainers.ddpo_config import DDPOConfig
 from jaxrl.trainers.dpo import DPOTrainer
 from jaxrl.trainers.loop import TrainingInterrupted, TrainLoop
 from jaxrl.trainers.reward import RewardTrainer
 from jaxrl.trainers.sft import SFTTrainer
 
 __all__ = [
+    "DDPOConfig",
+    "DDPOTrainer",
     "DPOTrainer",
     "EvalPrediction",
     "RewardTrainer",

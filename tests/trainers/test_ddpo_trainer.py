@@ -102,7 +102,7 @@ def _hand_metrics(tr, params, rest, batch):
         m = {k: jnp.mean(jnp.stack([getattr(o, k) for o in outs])) for k in outs[0]._fields}
         return m["loss"], m
 
-    (_, m), g = jax.value_and_grad(loss, has_aux=True)(params)
+    (_, m), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
     return m, g
 
 
@@ -143,7 +143,7 @@ def test_step_metrics_equal_hand_computation(sd_path, tmp_path):
     updates, _ = tx.update(g1, tx.init(params0), params0)
     params1 = optax.apply_updates(params0, updates)
     m2, _ = _hand_metrics(tr, params1, rest, second)
-    assert float(m1["approx_kl"]) == 0.0  # first update: sampling policy == trained policy
+    assert float(m1["approx_kl"]) < 1e-9  # first update: sampling policy == trained policy
     assert float(m2["approx_kl"]) > 0 and float(m2["clipfrac"]) > 0
     for k in ("loss", "approx_kl", "clipfrac"):
         want = (float(m1[k]) + float(m2[k])) / 2
@@ -161,7 +161,7 @@ def test_step_metrics_equal_hand_computation(sd_path, tmp_path):
         embeds,
     )
     np.testing.assert_allclose(float(loss), -float(jnp.mean(first["advantages"])), atol=1e-5)
-    assert float(kl) == 0.0 and float(cf) == 0.0
+    assert float(kl) < 1e-9 and float(cf) == 0.0
 
 
 def test_advantages_per_prompt_and_global(sd_path, tmp_path):
