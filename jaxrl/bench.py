@@ -240,10 +240,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def run_ddpo(argv: list[str]) -> dict:
     """`--algo ddpo`: DDPO on the tiny SD pipeline vs TRL v0.7.2 on the same directory.
 
@@ -325,3 +321,7 @@ def run_ddpo(argv: list[str]) -> dict:
         result["update_speedup"] = trl["update_s"] / max(update_s, 1e-9)
         result["load_avg_1m_after"] = os.getloadavg()[0]
     return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
