@@ -107,6 +107,10 @@ def _build(directory: Path) -> None:
         requires_safety_checker=False,
     )
     pipe.save_pretrained(directory, safe_serialization=True)
+    # transformers 5 writes only tokenizer.json; older versions (TRL v0.7.2's 4.36) load the
+    # slow CLIP tokenizer from vocab.json + merges.txt, so ship those too.
+    for name in ("vocab.json", "merges.txt"):
+        shutil.move(tok_dir / name, directory / "tokenizer" / name)
     shutil.rmtree(tok_dir)
 
 
