@@ -27,6 +27,8 @@ from jaxrl.scripting import (
     get_quantization_config,
 )
 from jaxrl.trainers import (
+    DDPOConfig,
+    DDPOTrainer,
     DPOTrainer,
     EvalPrediction,
     GRPOConfig,
@@ -50,6 +52,8 @@ def set_seed(seed: int) -> None:
 
 __all__ = [
     "AutoModelForCausalLMWithValueHead",
+    "DDPOConfig",
+    "DDPOTrainer",
     "BEMACallback",
     "DPOConfig",
     "DatasetMixtureConfig",

@@ -1,4 +1,4 @@
-"""`python -m jaxrl.bench --algo {forward,sft,reward,dpo,generate,grpo} [bench flags] [train flags]`.
+"""`python -m jaxrl.bench --algo {forward,sft,reward,dpo,generate,grpo,ddpo} [bench flags] [train flags]`.
 
 Runs the real jitted train step of the chosen algorithm: a few warm-up steps, then timed steps,
 and prints as its last line one JSON object with `algo, step_s, tokens_per_sec, compile_s,
@@ -537,6 +537,18 @@ def compare(argv: list[str]) -> list[dict]:
     return results
 
 
+def _without_algo(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--algo":
+            skip = True
+        elif not a.startswith("--algo="):
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a.split("=", 1)[0] == "--compare" for a in argv):
@@ -555,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
             from jaxrl.bench_grpo import run as run_grpo  # jaxrl vs TRL GRPOTrainer
 
             result = run_grpo(argv)
+        elif algo == "ddpo":
+            result = run_ddpo(_without_algo(argv))
         else:
             result = run(argv)
     except ValueError as e:
@@ -562,6 +576,89 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(json.dumps(result))
     return 0
+
+
+def run_ddpo(argv: list[str]) -> dict:
+    """`--algo ddpo`: DDPO on the tiny SD pipeline vs TRL v0.7.2 on the same directory.
+
+    Flags: --sample_num_steps (4), --batch (4), --repeats (3), --trl_python (path; TRL side
+    skipped when empty). Times one sampling batch (images/s) and, from a whole DDPO epoch minus
+    its sampling, the update (one optimizer update per epoch: train_batch_size = batch), with
+    the same measurement on both sides; prints the machine's load average with the numbers.
+    """
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from jaxrl.models.diffusion import jpeg_compressibility
+    from jaxrl.models.diffusion.tiny import tiny_pipeline
+    from jaxrl.trainers.ddpo import DDPOTrainer
+    from jaxrl.trainers.ddpo_config import DDPOConfig
+
+    opts = {"sample_num_steps": "4", "batch": "4", "repeats": "3", "trl_python": ""}
+    for i in range(0, len(argv), 2):
+        key = argv[i].removeprefix("--")
+        if key not in opts or i + 1 >= len(argv):
+            raise ValueError(f"--algo ddpo: unknown or incomplete flag {argv[i]!r}; use {opts}.")
+        opts[key] = argv[i + 1]
+    steps, batch, repeats = int(opts["sample_num_steps"]), int(opts["batch"]), int(opts["repeats"])
+    path = tiny_pipeline()
+    cfg = DDPOConfig(
+        sample_num_steps=steps,
+        sample_batch_size=batch,
+        train_batch_size=batch,
+        sample_num_batches_per_epoch=1,
+        mixed_precision="no",
+        logdir="/tmp/jaxrl_ddpo_bench",
+    )
+    prompts = ["a photo of a cat", "a photo of a dog"]
+    rng = np.random.default_rng(0)
+    trainer = DDPOTrainer(cfg, jpeg_compressibility, lambda: (str(rng.choice(prompts)), {}), path)
+    trainer._ensure_state()
+    key = jax.random.key(0)
+
+    def sample():
+        s, _, _ = trainer._generate_samples(1, batch, key)
+        jax.block_until_ready(s)
+
+    t0 = time.perf_counter()
+    sample()
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        sample()
+    sample_s = (time.perf_counter() - t0) / repeats
+    jax.block_until_ready(trainer.step(0, 0))  # compile the update
+    t0 = time.perf_counter()
+    for i in range(repeats):
+        jax.block_until_ready(trainer.step(i + 1, 0))
+    update_s = max((time.perf_counter() - t0) / repeats - sample_s, 0.0)
+    result = {
+        "algo": "ddpo",
+        "images_per_s": batch / sample_s,
+        "update_s": update_s,
+        "sample_compile_s": compile_s,
+        "sample_num_steps": steps,
+        "batch": batch,
+        "load_avg_1m": os.getloadavg()[0],
+        "cpus": os.cpu_count(),
+        "device_kind": jax.devices()[0].device_kind,
+    }
+    if opts["trl_python"]:
+        script = Path(__file__).resolve().parent.parent / "examples" / "bench_ddpo_trl072.py"
+        out = subprocess.run(
+            [opts["trl_python"], str(script), str(path), str(steps), str(batch), str(repeats)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        trl = json.loads(out.stdout.strip().splitlines()[-1])
+        result["trl_images_per_s"] = trl["images_per_s"]
+        result["trl_update_s"] = trl["update_s"]
+        result["sampling_speedup"] = result["images_per_s"] / trl["images_per_s"]
+        result["update_speedup"] = trl["update_s"] / max(update_s, 1e-9)
+        result["load_avg_1m_after"] = os.getloadavg()[0]
+    return result
 
 
 if __name__ == "__main__":

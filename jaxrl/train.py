@@ -222,8 +222,38 @@ def build_online_trainer(algo: str, rest: list[str]) -> Any:
     )
 
 
+def main_ddpo(argv: list[str]) -> int:
+    """`--algo ddpo`: DDPO on the tiny random SD pipeline (or --pretrained_model DIR) with a
+    JPEG reward and prompts drawn from a fixed list of animals (TRL's example script)."""
+    from jaxrl.models.diffusion import rewards
+    from jaxrl.models.diffusion.tiny import TINY_PROMPTS
+    from jaxrl.trainers.ddpo import DDPOTrainer
+    from jaxrl.trainers.ddpo_config import parse_ddpo_cli
+
+    try:
+        config, reward = parse_ddpo_cli(argv)
+    except ValueError as e:
+        print(f"jaxrl.train: error: {e}", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(config.seed)
+    trainer = DDPOTrainer(
+        config,
+        getattr(rewards, reward),
+        lambda: (str(rng.choice(TINY_PROMPTS)), {}),
+        config.pretrained_model or None,
+    )
+    trainer.train()
+    out = trainer.save_model()
+    print(f"jaxrl.train: done; metrics in {config.output_dir}/metrics.jsonl, model in {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    pairs = [(a, b) for a, b in zip(argv, argv[1:], strict=False) if a == "--algo"]
+    if "--algo=ddpo" in argv or ("--algo", "ddpo") in pairs:
+        i = argv.index("--algo=ddpo") if "--algo=ddpo" in argv else argv.index("--algo")
+        return main_ddpo(argv[:i] + argv[i + (1 if argv[i] == "--algo=ddpo" else 2) :])
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from jaxrl import parallel
     from jaxrl.config import ConfigError

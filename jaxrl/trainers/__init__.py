@@ -2,6 +2,8 @@
 per algorithm."""
 
 from jaxrl.trainers.base import EvalPrediction, Trainer
+from jaxrl.trainers.ddpo import DDPOTrainer
+from jaxrl.trainers.ddpo_config import DDPOConfig
 from jaxrl.trainers.dpo import DPOTrainer
 from jaxrl.trainers.grpo import GRPOTrainer
 from jaxrl.trainers.grpo_config import GRPOConfig
@@ -13,6 +15,8 @@ from jaxrl.trainers.rloo_config import RLOOConfig
 from jaxrl.trainers.sft import SFTTrainer
 
 __all__ = [
+    "DDPOConfig",
+    "DDPOTrainer",
     "DPOTrainer",
     "EvalPrediction",
     "GRPOConfig",

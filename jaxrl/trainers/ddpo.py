@@ -1,0 +1,506 @@
+"""DDPOTrainer: TRL v0.7.2's DDPO (denoising diffusion policy optimisation) on `TrainLoop`.
+
+One loop step is one DDPO epoch (TRL `step(epoch, global_step)`):
+1. `_generate_samples`: `sample_num_batches_per_epoch` batches of `sample_batch_size` prompts
+   from `prompt_function`, each sampled with DDIM + per-step log-probs in one jitted `lax.scan`
+   and decoded to images in [0, 1];
+2. rewards from `reward_function(images, prompts, metadata) -> (rewards, metadata)`, optionally
+   on a thread pool overlapping the next batch's sampling;
+3. advantages by per-prompt stat tracking or global normalisation;
+4. `train_num_inner_epochs` passes of the jitted update: samples shuffled, each sample's
+   timesteps shuffled independently and the first `num_train_timesteps` of them trained, one
+   optimizer update per `train_batch_size * train_gradient_accumulation_steps` samples x
+   `num_train_timesteps` timesteps (gradients averaged over those micro-steps, as Accelerate's
+   accumulation does), all as one jitted call of nested `lax.scan`s.
+
+Logged per loop step (= epoch): reward_mean, reward_std, and the mean over that epoch's optimizer
+updates of loss, approx_kl, clipfrac, plus inner_epoch and epoch. TRL logs the train metrics at
+every optimizer update; `global_step` here (TRL's update count) is `epoch * updates_per_epoch`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxrl.callbacks.base import TrainerCallback
+from jaxrl.core.state import TrainState
+from jaxrl.core.step import make_apply_grads
+from jaxrl.losses.ddpo import PerPromptStatTracker, ddpo_loss, normalize_rewards
+from jaxrl.models.diffusion.ddim import (
+    DDIMScheduler,
+    decode_latents,
+    sample_with_logprob,
+    transition_log_prob,
+)
+from jaxrl.models.diffusion.hf import StableDiffusion, load_pipeline
+from jaxrl.models.diffusion.lora import LoRAParam, add_lora
+from jaxrl.trainers.ddpo_config import DDPOConfig
+from jaxrl.trainers.loop import TrainLoop
+
+PromptFn = Callable[[], tuple[str, Any]]
+RewardFn = Callable[[np.ndarray, tuple, tuple], tuple[Any, Any]]
+SAMPLE_KEYS = ("timesteps", "latents", "next_latents", "log_probs")
+
+
+class _Epochs:
+    """The loop's iterator: DDPO epoch numbers (on-policy, no data to replay), with `.skip`."""
+
+    def __init__(self):
+        self.epoch = 0
+
+    def skip(self, n: int) -> None:
+        self.epoch += n
+
+    def __next__(self) -> int:
+        self.epoch += 1
+        return self.epoch - 1
+
+
+class DDPOTrainer(TrainLoop):
+    """TRL v0.7.2 `DDPOTrainer(config, reward_function, prompt_function, sd_pipeline,
+    image_samples_hook)`. `sd_pipeline` is a diffusers SD 1.x/2.x directory (TRL's
+    `pretrained_model`) or a `StableDiffusion` from `load_pipeline`; None uses
+    `config.pretrained_model`, or the package's tiny random pipeline when that is empty."""
+
+    def __init__(
+        self,
+        config: DDPOConfig,
+        reward_function: RewardFn,
+        prompt_function: PromptFn,
+        sd_pipeline: str | Path | StableDiffusion | None = None,
+        image_samples_hook: Callable | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+    ):
+        self.args = self.config = config
+        self.reward_fn = reward_function
+        self.prompt_fn = prompt_function
+        self.image_samples_hook = image_samples_hook
+        dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
+        if sd_pipeline is None:
+            from jaxrl.models.diffusion.tiny import tiny_pipeline
+
+            sd_pipeline = config.pretrained_model or tiny_pipeline()
+        if isinstance(sd_pipeline, (str, Path)):
+            sd_pipeline = load_pipeline(sd_pipeline, dtype=dtype)
+        self.sd = sd_pipeline
+        self.processing_class = self.sd.tokenizer
+        self.scheduler = DDIMScheduler.from_config(self.sd.scheduler_config)
+        unet = self.sd.unet
+        if config.use_lora:
+            add_lora(unet, rank=config.lora_rank, seed=config.seed)
+            trainable = LoRAParam
+        else:
+            trainable = nnx.Param
+        self._unet_def, self._unet_params, self._unet_rest = nnx.split(unet, trainable, ...)
+        self._vae_def, self._vae_state = nnx.split(self.sd.vae)
+        self._text_def, self._text_state = nnx.split(self.sd.text_encoder)
+        ucfg = unet.config
+        self.latent_shape = (ucfg.in_channels, ucfg.sample_size, ucfg.sample_size)
+        self.stat_tracker = (
+            PerPromptStatTracker(
+                config.per_prompt_stat_tracking_buffer_size,
+                config.per_prompt_stat_tracking_min_count,
+            )
+            if config.per_prompt_stat_tracking
+            else None
+        )
+        self._executor = None
+        if config.async_reward_computation:
+            self._executor = futures.ThreadPoolExecutor(max_workers=config.max_workers)
+        self._init_loop(callbacks)
+        neg = "" if config.negative_prompts is None else config.negative_prompts
+        self._compile()
+        self.neg_prompt_embed = self._encode([neg])  # [1, S, D]
+
+    # ------------------------------------------------------------------ pieces
+    def _tokenize(self, prompts: list[str]) -> np.ndarray:
+        tok = self.sd.tokenizer
+        return np.asarray(
+            tok(
+                list(prompts),
+                padding="max_length",
+                max_length=tok.model_max_length,
+                truncation=True,
+            ).input_ids,
+            np.int32,
+        )
+
+    def _encode(self, prompts: list[str]) -> jax.Array:
+        return self._encode_ids(self._text_state, self._tokenize(prompts))
+
+    def _compile(self) -> None:
+        c = self.config
+        scheduler, steps = self.scheduler, c.sample_num_steps
+        unet_def, vae_def, text_def = self._unet_def, self._vae_def, self._text_def
+        scaling = self.sd.vae.config.scaling_factor
+        latent_shape = self.latent_shape
+
+        def encode_ids(text_state, ids_BT):
+            return nnx.merge(text_def, text_state)(ids_BT)
+
+        def unet_fn(params, rest):
+            unet = nnx.merge(unet_def, params, rest)
+            return lambda x, t, ctx: unet(x, t, ctx)
+
+        def sample(params, rest, vae_state, embeds_BSD, neg_BSD, key):
+            s = sample_with_logprob(
+                unet_fn(params, rest),
+                scheduler,
+                embeds_BSD,
+                neg_BSD,
+                key,
+                latent_shape=latent_shape,
+                num_inference_steps=steps,
+                guidance_scale=c.sample_guidance_scale,
+                eta=c.sample_eta,
+            )
+            vae = nnx.merge(vae_def, vae_state)
+            images = decode_latents(vae.decode, s.final_latents, scaling)
+            return s._replace(final_latents=None), images
+
+        self._encode_ids = jax.jit(encode_ids)
+        self._sample = jax.jit(sample)
+        self._update = jax.jit(self._make_update(unet_fn))
+
+    def _make_update(self, unet_fn: Callable) -> Callable:
+        c = self.config
+        scheduler, steps = self.scheduler, c.sample_num_steps
+        n_t = c.num_train_timesteps
+        ga, bs = c.train_gradient_accumulation_steps, c.train_batch_size
+        tx = self._tx()
+        apply_grads = make_apply_grads(tx)
+
+        def micro_loss(params, rest, mb):
+            logp_B = transition_log_prob(
+                unet_fn(params, rest),
+                scheduler,
+                steps,
+                mb["latents"],
+                mb["timesteps"],
+                mb["next_latents"],
+                mb["prompt_embeds"],
+                mb["negative_prompt_embeds"] if c.train_cfg else None,
+                guidance_scale=c.sample_guidance_scale,
+                eta=c.sample_eta,
+            )
+            out = ddpo_loss(
+                logp_B,
+                mb["log_probs"],
+                mb["advantages"],
+                clip_range=c.train_clip_range,
+                adv_clip_max=c.train_adv_clip_max,
+            )
+            return out.loss, out
+
+        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+        def update(state: TrainState, samples: dict, key: jax.Array):
+            """One inner epoch over the epoch's samples (leading axis N)."""
+            n = samples["advantages"].shape[0]
+            perm_key, time_key = jax.random.split(key)
+            perm = jax.random.permutation(perm_key, n)
+            samples = jax.tree.map(lambda x: x[perm], samples)
+            t_perm_NT = jax.vmap(lambda k: jax.random.permutation(k, steps))(
+                jax.random.split(time_key, n)
+            )
+            for k in SAMPLE_KEYS:  # per-sample timestep shuffle; train the first n_t
+                x = samples[k]
+                idx = t_perm_NT.reshape(t_perm_NT.shape + (1,) * (x.ndim - 2))
+                samples[k] = jnp.take_along_axis(x, idx, axis=1)[:, :n_t]
+            n_updates = n // (bs * ga)
+            # [U, GA, bs, ...]; per-timestep keys also get the timestep axis in front of bs.
+            batches = jax.tree.map(lambda x: x.reshape(n_updates, ga, bs, *x.shape[1:]), samples)
+            rest = state.frozen["unet"]
+
+            def one_update(state, batch):
+                def micro(grads, xs):
+                    g_i, j = xs
+                    mb = jax.tree.map(lambda x: x[g_i], batch)
+                    mb = {k: (v[:, j] if k in SAMPLE_KEYS else v) for k, v in mb.items()}
+                    (_, out), g = grad_fn(state.params, rest, mb)
+                    grads = jax.tree.map(jnp.add, grads, g)
+                    return grads, out
+
+                zeros = jax.tree.map(jnp.zeros_like, state.params)
+                g_idx = jnp.repeat(jnp.arange(ga), n_t)
+                j_idx = jnp.tile(jnp.arange(n_t), ga)
+                grads, outs = jax.lax.scan(micro, zeros, (g_idx, j_idx))
+                # Accelerate divides each micro-step's loss by its accumulation count
+                # (GA * num_train_timesteps): the update uses the mean gradient.
+                grads = jax.tree.map(lambda g: g / (ga * n_t), grads)
+                state, _ = apply_grads(state, grads, state.extras)
+                return state, jax.tree.map(jnp.mean, outs._asdict())
+
+            state, metrics_U = jax.lax.scan(one_update, state, batches)
+            return state, metrics_U
+
+        return update
+
+    def _tx(self) -> optax.GradientTransformation:
+        c = self.config
+        return optax.chain(
+            optax.clip_by_global_norm(c.train_max_grad_norm),
+            optax.adamw(
+                c.train_learning_rate,
+                b1=c.train_adam_beta1,
+                b2=c.train_adam_beta2,
+                eps=c.train_adam_epsilon,
+                weight_decay=c.train_adam_weight_decay,
+            ),
+        )
+
+    # ------------------------------------------------------------------ TrainLoop hooks
+    def _ensure_state(self) -> None:
+        if self.train_state is not None:
+            return
+        self.train_state = TrainState.create(
+            self._unet_params,
+            self._tx(),
+            seed=self.config.seed,
+            frozen={"unet": self._unet_rest},
+        )
+
+    def _has_train_data(self) -> bool:
+        return True
+
+    def _train_iterator(self) -> _Epochs:
+        return _Epochs()
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return 1
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    @property
+    def updates_per_epoch(self) -> int:
+        c = self.config
+        n = c.sample_batch_size * c.sample_num_batches_per_epoch
+        return n // (c.train_batch_size * c.train_gradient_accumulation_steps)
+
+    def _train_iteration(self, epoch: int) -> dict:
+        return self.step(epoch, epoch * self.updates_per_epoch * self.config.train_num_inner_epochs)
+
+    # ------------------------------------------------------------------ DDPO
+    def _epoch_key(self, epoch: int) -> jax.Array:
+        return jax.random.fold_in(self.train_state.rng, epoch)
+
+    def _generate_samples(
+        self, iterations: int, batch_size: int, key: jax.Array
+    ) -> tuple[dict, list, list]:
+        """Sample `iterations` batches; returns (samples with leading axis N, prompt_image_data
+        [[images, prompts, metadata], ...], reward results or futures per batch)."""
+        state = self.train_state
+        batches, pairs, rewards = [], [], []
+        for i in range(iterations):
+            prompts, metadata = zip(*[self.prompt_fn() for _ in range(batch_size)], strict=True)
+            ids = self._tokenize(list(prompts))
+            embeds = self._encode_ids(self._text_state, ids)
+            neg = jnp.broadcast_to(self.neg_prompt_embed, embeds.shape)
+            s, images = self._sample(
+                state.params,
+                state.frozen["unet"],
+                self._vae_state,
+                embeds,
+                neg,
+                jax.random.fold_in(key, i),
+            )
+            batches.append(
+                {
+                    "prompt_ids": ids,
+                    "prompt_embeds": embeds,
+                    "negative_prompt_embeds": neg,
+                    "timesteps": s.timesteps,
+                    "latents": s.latents,
+                    "next_latents": s.next_latents,
+                    "log_probs": s.log_probs,
+                }
+            )
+            images = np.asarray(images)  # waits for this batch; the next one is dispatched after
+            if self._executor is not None:
+                # Submitted now, scored while the next batch samples (ddpo-pytorch / jannerm).
+                # TRL v0.7.2's async path maps over the pairs only after all sampling and then
+                # calls `.result()` on the reward function's return value, so it neither
+                # overlaps nor works with an ordinary reward function.
+                rewards.append(self._executor.submit(self.reward_fn, images, prompts, metadata))
+            else:
+                rewards.append(self.reward_fn(images, prompts, metadata))
+            pairs.append([images, prompts, metadata])
+        samples = {
+            k: np.concatenate([b[k] for b in batches])
+            if k == "prompt_ids"
+            else jnp.concatenate([b[k] for b in batches])
+            for k in batches[0]
+        }
+        return samples, pairs, rewards
+
+    def step(self, epoch: int, global_step: int) -> dict:
+        """One DDPO epoch (TRL `step`): sample, score, compute advantages, train. Returns the
+        epoch's metrics (device arrays for the train metrics)."""
+        c = self.config
+        self._ensure_state()
+        key = self._epoch_key(epoch)
+        sample_key, train_key = jax.random.split(key)
+        samples, pairs, results = self._generate_samples(
+            c.sample_num_batches_per_epoch, c.sample_batch_size, sample_key
+        )
+        if self._executor is not None:
+            results = [r.result() for r in results]
+        rewards_list, reward_meta = [], []
+        for data, (r, meta) in zip(pairs, results, strict=True):
+            r = np.asarray(r, np.float32).reshape(-1)
+            data.extend([r, meta])
+            rewards_list.append(r)
+            reward_meta.append(meta)
+        rewards = np.concatenate(rewards_list)
+        self.last_rewards = rewards
+        self._images_out(pairs, epoch, global_step)
+        advantages = self._advantages(samples.pop("prompt_ids"), rewards)
+        samples["advantages"] = jnp.asarray(advantages, jnp.float32)
+        metrics_U = []
+        for inner_epoch in range(c.train_num_inner_epochs):
+            self.train_state, m = self._update(
+                self.train_state, samples, jax.random.fold_in(train_key, inner_epoch)
+            )
+            metrics_U.append(m)
+        train = {k: jnp.mean(jnp.concatenate([m[k] for m in metrics_U])) for k in metrics_U[0]}
+        return {
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            **train,
+            "inner_epoch": float(c.train_num_inner_epochs - 1),
+        }
+
+    def _advantages(self, prompt_ids: np.ndarray, rewards: np.ndarray) -> np.ndarray:
+        """Per-prompt stat tracking on the decoded prompts (TRL decodes the token ids), or
+        global normalisation."""
+        if self.stat_tracker is None:
+            return normalize_rewards(rewards)
+        prompts = self.sd.tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
+        return self.stat_tracker.update(prompts, rewards)
+
+    def calculate_loss(
+        self,
+        latents: jax.Array,
+        timesteps: jax.Array,
+        next_latents: jax.Array,
+        log_probs: jax.Array,
+        advantages: jax.Array,
+        embeds: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """TRL `calculate_loss` with the current params: (loss, approx_kl, clipfrac). `embeds` is
+        [negative; prompt] (2B rows) when train_cfg, else the prompt embeddings."""
+        c = self.config
+        self._ensure_state()
+        state = self.train_state
+        unet = nnx.merge(self._unet_def, state.params, state.frozen["unet"])
+        b = latents.shape[0]
+        neg, pos = (embeds[:b], embeds[b:]) if c.train_cfg else (None, embeds)
+        logp = transition_log_prob(
+            lambda x, t, ctx: unet(x, t, ctx),
+            self.scheduler,
+            c.sample_num_steps,
+            latents,
+            timesteps,
+            next_latents,
+            pos,
+            neg,
+            guidance_scale=c.sample_guidance_scale,
+            eta=c.sample_eta,
+        )
+        out = ddpo_loss(
+            logp,
+            log_probs,
+            advantages,
+            clip_range=c.train_clip_range,
+            adv_clip_max=c.train_adv_clip_max,
+        )
+        return out.loss, out.approx_kl, out.clipfrac
+
+    # ------------------------------------------------------------------ images
+    def _tracker(self) -> Any:
+        report = self.args.report_to
+        report = [report] if isinstance(report, str) else list(report or [])
+        if "wandb" in report or "all" in report:
+            import wandb
+
+            return wandb.run
+        return None
+
+    def _images_out(self, pairs: list, epoch: int, global_step: int) -> None:
+        tracker = self._tracker()
+        if self.image_samples_hook is not None:
+            self.image_samples_hook(pairs, global_step, tracker)
+        elif tracker is not None:
+            import wandb
+
+            images, prompts, _, rewards, _ = pairs[-1]
+            tracker.log(
+                {
+                    "images": [
+                        wandb.Image(np.transpose(im, (1, 2, 0)), caption=f"{p} | {r:.2f}")
+                        for im, p, r in zip(images, prompts, rewards, strict=True)
+                    ]
+                },
+                commit=False,
+            )
+        if self.is_world_process_zero and epoch % self.config.save_freq == 0:
+            from PIL import Image
+
+            out = Path(self.args.output_dir) / "images" / f"epoch_{epoch}"
+            out.mkdir(parents=True, exist_ok=True)
+            images, prompts, _, rewards, _ = pairs[-1]
+            for i, (im, r) in enumerate(zip(images, rewards, strict=True)):
+                u8 = np.round(np.transpose(im, (1, 2, 0)) * 255).clip(0, 255).astype(np.uint8)
+                Image.fromarray(u8).save(out / f"{i}_{r:.3f}.png")
+            (out / "prompts.json").write_text(json.dumps(list(prompts)))
+
+    # ------------------------------------------------------------------ checkpoints
+    def _tracker_file(self, step: int) -> str:
+        return os.path.join(self.args.output_dir, "stat_tracker", f"{step}.json")
+
+    def _save_checkpoint(self):
+        super()._save_checkpoint()
+        if self.stat_tracker is not None and self.is_world_process_zero:
+            # The per-prompt buffers are host state the next epochs' advantages depend on.
+            path = self._tracker_file(self.state.global_step)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            stats = {k: [float(x) for x in v] for k, v in self.stat_tracker.stats.items()}
+            Path(path).write_text(json.dumps(stats))
+
+    def _restore(self, step: int):
+        super()._restore(step)
+        if self.stat_tracker is not None:
+            from collections import deque
+
+            stats = json.loads(Path(self._tracker_file(step)).read_text())
+            self.stat_tracker.stats = {
+                k: deque(v, maxlen=self.stat_tracker.buffer_size) for k, v in stats.items()
+            }
+
+    def save_model(self, output_dir: str | None = None) -> str:
+        """Save the trained UNet (LoRA: the adapters in diffusers' LoRA format; else the full
+        UNet as a diffusers `unet/` directory) under `output_dir` (default args.output_dir)."""
+        from jaxrl.models.diffusion.hf import save_unet
+        from jaxrl.models.diffusion.lora import save_lora_weights
+
+        out = Path(output_dir or self.args.output_dir)
+        unet = nnx.merge(self._unet_def, self.train_state.params, self.train_state.frozen["unet"])
+        if self.config.use_lora:
+            save_lora_weights(unet, out)
+        else:
+            save_unet(unet, out / "unet")
+        return str(out)
