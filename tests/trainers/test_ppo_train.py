@@ -16,6 +16,7 @@ import torch
 from trainer_utils import tiny_config
 from transformers import AutoModelForCausalLM
 
+from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.data import task
 from jaxrl.trainers.ppo import PPOTrainer
 from jaxrl.trainers.ppo_config import PPOConfig
@@ -128,9 +129,23 @@ def _metrics(path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _train(hf_model_dir, out, resume=None, **kw):
+class _KillAfter(TrainerCallback):
+    """Stops the run after `step` (after that step's checkpoint), like a killed job."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+        return control
+
+
+def _train(hf_model_dir, out, resume=None, callbacks=None, **kw):
     cfg = _config(out, resume_from_checkpoint=resume, **kw)
-    trainer = PPOTrainer(cfg, hf_model_dir, dataset=_prompt_ds(), reward=_ones_reward)
+    trainer = PPOTrainer(
+        cfg, hf_model_dir, dataset=_prompt_ds(), reward=_ones_reward, callbacks=callbacks
+    )
     trainer.train()
     return trainer
 
@@ -156,8 +171,10 @@ def test_train_callable_reward_and_exact_resume(hf_model_dir, tmp_path):
 
     # Killed after step 2 (checkpoint at 2), then resumed to step 4.
     part = tmp_path / "part"
-    _train(hf_model_dir, part, max_steps=2, save_strategy="steps", save_steps=2)
-    _train(hf_model_dir, part, resume=True, max_steps=4, save_strategy="steps", save_steps=2)
+    save = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    _train(hf_model_dir, part, callbacks=[_KillAfter(2)], **save)
+    assert sorted(_step_logs(part)) == [1, 2]
+    _train(hf_model_dir, part, resume=True, **save)
     resumed = _step_logs(part)
     for step in (3, 4):
         assert resumed[step] == logs[step]
