@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import warnings
-from typing import Any, Literal
+from typing import Any
 
 KL_PENALTIES = ("kl", "abs", "mse", "full")
 
@@ -45,11 +45,11 @@ class PPOConfig:
     # ---- common parameters
     exp_name: str = dataclasses.field(default_factory=_default_exp_name)  # tracking only
     seed: int = 0  # JAX rng of the trainer (epoch permutations, value-head init) and numpy/random
-    log_with: Literal["wandb", "tensorboard"] | None = None  # "wandb" only (see __post_init__)
+    log_with: str | None = None  # "wandb" only (see __post_init__)
     task_name: str | None = None  # tracking only
     model_name: str | None = None  # tracking only
     query_dataset: str | None = None  # tracking only
-    reward_model: str | None = None  # tracking only
+    reward_model: str | None = None  # tracking; `jaxrl.train --algo ppo`: reward model dir
     remove_unused_columns: bool = True  # prepare_dataloader drops columns the model does not use
     tracker_kwargs: dict = dataclasses.field(default_factory=dict)  # {"wandb": {...}} -> init
     accelerator_kwargs: dict = dataclasses.field(default_factory=dict)  # no JAX meaning: must be {}
@@ -62,7 +62,7 @@ class PPOConfig:
     learning_rate: float = 1e-5  # Adam, no weight decay
     adap_kl_ctrl: bool = True
     init_kl_coef: float | None = 0.2
-    kl_penalty: Literal["kl", "abs", "mse", "full"] = "kl"
+    kl_penalty: str = "kl"  # one of KL_PENALTIES
     target: float | None = 6
     horizon: float | None = 10000
     gamma: float = 1
@@ -100,7 +100,7 @@ class PPOConfig:
     max_steps: int = -1  # PPO steps; -1: TRL's total_ppo_epochs = ceil(steps / batch_size)
     logging_steps: float = 1  # log every n steps (a ratio < 1 of max_steps, as HF)
     logging_first_step: bool = False
-    save_strategy: Literal["no", "steps"] = "steps"
+    save_strategy: str = "steps"  # "no" or "steps"
     save_steps: float = 500  # checkpoint every n steps (a ratio < 1 of max_steps, as HF)
     save_total_limit: int | None = None  # keep the newest n checkpoints
     resume_from_checkpoint: str | bool | None = None  # True/"latest" or a step directory
@@ -113,7 +113,7 @@ class PPOConfig:
     top_k: int = 0  # 0: off (TRL examples pass top_k=0.0)
     top_p: float = 1.0
     # The loop has no evaluation pass: these are fixed (TrainLoop reads them).
-    eval_strategy: Literal["no"] = dataclasses.field(default="no", init=False)
+    eval_strategy: str = dataclasses.field(default="no", init=False)
     eval_steps: int | None = dataclasses.field(default=None, init=False)
     eval_on_start: bool = dataclasses.field(default=False, init=False)
 
