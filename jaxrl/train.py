@@ -1,4 +1,4 @@
-"""`python -m jaxrl.train --algo {sft,reward,dpo,grpo,rloo} [--config NAME|FILE.yaml] [--field value ...]`.
+"""`python -m jaxrl.train --algo {sft,reward,dpo,ppo,grpo,rloo,ddpo} [--config NAME|FILE.yaml] [--field ...]`.
 
 A thin entry point over the library. With no model and no dataset flag it runs offline on the
 embedded arithmetic task and its recipe (`jaxrl/recipes/ALGO.yaml`): SFT trains the shipped tiny
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-ALGOS = ("sft", "reward", "dpo", "grpo", "rloo")
+ALGOS = ("sft", "reward", "dpo", "ppo", "grpo", "rloo")
 ONLINE_ALGOS = ("grpo", "rloo")
 DEFAULT_ALGO = "dpo"
 # Recipes ship inside the package so that an installed wheel runs the embedded job too.
@@ -119,6 +119,8 @@ def build_trainer(argv: list[str]) -> Any:
     from jaxrl.data import task
 
     algo, rest = _split_algo(argv)
+    if algo == "ppo":
+        return build_ppo_trainer(rest)
     if algo in ONLINE_ALGOS:
         return build_online_trainer(algo, rest)
     args, script = parse_config(
@@ -169,6 +171,49 @@ def build_trainer(argv: list[str]) -> Any:
         processing_class=tokenizer,
         compute_metrics=compute_metrics,
     )
+
+
+def build_ppo_trainer(rest: list[str]) -> Any:
+    """`--algo ppo`: TRL v0.7.2's PPOConfig (+ jaxrl loop fields). Embedded default: the shipped
+    SFT model with a new value head, prompts of the arithmetic task, reward 1 for a correct sum
+    and 0 otherwise (`arith_correct`'s None, a non-task prompt, counts as 0). With
+    `--reward_model DIR` the completions are scored by that reward model instead."""
+    from jaxrl import run_dir
+    from jaxrl.config import parse_config
+    from jaxrl.data import task
+    from jaxrl.data.loading import load_dataset_any
+    from jaxrl.rewards import arith_correct
+    from jaxrl.trainers.ppo import PPOTrainer
+    from jaxrl.trainers.ppo_config import PPOConfig
+
+    args, script = parse_config(
+        PPOConfig, yaml_path=_recipe_yaml("ppo", rest), cli_args=_without_config(rest)
+    )
+    run_dir.check_output_dir(
+        args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir
+    )
+    if script.dataset_name is None:
+        dataset = load_dataset_any(str(task.asset_path("sft_train.jsonl")), split="train")
+    else:
+        dataset = _load_split(script, script.dataset_train_split)
+    if "query" not in dataset.column_names and "prompt" in dataset.column_names:
+        # TRL's dataloader keeps only model-input and logging columns (`query`, not `prompt`).
+        dataset = dataset.rename_column("prompt", "query")
+    if args.reward_model:
+        reward = args.reward_model
+    elif script.dataset_name is None:
+        reward = arith_correct
+    else:
+        raise ValueError("--algo ppo on a dataset needs --reward_model PATH (a reward model).")
+    model = script.model_name_or_path or str(task.asset_path("sft_model"))
+    tok_path = script.tokenizer_name_or_path or script.model_name_or_path
+    if tok_path is None:
+        tokenizer = task.load_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tok_path)
+    return PPOTrainer(args, model, tokenizer=tokenizer, dataset=dataset, reward=reward)
 
 
 def build_online_trainer(algo: str, rest: list[str]) -> Any:

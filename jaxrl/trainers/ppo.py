@@ -15,6 +15,13 @@ Differences from TRL v0.7.2, all deliberate:
 - Positions are `cumsum(attention_mask) - 1`; with right padding (the default) this equals what
   TRL's models used; with left padding transformers 4.36 used plain `arange` positions.
 - The reference keeps only the LM (a value head is never needed for log-probs).
+- `generate` returns NumPy int arrays (TRL: torch tensors) and samples with jaxrl's KV-cache
+  `Sampler` from the current policy params.
+
+jaxrl addition: `train()` runs the common PPO loop (TRL's examples: for each batch of prompts,
+generate, score, `step()`) on `TrainLoop`, so it logs to `output_dir/metrics.jsonl` with TRL's
+stat names, checkpoints and resumes exactly (train state, KL controller, score moments and the
+NumPy generator of the minibatch permutations) and saves on SIGTERM.
 """
 
 from __future__ import annotations
@@ -41,11 +48,13 @@ from jaxrl.core.onpolicy import (
     make_rollout_forward,
 )
 from jaxrl.core.state import TrainState
+from jaxrl.generation import GenerationConfig, Sampler
 from jaxrl.losses.ppo import ppo_loss
 from jaxrl.models.gpt2 import GPT2ForCausalLM
 from jaxrl.models.heads import CausalLMWithValueHead
 from jaxrl.models.hf import AutoModelForCausalLMWithValueHead, from_pretrained, save_pretrained
 from jaxrl.models.llama import LlamaForCausalLM
+from jaxrl.trainers.loop import TrainLoop
 from jaxrl.trainers.ppo_config import PPOConfig
 
 WANDB_PADDING = -1  # TRL's fill value for NaN advantages in the logged arrays
@@ -53,6 +62,13 @@ LM_TYPES = (GPT2ForCausalLM, LlamaForCausalLM)
 # Columns TRL keeps with remove_unused_columns: the value-head model's forward arguments
 # (input_ids, past_key_values, attention_mask) plus its logging columns.
 SIGNATURE_COLUMNS = ("input_ids", "past_key_values", "attention_mask", "label", "query", "response")
+# transformers `generate` keyword arguments that map onto jaxrl's GenerationConfig.
+GENERATION_KWARGS = (
+    "max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
+    "eos_token_id", "pad_token_id",
+)  # fmt: skip
+# Scalar stats step() returns that train() logs besides TRL's (jaxrl additions).
+TRAIN_TIMINGS = ("time/ppo/generate", "time/ppo/score")
 
 MODEL_CARD_TEMPLATE = """---
 license: apache-2.0
@@ -182,7 +198,7 @@ class _EpochLoader:
             yield next(self._it)
 
 
-class PPOTrainer:
+class PPOTrainer(TrainLoop):
     """Proximal Policy Optimisation of a causal LM with a value head (TRL v0.7.2 API).
 
     `model`: a `CausalLMWithValueHead` or a path / Hub id (an HF directory, with or without
@@ -196,6 +212,9 @@ class PPOTrainer:
     rate (or `config.learning_rate` for a user optimizer without one).
     Minibatch order: each epoch draws `np.random.permutation(batch_size)` from NumPy's global
     generator, seeded with `config.seed` at construction, the same draws as TRL.
+    `reward` (jaxrl, for `train()`): a callable `(prompts, completions) -> scores` on decoded
+    texts (a None score counts as 0.0), or the path of a reward model trained by
+    `RewardTrainer` (scores `prompt + completion + eos`, as it was trained).
     """
 
     def __init__(
@@ -209,9 +228,13 @@ class PPOTrainer:
         data_collator: Callable | None = None,
         num_shared_layers: int | None = None,
         lr_scheduler: Callable[[jax.Array], jax.Array] | None = None,
+        reward: Callable | str | os.PathLike | None = None,
+        callbacks: list | None = None,
     ):
         if not isinstance(config, PPOConfig):
             raise ValueError(f"config must be a PPOConfig, got {type(config)}")
+        self.args = config
+        self._init_loop(callbacks)
         from jaxrl import set_seed
 
         set_seed(config.seed)
@@ -258,6 +281,8 @@ class PPOTrainer:
             "kl_ctl": self.kl_ctl.init(),
             "score_moments": rl.running_moments_init(),
             "ppo_step": jnp.zeros((), jnp.int32),
+            # train() checkpoints NumPy's generator (the minibatch permutations) with the state.
+            "numpy_rng": jnp.asarray(_numpy_rng_state()),
         }
         self.train_state = jax.jit(
             lambda p, r, e: TrainState.create(
@@ -272,6 +297,12 @@ class PPOTrainer:
         self._compile()
         self.current_step = 0
         self.log_history: list[dict] = []
+        self.processing_class = self.tokenizer
+        self.lm_graphdef = nnx.graphdef(policy.pretrained_model)
+        self._sampler = Sampler(self.lm_graphdef)
+        self._ref_sampler = Sampler(self.ref_graphdef)
+        self._generate_calls = 0
+        self.reward = self._build_reward(reward)
 
     # ------------------------------------------------------------------ setup
     def _load_policy(self, model: Any) -> CausalLMWithValueHead:
@@ -814,6 +845,261 @@ class PPOTrainer:
             wandb.log(logs)
         return logs
 
+    # ------------------------------------------------------------------ generation
+    def generation_config(self, **generation_kwargs: Any) -> GenerationConfig:
+        """A `GenerationConfig` from transformers `generate` keyword arguments.
+
+        Defaults are transformers' (greedy, top_k=50) with the tokenizer's EOS/pad ids and
+        `max_new_tokens=config.response_length`. `min_length` <= 0 (TRL's examples pass -1) and
+        `use_cache` are inactive; a positive `min_length`, `max_length`, beams or several return
+        sequences raise (use `min_new_tokens` / `max_new_tokens`)."""
+        kw = dict(generation_kwargs)
+        min_length = kw.pop("min_length", None)
+        if min_length is not None and min_length > 0:
+            raise ValueError(
+                f"min_length={min_length} counts the (left-padded) prompt tokens; pass "
+                "min_new_tokens instead."
+            )
+        kw.pop("use_cache", None)  # the sampler always decodes with its KV cache
+        if "max_length" in kw:
+            raise ValueError(
+                "max_length is not supported; pass max_new_tokens (or length_sampler)."
+            )
+        for name in ("num_beams", "num_return_sequences"):
+            if kw.pop(name, 1) != 1:
+                raise ValueError(f"{name} != 1 is not supported by jaxrl's sampler.")
+        unknown = sorted(set(kw) - set(GENERATION_KWARGS))
+        if unknown:
+            raise ValueError(
+                f"Unsupported generation kwargs {unknown}; supported: {GENERATION_KWARGS}, "
+                "min_length (<= 0), use_cache, num_beams=1, num_return_sequences=1."
+            )
+        if "top_k" in kw:  # TRL's examples pass top_k=0.0
+            if float(kw["top_k"]) != int(kw["top_k"]):
+                raise ValueError(f"top_k must be a whole number, got {kw['top_k']}.")
+            kw["top_k"] = int(kw["top_k"])
+        kw.setdefault("max_new_tokens", self.config.response_length)
+        kw.setdefault("eos_token_id", self.tokenizer.eos_token_id)
+        kw.setdefault("pad_token_id", self.tokenizer.pad_token_id)
+        return GenerationConfig(**kw)
+
+    def _sample(
+        self, queries: list[np.ndarray], gen: GenerationConfig, key: jax.Array, ref: bool = False
+    ) -> list[np.ndarray]:
+        """Completions of `queries` from the current policy (or the reference) params, without
+        padding: each ends at its first EOS (kept) or after `max_new_tokens`."""
+        if ref:
+            out = self._ref_sampler(self.train_state.frozen["ref"], queries, gen, seed=key)
+        else:
+            params = self.train_state.params["pretrained_model"]
+            out = self._sampler(params, queries, gen, seed=key)
+        ids_BN, mask_BN = jax.device_get((out.completion_ids_BN, out.completion_mask_BN))
+        return [ids_BN[i, : int(mask_BN[i].sum())].astype(np.int64) for i in range(len(queries))]
+
+    def _finish(self, query: np.ndarray, completion: np.ndarray, return_prompt: bool):
+        """TRL's `remove_padding`: the response (after the query if `return_prompt`), cut
+        after the tokenizer's first EOS anywhere in it."""
+        out = np.concatenate([query, completion]) if return_prompt else completion
+        eos = np.flatnonzero(out == self.tokenizer.eos_token_id)
+        return out[: eos[0] + 1] if eos.size else out
+
+    def generate(
+        self,
+        query_tensor: Any,
+        length_sampler: Callable[[], int] | None = None,
+        batch_size: int = 4,
+        return_prompt: bool = True,
+        generate_ref_response: bool = False,
+        **generation_kwargs: Any,
+    ) -> Any:
+        """TRL's `generate`: a 1-D query gives a `[1, L]` array; a list of queries gives a list
+        of 1-D arrays, generated in chunks of `batch_size` (left-padded, one `length_sampler()`
+        draw of `max_new_tokens` per chunk), padding stripped and cut after the first EOS.
+        `return_prompt=False` drops the query. `generate_ref_response=True` also samples the
+        reference model (same keys) and returns `(responses, ref_responses)`.
+        `generation_kwargs`: transformers names (see `generation_config`)."""
+        self._generate_calls += 1
+        key = jax.random.fold_in(jax.random.key(self.config.seed), self._generate_calls)
+        if isinstance(query_tensor, list):
+            queries = [_as_1d_ints(q, "query_tensor") for q in query_tensor]
+            chunk = min(len(queries), batch_size)
+        else:
+            arr = np.asarray(
+                query_tensor.detach().cpu() if hasattr(query_tensor, "detach") else query_tensor
+            )
+            if arr.ndim != 1:
+                raise ValueError(
+                    f"query_tensor must be a 1-D tensor or a list of them, got shape {arr.shape}."
+                )
+            queries, chunk = [arr.astype(np.int64)], 1
+        outs: list[list[np.ndarray]] = [[], []]
+        for i in range(0, len(queries), chunk):
+            kw = dict(generation_kwargs)
+            if length_sampler is not None:
+                kw["max_new_tokens"] = int(length_sampler())
+            gen = self.generation_config(**kw)
+            part = queries[i : i + chunk]
+            chunk_key = jax.random.fold_in(key, i)
+            for j, ref in enumerate((False, True)[: 1 + bool(generate_ref_response)]):
+                for q, c in zip(part, self._sample(part, gen, chunk_key, ref), strict=True):
+                    outs[j].append(self._finish(q, c, return_prompt))
+        if not isinstance(query_tensor, list):
+            outs = [[o[0][None]] if o else [] for o in outs]
+            outs = [o[0] if o else None for o in outs]
+        return (outs[0], outs[1]) if generate_ref_response else outs[0]
+
+    # ------------------------------------------------------------------ train() (jaxrl)
+    def _build_reward(self, reward: Any) -> Callable | None:
+        if reward is None or callable(reward):
+            return reward
+        if isinstance(reward, str | os.PathLike):
+            return self._reward_model_scorer(str(reward))
+        raise ValueError(
+            "reward must be a callable (prompts, completions) -> scores or the path of a reward "
+            f"model, got {type(reward).__name__}."
+        )
+
+    def _reward_model_scorer(self, path: str) -> Callable:
+        """Score `prompt + completion + eos` texts with a jitted forward of the reward model at
+        `path` (its own tokenizer when saved there), right-padded to a multiple of 16."""
+        from transformers import AutoTokenizer
+
+        rm = from_pretrained(path, task="sequence_classification")
+        try:
+            tok = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError):
+            tok = self.tokenizer
+        graphdef, params = nnx.split(rm)
+        forward = jax.jit(lambda p, ids, m: nnx.merge(graphdef, p)(ids, attention_mask=m)[:, 0])
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+
+        def score(prompts: list[str], completions: list[str]) -> list[float]:
+            texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+            eos = tok.eos_token or ""
+            ids = [tok(t if t.endswith(eos) else t + eos)["input_ids"] for t in texts]
+            width = -(-max(len(x) for x in ids) // 16) * 16
+            ids_BT = np.full((len(ids), width), pad, np.int32)
+            mask_BT = np.zeros((len(ids), width), np.int32)
+            for i, x in enumerate(ids):
+                ids_BT[i, : len(x)], mask_BT[i, : len(x)] = x, 1
+            return np.asarray(forward(params, ids_BT, mask_BT), np.float32).tolist()
+
+        return score
+
+    def _check_can_train(self) -> None:
+        if self.dataset is None:
+            raise ValueError(
+                "train() needs a dataset of prompts (a `query` or `prompt` text column, or "
+                "`input_ids`)."
+            )
+        if self.reward is None:
+            raise ValueError("train() needs reward= (a callable or a reward model path).")
+
+    def _has_train_data(self) -> bool:
+        return self.dataset is not None
+
+    def _ensure_state(self) -> None:
+        """The state is built in __init__ (step() works without train())."""
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.config.batch_size * jax.process_count()
+
+    @property
+    def steps_per_epoch(self) -> int:
+        steps = len(self.dataset) // self.train_batch_size
+        if steps == 0:
+            raise ValueError(
+                f"The dataset has {len(self.dataset)} prompts, fewer than one batch of "
+                f"{self.train_batch_size}."
+            )
+        return steps
+
+    @property
+    def max_steps(self) -> int:
+        c = self.config
+        return c.max_steps if c.max_steps > 0 else c.total_ppo_epochs
+
+    def _train_iterator(self):
+        from jaxrl.data.batching import BatchIterator
+
+        return BatchIterator(
+            self.dataset,
+            global_batch_size=self.train_batch_size,
+            seed=self.config.seed,
+            collate_fn=lambda rows: {k: [r[k] for r in rows] for k in rows[0]},
+            shuffle=True,
+            drop_last=True,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+
+    def _batch_queries(self, batch: dict) -> tuple[list[np.ndarray], list[str]]:
+        text_col = next((c for c in ("query", "prompt") if c in batch), None)
+        if "input_ids" in batch:
+            queries = [np.asarray(q, np.int64) for q in batch["input_ids"]]
+            texts = (
+                batch[text_col]
+                if text_col
+                else self.tokenizer.batch_decode(queries, skip_special_tokens=True)
+            )
+            return queries, list(texts)
+        if text_col is None:
+            raise ValueError(
+                f"The dataset needs a `query` or `prompt` column or `input_ids`; got {list(batch)}."
+            )
+        texts = list(batch[text_col])
+        queries = [np.asarray(self.tokenizer(t)["input_ids"], np.int64) for t in texts]
+        return queries, texts
+
+    def _train_iteration(self, batch: dict) -> dict:
+        """One PPO step: sample responses (key fixed by the step), decode, score, `step()`."""
+        c = self.config
+        t = time.time()
+        queries, prompts = self._batch_queries(batch)
+        gen = GenerationConfig(
+            max_new_tokens=c.response_length,
+            min_new_tokens=c.min_response_length,
+            do_sample=True,
+            temperature=c.temperature,
+            top_k=c.top_k,
+            top_p=c.top_p,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+        key = jax.random.fold_in(jax.random.key(c.seed + 1), self.state.global_step)
+        responses = self._sample(queries, gen, key)
+        t_gen, t = time.time() - t, time.time()
+        completions = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        scores = [0.0 if s is None else float(s) for s in self.reward(prompts, completions)]
+        t_score = time.time() - t
+        stats = self.step(queries, responses, [np.float32(s) for s in scores])
+        metrics = {
+            k: float(np.asarray(v).reshape(()))
+            for k, v in stats.items()
+            if np.ndim(v) == 0 or np.size(v) == 1
+        }
+        scores_B = np.asarray(scores, np.float32)
+        metrics["env/reward_mean"] = float(scores_B.mean())
+        metrics["env/reward_std"] = float(scores_B.std(ddof=1)) if scores_B.size > 1 else 0.0
+        metrics["time/ppo/generate"], metrics["time/ppo/score"] = t_gen, t_score
+        # The minibatch permutations of later steps come from NumPy's global generator.
+        self.train_state = self.train_state.replace(
+            extras={**self.train_state.extras, "numpy_rng": jnp.asarray(_numpy_rng_state())}
+        )
+        return metrics
+
+    def _restore(self, step: int):
+        super()._restore(step)
+        keys = np.asarray(self.train_state.extras["numpy_rng"]).astype(np.uint32)
+        np.random.set_state(("MT19937", keys[:-1], int(keys[-1])))
+
+    def save_model(self, output_dir: str | None = None) -> str:
+        """Save the policy in TRL's value-head layout (default `output_dir/final`)."""
+        out = output_dir or os.path.join(self.config.output_dir, "final")
+        self.save_pretrained(out)
+        return out
+
     def save_pretrained(self, save_directory: str | Path) -> None:
         """Policy (LM + value head, TRL's layout), tokenizer and model card."""
         save_pretrained(self.model, save_directory)
@@ -834,6 +1120,13 @@ class PPOTrainer:
         card = MODEL_CARD_TEMPLATE.format(model_name=model_name, model_id=model_id)
         with open(os.path.join(path, "README.md"), "w", encoding="utf-8") as f:
             f.write(card)
+
+
+def _numpy_rng_state() -> np.ndarray:
+    """NumPy's global MT19937 state as one uint32 vector: 624 keys, then the position (no
+    Gaussian is ever cached here: only `permutation` draws from it)."""
+    _, keys, pos, _, _ = np.random.get_state()
+    return np.append(np.asarray(keys, np.uint32), np.uint32(pos))
 
 
 def _to_scalar(v: Any) -> Any:

@@ -2,8 +2,12 @@
 `whiten_rewards` and `optimize_device_cache`), with the same validation.
 
 Fields that only configure PyTorch/accelerate machinery either have a JAX meaning or are
-rejected when set (see each field's comment); none is silently ignored. The training-loop fields
-(output directory, logging and save cadence) belong to the loop, not to this file.
+rejected when set (see each field's comment); none is silently ignored.
+
+jaxrl additions (no TRL v0.7.2 counterpart; TRL users write the loop themselves): the fields of
+`PPOTrainer.train()`'s loop (output directory, logging and checkpoint cadence, resume; HF
+TrainingArguments names and meanings) and the generation settings of its rollouts (defaults of
+TRL's PPO examples: sampling at temperature 1 with top-k and top-p off).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import math
 import os
 import sys
 import warnings
-from typing import Any, Literal
+from typing import Any
 
 KL_PENALTIES = ("kl", "abs", "mse", "full")
 
@@ -41,11 +45,11 @@ class PPOConfig:
     # ---- common parameters
     exp_name: str = dataclasses.field(default_factory=_default_exp_name)  # tracking only
     seed: int = 0  # JAX rng of the trainer (epoch permutations, value-head init) and numpy/random
-    log_with: Literal["wandb", "tensorboard"] | None = None  # "wandb" only (see __post_init__)
+    log_with: str | None = None  # "wandb" only (see __post_init__)
     task_name: str | None = None  # tracking only
     model_name: str | None = None  # tracking only
     query_dataset: str | None = None  # tracking only
-    reward_model: str | None = None  # tracking only
+    reward_model: str | None = None  # tracking; `jaxrl.train --algo ppo`: reward model dir
     remove_unused_columns: bool = True  # prepare_dataloader drops columns the model does not use
     tracker_kwargs: dict = dataclasses.field(default_factory=dict)  # {"wandb": {...}} -> init
     accelerator_kwargs: dict = dataclasses.field(default_factory=dict)  # no JAX meaning: must be {}
@@ -58,7 +62,7 @@ class PPOConfig:
     learning_rate: float = 1e-5  # Adam, no weight decay
     adap_kl_ctrl: bool = True
     init_kl_coef: float | None = 0.2
-    kl_penalty: Literal["kl", "abs", "mse", "full"] = "kl"
+    kl_penalty: str = "kl"  # one of KL_PENALTIES
     target: float | None = 6
     horizon: float | None = 10000
     gamma: float = 1
@@ -90,6 +94,28 @@ class PPOConfig:
     # Pad rollouts to a multiple of this length so fewer sequence lengths are compiled; None
     # pads to the batch's longest sequence, as TRL (stats arrays then have TRL's shapes).
     pad_to_multiple_of: int | None = None
+
+    # ---- jaxrl: PPOTrainer.train() loop (HF TrainingArguments semantics)
+    output_dir: str = "outputs/ppo"  # metrics.jsonl, checkpoints/, final/
+    max_steps: int = -1  # PPO steps; -1: TRL's total_ppo_epochs = ceil(steps / batch_size)
+    logging_steps: float = 1  # log every n steps (a ratio < 1 of max_steps, as HF)
+    logging_first_step: bool = False
+    save_strategy: str = "steps"  # "no" or "steps"
+    save_steps: float = 500  # checkpoint every n steps (a ratio < 1 of max_steps, as HF)
+    save_total_limit: int | None = None  # keep the newest n checkpoints
+    resume_from_checkpoint: str | bool | None = None  # True/"latest" or a step directory
+    overwrite_output_dir: bool = False
+    disable_tqdm: bool = False
+    # ---- jaxrl: rollout generation of PPOTrainer.train()
+    response_length: int = 16  # max_new_tokens per rollout (TRL examples: output_max_length)
+    min_response_length: int = 0  # min_new_tokens (EOS masked before it)
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off (TRL examples pass top_k=0.0)
+    top_p: float = 1.0
+    # The loop has no evaluation pass: these are fixed (TrainLoop reads them).
+    eval_strategy: str = dataclasses.field(default="no", init=False)
+    eval_steps: int | None = dataclasses.field(default=None, init=False)
+    eval_on_start: bool = dataclasses.field(default=False, init=False)
 
     # ---- filled at runtime
     is_encoder_decoder: bool | None = None
@@ -145,6 +171,30 @@ class PPOConfig:
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
             raise ValueError(f"pad_to_multiple_of must be >= 1, got {self.pad_to_multiple_of}.")
         self.total_ppo_epochs = int(math.ceil(self.steps / self.batch_size))
+        if self.save_strategy not in ("no", "steps"):
+            raise ValueError(f"save_strategy must be 'no' or 'steps', got {self.save_strategy!r}.")
+        for name in ("logging_steps", "save_steps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
+        if self.response_length < 1 or not 0 <= self.min_response_length <= self.response_length:
+            raise ValueError(
+                "Need 1 <= response_length and 0 <= min_response_length <= response_length, got "
+                f"{self.response_length} and {self.min_response_length}."
+            )
+        if not self.temperature > 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(
+                f"Need temperature > 0, top_k >= 0 (0 = off) and 0 < top_p <= 1; got "
+                f"{self.temperature}, {self.top_k}, {self.top_p}."
+            )
+
+    @property
+    def report_to(self) -> list[str]:
+        """The loop's loggers, from TRL's `log_with` (metrics.jsonl is always written)."""
+        return ["wandb"] if self.log_with == "wandb" else []
+
+    @property
+    def run_name(self) -> str:
+        return self.exp_name
 
     def to_dict(self) -> dict[str, Any]:
         """All fields (nested dicts flattened with "/"), TRL's `to_dict`."""
