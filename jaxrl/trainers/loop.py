@@ -251,9 +251,13 @@ class TrainLoop:
         )
         if changed:  # the run continues, but it is no longer the run that was saved
             logger.warning("Resuming with changed config fields: %s", ", ".join(changed))
+        # Progress (step, epoch, log history, best metric) comes from the checkpoint; the run's
+        # plan (max_steps, logging/eval/save cadence, batch size) from the current config, so a
+        # resume with a larger max_steps trains on (HF semantics).
+        planned = ("max_steps", "logging_steps", "eval_steps", "save_steps", "train_batch_size")
         ts = meta["trainer_state"]
         for k, v in ts.items():
-            if hasattr(self.state, k):
+            if hasattr(self.state, k) and k not in planned + ("num_train_epochs",):
                 setattr(self.state, k, v)
         self._log_window = meta.get("log_window", [])
         self._tokens_seen = meta.get("tokens_seen", 0)
