@@ -214,8 +214,8 @@ def test_lora_resume_is_exact_and_checkpoint_has_no_base(
     run = _sft(tmp_path / "run", hf_model_dir, tokenizer, sft_data, peft_config=cfg, **kw)
     run.train()
     ckpt = tmp_path / "run" / "checkpoints" / "2"
-    names = " ".join(str(p) for p in ckpt.rglob("*"))
-    assert "base" not in names.split("frozen")[-1] if "frozen" in names else True
+    # The resumed trainer restores into a tree without frozen["base"] (it reloads the base from
+    # the model path), so this also checks that the checkpoint holds no base weights.
     resumed = _sft(
         tmp_path / "run",
         hf_model_dir,
