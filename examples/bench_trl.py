@@ -1,24 +1,32 @@
 """The TRL side of BENCHMARKS.md: TRL's trainer on the same model, data, batch and lengths.
 
     python examples/bench_trl.py --algo {sft,dpo} [--batch 32] [--steps 30] [--warmup 5]
+    python examples/bench_trl.py --algo {sft,dpo} --preset NAME --seq_len T [--batch 8] ...
 
 Trains the shipped embedded model (`jaxrl/assets/arith/sft_model`, an HF directory) on the
 embedded task data with TRL's `SFTTrainer` / `DPOTrainer` in f32 on this machine, times steps
 after a warm-up with a callback, and prints one JSON line shaped like `python -m jaxrl.bench`'s.
 Compare with `python -m jaxrl.bench --algo ALGO --per_device_train_batch_size B`.
-Needs the `test` extra (torch, trl).
+With `--preset NAME --seq_len T` it trains a random-weight model of a `jaxrl.models.presets`
+shape on random tokens of exactly T per row (DPO: prompt T // 2, each completion the rest, the
+sigmoid loss), as `python -m jaxrl.bench --preset NAME --seq_len T` does; this is the TRL side
+of `python -m jaxrl.bench --compare trl`. Needs the `test` extra (torch, trl).
 """
 
 import argparse
+import copy
 import json
+import resource
 import time
 
+import numpy as np
 import torch
 import trl
-from datasets import load_dataset
+from datasets import Dataset, load_dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from jaxrl.data import task
+from jaxrl.models import presets
 
 
 class StepTimer(TrainerCallback):
@@ -33,6 +41,37 @@ class StepTimer(TrainerCallback):
             self.times.append(time.perf_counter() - self.t0)
 
 
+class PretokenizedDPOTrainer(trl.DPOTrainer):
+    """TRL's DPOTrainer on rows that already hold `prompt_ids` / `chosen_ids` / `rejected_ids`
+    (the columns its own preparation produces), so random token ids need no tokenizer."""
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        return dataset
+
+
+def synthetic_dataset(algo: str, rows: int, seq_len: int, vocab: int, seed: int) -> Dataset:
+    """Random token rows of exactly `seq_len` (DPO: prompt seq_len // 2, completions the rest),
+    the layout of `jaxrl.bench`'s synthetic data."""
+    rng = np.random.default_rng(seed)
+
+    def ids(length):
+        return rng.integers(3, vocab, size=length).tolist()
+
+    half = seq_len // 2
+    if algo == "sft":
+        return Dataset.from_list([{"input_ids": ids(seq_len)} for _ in range(rows)])
+    return Dataset.from_list(
+        [
+            {
+                "prompt_ids": ids(half),
+                "chosen_ids": ids(seq_len - half),
+                "rejected_ids": ids(seq_len - half),
+            }
+            for _ in range(rows)
+        ]
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--algo", choices=["sft", "dpo"], default="dpo")
@@ -40,15 +79,26 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--preset", default=None, help="a jaxrl.models.presets shape (random weights)")
+    p.add_argument("--seq_len", type=int, default=512, help="tokens per row with --preset")
     opts = p.parse_args()
     torch.set_num_threads(opts.threads)
     tok = task.load_tokenizer()
-    model_dir = str(task.asset_path("sft_model"))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    name = "sft" if opts.algo == "sft" else "dpo"
-    data = load_dataset(
-        "json", data_files=str(task.asset_path(f"{name}_train.jsonl")), split="train"
-    )
+    if opts.preset is None:
+        model_dir = str(task.asset_path("sft_model"))
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        name = "sft" if opts.algo == "sft" else "dpo"
+        data = load_dataset(
+            "json", data_files=str(task.asset_path(f"{name}_train.jsonl")), split="train"
+        )
+        max_length = 64
+    else:
+        torch.manual_seed(0)
+        config = presets.get_preset(opts.preset)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        rows = opts.batch * (opts.warmup + opts.steps)
+        data = synthetic_dataset(opts.algo, rows, opts.seq_len, config.vocab_size, seed=0)
+        max_length = opts.seq_len
     common = dict(
         output_dir="/tmp/bench_trl",
         per_device_train_batch_size=opts.batch,
@@ -59,17 +109,27 @@ def main() -> None:
         use_cpu=True,
         gradient_checkpointing=False,
         save_strategy="no",
-        max_length=64,
+        max_length=max_length,
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
     timer = StepTimer(opts.warmup)
+    extra = {}
+    if opts.algo == "dpo" and opts.preset is not None:
+        # A random-weight model has no checkpoint path TRL could load the reference from.
+        extra["ref_model"] = copy.deepcopy(model).eval()
     if opts.algo == "sft":
         cls, args = trl.SFTTrainer, trl.SFTConfig(**common)
     else:
-        cls, args = trl.DPOTrainer, trl.DPOConfig(**common)
+        cls = trl.DPOTrainer if opts.preset is None else PretokenizedDPOTrainer
+        args = trl.DPOConfig(**common, loss_type=["sigmoid"])
     trainer = cls(
-        model=model, args=args, train_dataset=data, processing_class=tok, callbacks=[timer]
+        model=model,
+        args=args,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[timer],
+        **extra,
     )
     tokens = []
     orig = trainer.training_step
@@ -94,6 +154,10 @@ def main() -> None:
                 "threads": opts.threads,
                 "devices": 1,
                 "mfu": None,
+                "preset": opts.preset,
+                "seq_len": opts.seq_len if opts.preset else max_length,
+                "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "peak_bytes_source": "host_rss",
             }
         )
     )

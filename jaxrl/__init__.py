@@ -1,7 +1,10 @@
-"""jaxrl: TRL for JAX. SFT, reward modelling and DPO as pure-functional, sharded JAX.
+"""jaxrl: TRL for JAX. SFT, reward modelling, DPO, PPO, GRPO, RLOO and DDPO as pure-functional JAX.
 
 The public API mirrors TRL's names: `SFTTrainer`/`SFTConfig`, `RewardTrainer`/`RewardConfig`,
-`DPOTrainer`/`DPOConfig`, HF-style callbacks, and `set_seed`.
+`DPOTrainer`/`DPOConfig`, `GRPOTrainer`/`GRPOConfig`, `RLOOTrainer`/`RLOOConfig`,
+`PPOTrainer`/`PPOConfig` (TRL v0.7.2's API), HF-style callbacks, `set_seed`, and TRL's scripting
+surface (`TrlParser`, `ScriptArguments`, `ModelConfig`, `get_dataset`, ...), so TRL's example
+scripts run with their imports changed from `trl` to `jaxrl`.
 """
 
 import random
@@ -13,7 +16,28 @@ from jaxrl.callbacks.bema import BEMACallback
 from jaxrl.callbacks.completions import LogCompletionsCallback, WeaveCallback
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.config import DPOConfig, RewardConfig, SFTConfig, TrainingConfig
-from jaxrl.trainers import DPOTrainer, EvalPrediction, RewardTrainer, SFTTrainer
+from jaxrl.models.hf import AutoModelForCausalLMWithValueHead
+from jaxrl.scripting import (
+    DatasetMixtureConfig,
+    ModelConfig,
+    ScriptArguments,
+    TrlParser,
+    get_dataset,
+    get_peft_config,
+    get_quantization_config,
+)
+from jaxrl.trainers import (
+    DPOTrainer,
+    EvalPrediction,
+    GRPOConfig,
+    GRPOTrainer,
+    RewardTrainer,
+    RLOOConfig,
+    RLOOTrainer,
+    SFTTrainer,
+)
+from jaxrl.trainers.ppo import PPOTrainer
+from jaxrl.trainers.ppo_config import PPOConfig
 
 __version__ = "0.1.0"
 
@@ -25,14 +49,24 @@ def set_seed(seed: int) -> None:
 
 
 __all__ = [
+    "AutoModelForCausalLMWithValueHead",
     "BEMACallback",
     "DPOConfig",
+    "DatasetMixtureConfig",
     "DPOTrainer",
     "EvalPrediction",
+    "GRPOConfig",
+    "GRPOTrainer",
     "LogCompletionsCallback",
+    "PPOConfig",
+    "PPOTrainer",
+    "ModelConfig",
     "RewardConfig",
     "RewardTrainer",
+    "RLOOConfig",
+    "RLOOTrainer",
     "SFTConfig",
+    "ScriptArguments",
     "SFTTrainer",
     "SyncRefModelCallback",
     "TrainerCallback",
@@ -40,5 +74,9 @@ __all__ = [
     "TrainerState",
     "TrainingConfig",
     "WeaveCallback",
+    "TrlParser",
+    "get_dataset",
+    "get_peft_config",
+    "get_quantization_config",
     "set_seed",
 ]

@@ -1,4 +1,4 @@
-"""`python -m jaxrl.bench --algo {forward,sft,reward,dpo} [bench flags] [train flags]`.
+"""`python -m jaxrl.bench --algo {forward,sft,reward,dpo,generate,grpo} [bench flags] [train flags]`.
 
 Runs the real jitted train step of the chosen algorithm: a few warm-up steps, then timed steps,
 and prints as its last line one JSON object with `algo, step_s, tokens_per_sec, compile_s,
@@ -10,14 +10,35 @@ only (no optimizer update).
 
 Bench flags: --preset NAME, --seq_len T, --steps N (default 10), --warmup N (default 2).
 Everything else is a training-config flag, as for `jaxrl.train`.
+
+`--algo generate` times `jaxrl.generation.Sampler` against transformers `generate` (PyTorch on
+CPU) on the same random model, prompts and sampling settings (TRL's GRPO defaults: temperature
+1, no top-k/top-p, no EOS so every row generates all tokens), and reports both and their ratio.
+Its flags: --preset NAME (default: a 4-layer, 256-wide Llama), --batch B (32), --prompt_len P
+(32), --max_new_tokens N (64), --steps (3), --warmup (1), --torch_threads (PyTorch's default).
+One step = one whole `generate` call (prefill + N decode steps); tokens = generated tokens.
+
+`--compare trl [--sweep] [--reps N]` (sft, dpo): times jaxrl against TRL's trainer
+(`examples/bench_trl.py`, torch on this machine) at the `--preset/--seq_len/
+--per_device_train_batch_size` point, or with `--sweep` at every point of `SWEEP`. Each side runs
+in its own child process, alternating jaxrl, TRL, jaxrl, ... `--reps` times (default 3); a line
+per point gives the median step times, the ratio (TRL step / jaxrl step: > 1 means jaxrl is
+faster) and each side's peak RSS. DPO runs TRL's objective and layout on both sides (sigmoid
+loss, two rows per pair, f32); jaxrl's prefix-sharing layout is a separate row labelled
+`prefix_sharing`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -98,6 +119,15 @@ def _peak_bytes() -> tuple[int, str]:
     if "peak_bytes_in_use" in stats:
         return int(stats["peak_bytes_in_use"]), "device"
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host_rss"
+
+
+def _algo(argv: list[str]) -> str | None:
+    for i, a in enumerate(argv):
+        if a == "--algo" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--algo="):
+            return a.split("=", 1)[1]
+    return None
 
 
 def build(argv: list[str]) -> tuple[Any, dict, str]:
@@ -472,11 +502,307 @@ def run_lora(argv: list[str]) -> dict:
     return results
 
 
+def _generate_bench_model() -> Any:
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+    )
+
+
+def _generate_flags(argv: list[str]) -> Any:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m jaxrl.bench --algo generate")
+    parser.add_argument("--algo", choices=["generate"], required=True)
+    parser.add_argument("--preset", default=None)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt_len", type=int, default=32)
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--torch_threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def _timed(fn: Any, steps: int) -> tuple[list[float], list[float]]:
+    """Wall-clock and process CPU seconds of each call (CPU time is what a loaded, shared
+    machine perturbs least)."""
+    wall, cpu = [], []
+    for _ in range(steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return wall, cpu
+
+
+def run_generate(argv: list[str]) -> dict:
+    """Sampler vs transformers `generate` on one random model (see the module docstring)."""
+    import os
+    import tempfile
+
+    import torch
+    import transformers
+
+    from jaxrl import models
+    from jaxrl.generation import GenerationConfig, Sampler
+    from jaxrl.models import presets
+
+    flags = _generate_flags(argv)
+    if flags.torch_threads:
+        torch.set_num_threads(flags.torch_threads)
+    hf_config = (
+        _generate_bench_model() if flags.preset is None else presets.get_preset(flags.preset)
+    )
+    hf_config.eos_token_id = None  # every row generates max_new_tokens on both sides
+    torch.manual_seed(flags.seed)
+    torch_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        torch_model.save_pretrained(tmp)
+        model = models.from_pretrained(tmp)
+    batch, prompt_len, n_new = flags.batch, flags.prompt_len, flags.max_new_tokens
+    ids = np.random.default_rng(flags.seed).integers(3, hf_config.vocab_size, (batch, prompt_len))
+    gen = GenerationConfig(max_new_tokens=n_new, do_sample=True, top_k=0, top_p=1.0)
+    sampler = Sampler(model, prompt_buckets=(prompt_len,))
+    seeds = iter(range(1 << 30))
+
+    def jax_generate() -> None:
+        jax.block_until_ready(sampler(None, ids, gen, seed=next(seeds)))
+
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    jax_generate()
+    first_call_s = time.perf_counter() - t0
+    _timed(jax_generate, flags.warmup)
+    jax_times, jax_cpu = _timed(jax_generate, flags.steps)
+
+    torch_ids = torch.from_numpy(ids)
+    hf_kwargs = dict(
+        input_ids=torch_ids,
+        attention_mask=torch.ones_like(torch_ids),
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        pad_token_id=0,
+    )
+
+    def hf_generate(max_new_tokens: int = n_new) -> None:
+        with torch.no_grad():
+            torch_model.generate(**hf_kwargs, max_new_tokens=max_new_tokens)
+
+    hf_generate(2)  # first-call setup outside the timing, as for jaxrl's compile
+    hf_times, hf_cpu = _timed(hf_generate, flags.steps)
+    load_after = os.getloadavg()[0]
+
+    step_s, hf_step_s = float(np.median(jax_times)), float(np.median(hf_times))
+    tokens = batch * n_new
+    devices = jax.devices()
+    peak = peak_flops(devices[0])
+    # Forward FLOPs of every token run (prompt + generated), attention at the mean context.
+    fwd_flops = presets.flops_per_token(hf_config, prompt_len + n_new // 2) / 3
+    mfu = (
+        fwd_flops * batch * (prompt_len + n_new) / step_s / (peak * len(devices)) if peak else None
+    )
+    peak_bytes, peak_src = _peak_bytes()
+    return {
+        "algo": "generate",
+        "step_s": step_s,
+        "tokens_per_sec": tokens / step_s,
+        "compile_s": max(first_call_s - step_s, 0.0),
+        "peak_bytes": peak_bytes,
+        "peak_bytes_source": peak_src,
+        "devices": len(devices),
+        "device_kind": devices[0].device_kind,
+        "mfu": mfu,
+        "step_s_all": jax_times,
+        "cpu_s": float(np.median(jax_cpu)),
+        "transformers_step_s": hf_step_s,
+        "transformers_step_s_all": hf_times,
+        "transformers_cpu_s": float(np.median(hf_cpu)),
+        "transformers_tokens_per_sec": tokens / hf_step_s,
+        "speedup_vs_transformers": hf_step_s / step_s,
+        "cpu_time_ratio_vs_transformers": float(np.median(hf_cpu) / np.median(jax_cpu)),
+        "torch_threads": torch.get_num_threads(),
+        "load_avg_before_after": [load_before, load_after],
+        "cpu_count": os.cpu_count(),
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "max_new_tokens": n_new,
+        "tokens_per_step": tokens,
+        "preset": flags.preset,
+        "steps": flags.steps,
+    }
+
+
+# ---------------------------------------------------------------- jaxrl vs TRL (--compare trl)
+
+# (preset, batch, seq_len): the shapes of issue 14's table. DPO batches count pairs.
+SWEEP = (
+    ("llama-4x256", 8, 128),
+    ("llama-4x256", 8, 256),
+    ("llama-4x256", 8, 512),
+    ("llama-4x256", 8, 1024),
+    ("llama-4x256", 32, 256),
+    ("llama-8x512", 8, 512),
+)
+_COMPARE_FLAGS = {"--compare": str, "--sweep": None, "--reps": int}
+
+
+def _split_compare_flags(argv: list[str]) -> tuple[dict, list[str]]:
+    opts: dict[str, Any] = {"compare": None, "sweep": False, "reps": 3}
+    rest, i = [], 0
+    while i < len(argv):
+        flag = argv[i].split("=", 1)[0]
+        if flag not in _COMPARE_FLAGS:
+            rest.append(argv[i])
+            i += 1
+        elif _COMPARE_FLAGS[flag] is None:
+            opts[flag[2:]], i = True, i + 1
+        elif "=" in argv[i]:
+            opts[flag[2:]], i = _COMPARE_FLAGS[flag](argv[i].split("=", 1)[1]), i + 1
+        else:
+            opts[flag[2:]], i = _COMPARE_FLAGS[flag](argv[i + 1]), i + 2
+    return opts, rest
+
+
+def run_child(cmd: list[str]) -> dict:
+    """Run one benchmark process; its last stdout line (JSON) plus its own peak RSS."""
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True)
+        stderr = proc.stderr.read()  # until the child exits; stdout goes to a file
+        # wait4 reports this child's own resource usage (ru_maxrss in KiB on Linux).
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        lines = out.read().strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{stderr[-3000:]}")
+    result = json.loads(lines[-1])
+    result["peak_rss_bytes"] = usage.ru_maxrss * 1024
+    return result
+
+
+def compare_commands(
+    algo: str, point: tuple[str, int, int], steps: int, warmup: int, extra: list[str]
+) -> dict[str, tuple[list[str], list[str]]]:
+    """label -> (jaxrl command, TRL command) for one sweep point."""
+    preset, batch, seq_len = point
+    common = ["--steps", str(steps), "--warmup", str(warmup)]
+    jaxrl = [sys.executable, "-m", "jaxrl.bench", "--algo", algo, "--preset", preset]
+    jaxrl += ["--seq_len", str(seq_len), "--per_device_train_batch_size", str(batch), *common]
+    jaxrl += ["--bf16", "false", "--gradient_checkpointing", "false"]
+    script = Path(__file__).resolve().parents[1] / "examples" / "bench_trl.py"
+    if not script.exists():
+        raise ValueError(f"--compare trl runs {script}, which is missing (use a source checkout).")
+    trl = [sys.executable, str(script), "--algo", algo, "--preset", preset]
+    trl += ["--seq_len", str(seq_len), "--batch", str(batch), *common]
+    if algo == "sft":
+        return {"sft": (jaxrl + extra, trl)}
+    # TRL's objective and layout: sigmoid loss only, prompt + completion rows per pair.
+    dpo = ["--loss_type", "sigmoid", "--loss_weights", "null"]
+    dpo += ["--max_prompt_length", str(seq_len // 2)]
+    return {
+        "dpo": (jaxrl + dpo + ["--prefix_sharing", "false"] + extra, trl),
+        "dpo prefix_sharing": (jaxrl + dpo + ["--prefix_sharing", "true"] + extra, trl),
+    }
+
+
+def compare(argv: list[str]) -> list[dict]:
+    """jaxrl vs TRL, interleaved per point (see the module docstring); prints a line per point."""
+    copts, rest = _split_compare_flags(argv)
+    if copts["compare"] != "trl":
+        raise ValueError(f"--compare {copts['compare']!r}: only `--compare trl` is supported.")
+    opts, rest = _split_bench_flags(rest)
+    algo, extra, i = "sft", [], 0
+    batch = 8
+    while i < len(rest):
+        flag, _, value = rest[i].partition("=")
+        if not value and flag in ("--algo", "--per_device_train_batch_size"):
+            value, i = rest[i + 1], i + 1
+        if flag == "--algo":
+            algo = value
+        elif flag == "--per_device_train_batch_size":
+            batch = int(value)
+        else:
+            extra.append(rest[i])
+        i += 1
+    if algo not in ("sft", "dpo"):
+        raise ValueError(f"--compare trl supports --algo sft and dpo, not {algo!r}.")
+    if copts["sweep"]:
+        points = SWEEP
+    elif opts["preset"] is None:
+        raise ValueError("--compare trl needs --sweep or --preset NAME [--seq_len T].")
+    else:
+        points = ((opts["preset"], batch, opts["seq_len"]),)
+    results = []
+    for point in points:
+        for label, (jaxrl_cmd, trl_cmd) in compare_commands(
+            algo, point, opts["steps"], opts["warmup"], extra
+        ).items():
+            runs: dict[str, list[dict]] = {"jaxrl": [], "trl": []}
+            loads = []
+            for _ in range(copts["reps"]):
+                loads.append(os.getloadavg()[0])
+                runs["jaxrl"].append(run_child(jaxrl_cmd))
+                runs["trl"].append(run_child(trl_cmd))
+            step = {k: statistics.median(r["step_s"] for r in v) for k, v in runs.items()}
+            rss = {k: max(r["peak_rss_bytes"] for r in v) for k, v in runs.items()}
+            row = {
+                "algo": label,
+                "preset": point[0],
+                "batch": point[1],
+                "seq_len": point[2],
+                "jaxrl_step_s": step["jaxrl"],
+                "trl_step_s": step["trl"],
+                "speed_ratio": step["trl"] / step["jaxrl"],
+                "jaxrl_step_s_all": [r["step_s"] for r in runs["jaxrl"]],
+                "trl_step_s_all": [r["step_s"] for r in runs["trl"]],
+                "jaxrl_peak_rss_bytes": rss["jaxrl"],
+                "trl_peak_rss_bytes": rss["trl"],
+                "load_avg_1m": loads,
+                "reps": copts["reps"],
+            }
+            print(
+                f"{label:20s} {point[0]} B={point[1]:<3d} T={point[2]:<5d} "
+                f"jaxrl {step['jaxrl']:.4f}s  TRL {step['trl']:.4f}s  "
+                f"jaxrl/TRL speed {row['speed_ratio']:.2f}x  peak RSS jaxrl "
+                f"{rss['jaxrl'] / 2**30:.2f} GiB, TRL {rss['trl'] / 2**30:.2f} GiB  "
+                f"(load {min(loads):.1f}-{max(loads):.1f})",
+                flush=True,
+            )
+            results.append(row)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if any(a.split("=", 1)[0] == "--compare" for a in argv):
+        try:
+            rows = compare(argv)
+        except ValueError as e:
+            print(f"jaxrl.bench: error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(rows))
+        return 0
     try:
-        if any(a.split("=", 1)[0] == "--use_peft" for a in argv) and _peft_on(argv):
+        algo = _algo(argv)
+        if _peft_on(argv):
             result = run_lora(argv)
+        elif algo == "generate":
+            result = run_generate(argv)
+        elif algo == "grpo":
+            from jaxrl.bench_grpo import run as run_grpo  # jaxrl vs TRL GRPOTrainer
+
+            result = run_grpo(argv)
         else:
             result = run(argv)
     except ValueError as e:

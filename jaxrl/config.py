@@ -20,24 +20,73 @@ from typing import Any
 
 import yaml
 
+from jaxrl import config_fields
+from jaxrl.config_fields import Foreign
+
 
 class ConfigError(ValueError):
     """A config key or value the user supplied is invalid; the message names the fix."""
 
 
-# HF optimizer names we accept -> the optax optimizer the trainer builds.
+# HF optimizer names we accept -> the optax optimizer the trainer builds. The torch variants
+# (fused, xla, npu, apex) differ only in kernels, so they map to the same update rule. HF's 8-bit
+# and paged optimizers (bitsandbytes) keep quantized state; optax has no such state, so they are
+# rejected rather than run silently in 32 bits.
 OPTIMIZERS = {
     "adamw_torch": "adamw",
     "adamw_torch_fused": "adamw",
+    "adamw_torch_xla": "adamw",
+    "adamw_torch_npu_fused": "adamw",
+    "adamw_apex_fused": "adamw",
     "adamw": "adamw",
     "sgd": "sgd",
+    "adagrad": "adagrad",
+    "rmsprop": "rmsprop",
     "adafactor": "adafactor",
     "lion_32bit": "lion",
     "lion": "lion",
 }
-LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr")
+# Every HF scheduler with a closed form in the step count (transformers.optimization).
+LR_SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "cosine_with_min_lr",
+    "cosine_warmup_with_min_lr",
+    "warmup_stable_decay",
+)
+# The lr_scheduler_kwargs each scheduler accepts (HF's keyword names; defaults live in optim.py).
+LR_SCHEDULER_KWARGS: dict[str, tuple[str, ...]] = {
+    "linear": (),
+    "cosine": ("num_cycles",),
+    "cosine_with_restarts": ("num_cycles",),
+    "polynomial": ("lr_end", "power"),
+    "constant": (),
+    "constant_with_warmup": (),
+    "inverse_sqrt": ("timescale",),
+    "cosine_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate"),
+    "cosine_warmup_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate", "warmup_lr_rate"),
+    "warmup_stable_decay": (
+        "num_decay_steps",
+        "num_stable_steps",
+        "warmup_type",
+        "decay_type",
+        "min_lr_ratio",
+        "num_cycles",
+    ),
+}
+WSD_SHAPES = ("linear", "cosine", "1-sqrt")
 STRATEGIES = ("no", "steps", "epoch")
-REPORT_TO = ("none", "all", "wandb")
+SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
+HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
+REPORT_TO = ("none", "all", "wandb", "tensorboard")
+# Attention implementations TRL scripts name: all compute exact softmax attention, which is what
+# jaxrl's XLA attention computes, so they map to it (no kernel choice exists on JAX).
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 DTYPES = ("float32", "bfloat16", "float16")
 # Must equal jaxrl.models.config.REMAT_POLICIES (kept here so configs import without JAX).
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
@@ -64,6 +113,17 @@ DPO_LOSS_TYPES = (
     "sigmoid_norm",
 )
 REF_MODEL_QUANTIZATIONS = ("int8",)
+
+
+# Fields whose config side is here but whose behaviour lives in the training loop, which does not
+# honour them yet: a non-default value is rejected until the loop calls the helpers in
+# jaxrl/loop_options.py and jaxrl/hub.py (remove a name here when its loop side lands).
+LOOP_PENDING: dict[str, Any] = {
+    "logging_strategy": "steps",
+    "save_only_model": False,
+    "load_best_model_at_end": False,
+    "remove_unused_columns": True,
+}
 
 
 def _check(ok: bool, message: str) -> None:
@@ -96,9 +156,18 @@ def _check_no_dropout(disable_dropout: bool) -> None:
     )
 
 
+# HF/TRL fields with no JAX meaning: present with TRL's default, rejected when set (see
+# config_fields.py). They form base classes so every TRL script and recipe parses.
+_ForeignTrainingFields = dataclasses.make_dataclass(
+    "_ForeignTrainingFields", config_fields.dataclass_fields(config_fields.TRAINING_ARGUMENTS)
+)
+
+
 @dataclass
-class TrainingConfig:
+class TrainingConfig(_ForeignTrainingFields):
     """Fields shared by all trainers; names and defaults follow HF TrainingArguments / TRL."""
+
+    FOREIGN_FIELDS: typing.ClassVar[tuple[Foreign, ...]] = config_fields.TRAINING_ARGUMENTS
 
     output_dir: str = "trainer_output"
     # HF (v4) semantics: start afresh in an output_dir holding an earlier run, deleting its
@@ -125,23 +194,56 @@ class TrainingConfig:
     max_steps: int = -1
     logging_steps: int | float = 10  # TRL default (HF: 500)
     logging_first_step: bool = False
+    logging_strategy: str = "steps"  # "steps" | "epoch" | "no"
     eval_strategy: str = "no"
     eval_steps: int | float | None = None  # None -> logging_steps, as HF
     eval_on_start: bool = False  # HF: one evaluation before the first step (a baseline)
     save_strategy: str = "steps"
     save_steps: int | float = 500
     save_total_limit: int | None = None
+    # Checkpoints without optimizer state and data position (not resumable), as HF.
+    save_only_model: bool = False
+    # Keep the checkpoint with the best `metric_for_best_model` and load it when training ends.
+    load_best_model_at_end: bool = False
+    metric_for_best_model: str | None = None  # None -> "loss" when needed (HF)
+    greater_is_better: bool | None = None  # None -> not metric.endswith("loss") (HF)
+    # Drop dataset columns the trainer does not read before tokenizing (HF semantics).
+    remove_unused_columns: bool = True
+    # Run on the CPU backend even when an accelerator is present.
+    use_cpu: bool = False
+    push_to_hub: bool = False
+    hub_model_id: str | None = None  # None -> the name of output_dir
+    hub_strategy: str = "every_save"
+    hub_token: str | None = None
+    hub_private_repo: bool | None = None
+    hub_revision: str | None = None
+    # Script flags HF's Trainer does not read either (kept so TRL/HF scripts parse).
+    do_train: bool = False
+    do_eval: bool = False
+    do_predict: bool = False
     seed: int = 42
     bf16: bool | None = None  # TRL: None -> True unless fp16
     fp16: bool = False
     gradient_checkpointing: bool = True  # TRL default
+    # HF v5's name for gradient_checkpointing; when set it wins, as in HF.
+    activation_checkpointing: bool | None = None
+    # Only {"use_reentrant": bool}: both torch variants compute the same gradients as
+    # jax.checkpoint, so the key is accepted with no effect; anything else is rejected.
+    gradient_checkpointing_kwargs: dict | str | None = None
+    activation_checkpointing_kwargs: dict | str | None = None  # HF v5's name; wins when set
+    # jaxrl averages the loss over all tokens of the global batch (every device): always True.
+    average_tokens_across_devices: bool = True
     # Integrations besides the always-written metrics.jsonl; normalised to a list like HF.
     report_to: str | list[str] | None = "none"
     run_name: str | None = None
     # A checkpoint directory, or True / "latest" for the newest checkpoint under output_dir.
     resume_from_checkpoint: bool | str | None = None
-    # Only {"dtype": ...} (or its old name "torch_dtype") is honoured: it sets `param_dtype`.
-    model_init_kwargs: dict | None = None
+    # TRL: kwargs for `from_pretrained`. "dtype" (or "torch_dtype") sets `param_dtype`;
+    # "attn_implementation" maps onto jaxrl's XLA attention; "revision" may only be "main" and
+    # "trust_remote_code" only false (jaxrl runs its own model code, never a checkpoint's).
+    model_init_kwargs: dict | str | None = None
+    # TRL: allow a checkpoint's own modelling code; jaxrl never runs it, so only False.
+    trust_remote_code: bool = False
     disable_tqdm: bool = False
     # jaxrl: device mesh sizes; -1 takes the remaining devices (at most one axis may be -1).
     mesh_data: int = 1
@@ -170,7 +272,12 @@ class TrainingConfig:
             self.pad_to_multiple_of is None or self.pad_to_multiple_of >= 1,
             f"`pad_to_multiple_of` must be None or >= 1; got {self.pad_to_multiple_of}.",
         )
-        _check(self.learning_rate >= 0, f"`learning_rate` must be >= 0; got {self.learning_rate}.")
+        _check(
+            math.isfinite(self.learning_rate) and self.learning_rate >= 0,
+            f"`learning_rate` must be a finite number >= 0; got {self.learning_rate}.",
+        )
+        violations = config_fields.unset_violations(self, self._all_foreign_fields())
+        _check(not violations, " ".join(violations))
         self._validate_schedule()
         _check(self.weight_decay >= 0, f"`weight_decay` must be >= 0; got {self.weight_decay}.")
         for name in ("adam_beta1", "adam_beta2"):
@@ -180,6 +287,12 @@ class TrainingConfig:
         _check(
             self.max_grad_norm >= 0,
             f"`max_grad_norm` must be >= 0 (0 disables clipping); got {self.max_grad_norm}.",
+        )
+        _check(
+            not any(tag in self.optim for tag in ("8bit", "paged", "bnb", "4bit")),
+            f"`optim={self.optim!r}` keeps quantized (bitsandbytes) optimizer state, which optax "
+            "does not have; use 'adamw_torch' (32-bit state) or pass your own optax chain via "
+            "`optimizers=(tx, None)`.",
         )
         _check_choice("optim", self.optim, OPTIMIZERS)
         _check(
@@ -195,13 +308,23 @@ class TrainingConfig:
             self.save_total_limit is None or self.save_total_limit >= 1,
             f"`save_total_limit` must be None (keep all) or >= 1; got {self.save_total_limit}.",
         )
+        self._validate_best_model()
+        self._validate_hub()
+        self._check_loop_pending()
+        self._validate_checkpointing()
+        _check(
+            self.average_tokens_across_devices,
+            "`average_tokens_across_devices=False` is not supported: jaxrl always averages the loss "
+            "over every token of the global batch, so the loss does not change with the device "
+            "count; remove the setting.",
+        )
         if self.bf16 is None:
             self.bf16 = not self.fp16
         _check(not (self.bf16 and self.fp16), "Set at most one of `bf16` and `fp16` to true.")
         self.report_to = self._normalise_report_to(self.report_to)
         if self.resume_from_checkpoint in ("latest", False):
             self.resume_from_checkpoint = True if self.resume_from_checkpoint else None
-        self._validate_dtypes()
+        self.resolve_model_init_kwargs()
         self._validate_mesh()
         if self.remat_policy is None:
             self.remat_policy = "full" if self.gradient_checkpointing else "none"
@@ -209,23 +332,44 @@ class TrainingConfig:
 
     def _validate_schedule(self) -> None:
         _check_choice("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS)
+        name = self.lr_scheduler_type
+        if isinstance(self.lr_scheduler_kwargs, str):  # HF: a JSON string from the command line
+            self.lr_scheduler_kwargs = _coerce(
+                "lr_scheduler_kwargs", self.lr_scheduler_kwargs, dict
+            )
         kwargs = self.lr_scheduler_kwargs or {}
-        if self.lr_scheduler_type == "cosine_with_min_lr":
+        unknown = sorted(set(kwargs) - set(LR_SCHEDULER_KWARGS[name]))
+        _check(
+            not unknown,
+            f"`lr_scheduler_kwargs` keys {unknown} do not apply to `lr_scheduler_type={name!r}`; it "
+            f"takes {list(LR_SCHEDULER_KWARGS[name]) or 'none'}.",
+        )
+        for key, value in kwargs.items():
+            if key not in ("warmup_type", "decay_type"):
+                _check(
+                    isinstance(value, int | float) and not isinstance(value, bool) and value >= 0,
+                    f"`lr_scheduler_kwargs[{key!r}]` must be a number >= 0; got {value!r}.",
+                )
+            else:
+                _check_choice(f"lr_scheduler_kwargs[{key!r}]", value, WSD_SHAPES)
+        if name in ("cosine_with_min_lr", "cosine_warmup_with_min_lr"):
             _check(
-                len(kwargs) == 1 and set(kwargs) <= {"min_lr", "min_lr_rate"},
-                "`lr_scheduler_type='cosine_with_min_lr'` needs `lr_scheduler_kwargs` with exactly "
-                f"one of 'min_lr' or 'min_lr_rate'; got {kwargs}.",
+                len({"min_lr", "min_lr_rate"} & set(kwargs)) == 1,
+                f"`lr_scheduler_type={name!r}` needs `lr_scheduler_kwargs` with exactly one of "
+                f"'min_lr' or 'min_lr_rate'; got {kwargs}.",
             )
-            (value,) = kwargs.values()
+        if name == "warmup_stable_decay":
             _check(
-                isinstance(value, int | float) and value >= 0,
-                f"`lr_scheduler_kwargs` value must be a number >= 0; got {kwargs}.",
+                "num_decay_steps" in kwargs,
+                "`lr_scheduler_type='warmup_stable_decay'` needs `lr_scheduler_kwargs` with "
+                "'num_decay_steps' (and optionally 'num_stable_steps'; by default the rest of the "
+                "run after warmup and decay).",
             )
-        else:
+        if name == "polynomial":
             _check(
-                not kwargs,
-                f"`lr_scheduler_kwargs` is only supported with 'cosine_with_min_lr'; remove {kwargs} "
-                f"or change `lr_scheduler_type` (now {self.lr_scheduler_type!r}).",
+                kwargs.get("lr_end", 1e-7) < self.learning_rate,
+                f"`lr_scheduler_kwargs['lr_end']` ({kwargs.get('lr_end', 1e-7)}) must be smaller "
+                f"than `learning_rate` ({self.learning_rate}) for 'polynomial'.",
             )
         _check(self.warmup_steps >= 0, f"`warmup_steps` must be >= 0; got {self.warmup_steps}.")
         if self.warmup_steps >= 1:
@@ -245,9 +389,107 @@ class TrainingConfig:
             "where a float < 1 is a ratio).",
         )
 
+    @classmethod
+    def _all_foreign_fields(cls) -> tuple[Foreign, ...]:
+        """Foreign fields of this class and its bases (each class lists only its own)."""
+        seen: dict[str, Foreign] = {}
+        for klass in reversed(cls.__mro__):
+            for f in klass.__dict__.get("FOREIGN_FIELDS", ()):
+                seen[f.name] = f
+        return tuple(seen.values())
+
+    def _validate_best_model(self) -> None:
+        # HF TrainingArguments.__post_init__ rules, same order and defaults.
+        if (self.load_best_model_at_end or self.save_strategy == "best") and (
+            self.metric_for_best_model is None
+        ):
+            self.metric_for_best_model = "loss"
+        if self.greater_is_better is None and self.metric_for_best_model is not None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        if self.save_strategy == "best" or self.load_best_model_at_end:
+            _check(
+                self.eval_strategy != "no",
+                f"`{'save_strategy=best' if self.save_strategy == 'best' else 'load_best_model_at_end'}`"
+                " compares evaluation metrics, so it needs `eval_strategy` 'steps' or 'epoch' (and "
+                "an eval_dataset).",
+            )
+        if not self.load_best_model_at_end or self.save_strategy == "best":
+            return
+        _check(
+            self.eval_strategy == self.save_strategy,
+            "`load_best_model_at_end=True` needs `save_strategy` equal to `eval_strategy` (or "
+            f"`save_strategy='best'`); got eval_strategy={self.eval_strategy!r}, "
+            f"save_strategy={self.save_strategy!r}.",
+        )
+        if self.eval_strategy == "steps":
+            ratio = isinstance(self.eval_steps, float) or isinstance(self.save_steps, float)
+            _check(
+                not ratio and self.save_steps % self.eval_steps == 0,
+                "`load_best_model_at_end=True` needs `save_steps` to be a multiple of `eval_steps` "
+                f"(every saved step is also evaluated); got save_steps={self.save_steps}, "
+                f"eval_steps={self.eval_steps}.",
+            )
+
+    # LOOP_PENDING fields a subclass's trainer does honour (e.g. the on-policy trainers pass
+    # unused columns to reward functions), so any value is accepted there.
+    _honoured_loop_fields: typing.ClassVar[tuple[str, ...]] = ()
+
+    def _check_loop_pending(self) -> None:
+        pending = {
+            k: getattr(self, k)
+            for k, v in LOOP_PENDING.items()
+            if getattr(self, k) != v and k not in self._honoured_loop_fields
+        }
+        if self.save_strategy == "best":
+            pending["save_strategy"] = "best"
+        if self.push_to_hub and self.hub_strategy != "end":
+            pending["hub_strategy"] = self.hub_strategy
+        _check(
+            not pending,
+            f"{', '.join(f'`{k}={v!r}`' for k, v in pending.items())}: accepted by the config, but "
+            "jaxrl's training loop does not act on it yet, so it is refused rather than ignored. "
+            "Use the default (with `push_to_hub`, set `hub_strategy='end'`: the final model is "
+            "pushed by `trainer.push_to_hub()`).",
+        )
+
+    def _validate_hub(self) -> None:
+        _check_choice("hub_strategy", self.hub_strategy, HUB_STRATEGIES)
+        if self.push_to_hub and self.hub_model_id is None:
+            self.hub_model_id = Path(self.output_dir).name  # HF: the output_dir's name
+
+    def _validate_checkpointing(self) -> None:
+        if self.activation_checkpointing is not None:
+            self.gradient_checkpointing = self.activation_checkpointing
+        self.activation_checkpointing = self.gradient_checkpointing
+        if self.activation_checkpointing_kwargs is not None:
+            self.gradient_checkpointing_kwargs = self.activation_checkpointing_kwargs
+        kwargs = self.gradient_checkpointing_kwargs
+        if isinstance(kwargs, str):
+            kwargs = _coerce("gradient_checkpointing_kwargs", kwargs, dict)
+        kwargs = dict(kwargs or {})
+        unknown = sorted(set(kwargs) - {"use_reentrant"})
+        _check(
+            not unknown,
+            f"`gradient_checkpointing_kwargs` keys {unknown} have no JAX meaning; only "
+            "'use_reentrant' is accepted (it does not change the gradients). Choose what is "
+            "saved with `remat_policy` instead.",
+        )
+        self.gradient_checkpointing_kwargs = self.activation_checkpointing_kwargs = kwargs or None
+
+    def check_datasets(self, *, has_eval: bool) -> None:
+        """Trainer-construction checks that need to know which datasets were given."""
+        # As HF's Trainer: a periodic eval needs a dataset (eval_on_start alone is skipped).
+        _check(
+            has_eval or self.eval_strategy == "no",
+            f"`eval_strategy={self.eval_strategy!r}` needs an `eval_dataset`, but "
+            "none was given (for `python -m jaxrl.train`: `--dataset_test_split` names a split "
+            "the dataset lacks). Pass an eval dataset or set `eval_strategy='no'`.",
+        )
+
     def _validate_intervals(self) -> None:
         _check_choice("eval_strategy", self.eval_strategy, STRATEGIES)
-        _check_choice("save_strategy", self.save_strategy, STRATEGIES)
+        _check_choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
+        _check_choice("logging_strategy", self.logging_strategy, STRATEGIES)
         self.logging_steps = _check_steps("logging_steps", self.logging_steps)
         if self.eval_steps is None:
             self.eval_steps = self.logging_steps
@@ -263,23 +505,61 @@ class TrainingConfig:
         for name in names:
             _check_choice("report_to", name, REPORT_TO)
         if "all" in names:
-            # HF: "all" means every installed integration; wandb is the only one we have.
-            return ["wandb"] if importlib.util.find_spec("wandb") is not None else []
+            # HF: "all" means every installed integration we support.
+            modules = {"wandb": "wandb", "tensorboard": "tensorboardX"}
+            return [n for n, m in modules.items() if importlib.util.find_spec(m) is not None]
         return [name for name in names if name != "none"]
 
-    def _validate_dtypes(self) -> None:
+    def resolve_model_init_kwargs(self) -> None:
+        """Validate `model_init_kwargs` and map it onto jaxrl fields (idempotent).
+
+        TRL's scripts fill `model_init_kwargs` after the config is built, so trainers call this
+        again at construction."""
         _check_choice("param_dtype", self.param_dtype, DTYPES)
-        kwargs = dict(self.model_init_kwargs or {})
+        _check(
+            not self.trust_remote_code,
+            "`trust_remote_code=True` is not supported: jaxrl runs its own JAX implementation of "
+            "each model family and never a checkpoint's Python code; remove the setting.",
+        )
+        kwargs = self.model_init_kwargs
+        if isinstance(kwargs, str):
+            kwargs = _coerce("model_init_kwargs", kwargs, dict)
+        kwargs = {k: v for k, v in dict(kwargs or {}).items() if v is not None}
         if "torch_dtype" in kwargs:
             _check(
                 "dtype" not in kwargs, "`model_init_kwargs` sets both 'dtype' and 'torch_dtype'."
             )
             kwargs["dtype"] = kwargs.pop("torch_dtype")
-        unknown = sorted(set(kwargs) - {"dtype"})
+        _check(
+            kwargs.get("revision", "main") == "main",
+            f"`model_init_kwargs['revision']={kwargs.get('revision')!r}` (`--model_revision`) is "
+            "not supported: jaxrl loads a local directory or the hub's main revision; download "
+            "the revision yourself and pass its path.",
+        )
+        _check(
+            not kwargs.get("trust_remote_code", False),
+            "`trust_remote_code=True` is not supported: jaxrl runs its own JAX implementation of "
+            "each model family and never a checkpoint's Python code; remove the setting.",
+        )
+        attn = kwargs.get("attn_implementation")
+        _check(
+            attn is None or attn in ATTN_IMPLEMENTATIONS,
+            f"`attn_implementation={attn!r}` has no JAX counterpart; jaxrl's XLA attention "
+            f"computes exact softmax attention, which {list(ATTN_IMPLEMENTATIONS)} all map to.",
+        )
+        unknown = sorted(
+            set(kwargs) - {"dtype", "revision", "trust_remote_code", "attn_implementation"}
+        )
         _check(
             not unknown,
-            f"`model_init_kwargs` keys {unknown} are not supported; only 'dtype' (or 'torch_dtype') "
-            "is honoured.",
+            f"`model_init_kwargs` keys {unknown} are not supported; jaxrl honours 'dtype' (or "
+            "'torch_dtype'), 'attn_implementation', 'revision' ('main') and 'trust_remote_code' "
+            "(false).",
+        )
+        _check(
+            kwargs.get("dtype") != "auto",
+            "`dtype='auto'` is not supported: give the parameter dtype explicitly "
+            "(`--dtype bfloat16` or `--param_dtype bfloat16`).",
         )
         if "dtype" in kwargs:
             dtype = str(kwargs["dtype"]).removeprefix("torch.")
@@ -291,7 +571,7 @@ class TrainingConfig:
             )
             self.param_dtype = dtype
             kwargs["dtype"] = dtype
-            self.model_init_kwargs = kwargs
+        self.model_init_kwargs = kwargs or None
 
     def _validate_mesh(self) -> None:
         sizes = {name: getattr(self, name) for name in ("mesh_data", "mesh_fsdp", "mesh_tensor")}
@@ -350,9 +630,17 @@ class TrainingConfig:
         return text
 
 
+def _with_foreign(name: str, fields: tuple[Foreign, ...]) -> type:
+    return dataclasses.make_dataclass(
+        name, config_fields.dataclass_fields(fields), bases=(TrainingConfig,)
+    )
+
+
 @dataclass
-class SFTConfig(TrainingConfig):
+class SFTConfig(_with_foreign("_SFTForeign", config_fields.SFT)):
     """TRL `SFTConfig` fields we implement."""
+
+    FOREIGN_FIELDS: typing.ClassVar[tuple[Foreign, ...]] = config_fields.SFT
 
     learning_rate: float = 2e-5
     dataset_text_field: str = "text"
@@ -366,9 +654,22 @@ class SFTConfig(TrainingConfig):
     dataset_num_proc: int | None = None
     eos_token: str | None = None
     pad_token: str | None = None
+    # TRL 1.16: "keep_start" cuts a long sequence's end; "keep_end" is deprecated there.
+    truncation_mode: str = "keep_start"
+    loss_type: str = "nll"  # TRL also has "dft"; only the NLL is implemented
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check(
+            self.truncation_mode == "keep_start",
+            f"`truncation_mode={self.truncation_mode!r}` is not supported for SFT: jaxrl keeps a "
+            "sequence's first `max_length` tokens ('keep_start', TRL's default; TRL deprecates "
+            "'keep_end').",
+        )
+        _check(
+            self.loss_type == "nll",
+            f"`loss_type={self.loss_type!r}` is not supported for SFT; only 'nll' is implemented.",
+        )
         if self.max_seq_length is not None:
             warnings.warn(
                 "`max_seq_length` is deprecated; use `max_length` instead.",
@@ -393,8 +694,10 @@ class SFTConfig(TrainingConfig):
 
 
 @dataclass
-class RewardConfig(TrainingConfig):
+class RewardConfig(_with_foreign("_RewardForeign", config_fields.REWARD)):
     """TRL `RewardConfig` fields we implement."""
+
+    FOREIGN_FIELDS: typing.ClassVar[tuple[Foreign, ...]] = config_fields.REWARD
 
     learning_rate: float = 1e-4
     # TRL: pairs whose chosen or rejected sequence exceeds max_length are filtered out.
@@ -424,8 +727,10 @@ class RewardConfig(TrainingConfig):
 
 
 @dataclass
-class DPOConfig(TrainingConfig):
-    """TRL `DPOConfig` fields we implement (prompt/completion lengths as in TRL < 1.0)."""
+class DPOConfig(_with_foreign("_DPOForeign", config_fields.DPO)):
+    """TRL `DPOConfig` fields we implement, plus TRL < 1.0's prompt/completion length limits."""
+
+    FOREIGN_FIELDS: typing.ClassVar[tuple[Foreign, ...]] = config_fields.DPO
 
     learning_rate: float = 1e-6
     beta: float = 0.1
@@ -433,10 +738,13 @@ class DPOConfig(TrainingConfig):
     loss_weights: list[float] | None = None  # None -> 1.0 for every loss_type
     label_smoothing: float = 0.0
     max_length: int | None = 1024
-    max_prompt_length: int | None = 512
+    # TRL < 1.0 (and the v0.7.2 API): cut prompts to this many tokens first. None (TRL 1.16, which
+    # has no such field): a pair longer than max_length keeps its prompt and cuts its completions.
+    max_prompt_length: int | None = None
     max_completion_length: int | None = None
-    # Which end of the prompt survives truncation to max_prompt_length.
-    truncation_mode: str = "keep_end"
+    # Which end of the prompt survives truncation to max_prompt_length. TRL 1.16's default
+    # "keep_start"; TRL < 1.0 defaulted to "keep_end".
+    truncation_mode: str = "keep_start"
     padding_value: int | None = None  # None -> tokenizer.pad_token_id
     label_pad_token_id: int = -100  # only -100: padding is masked, never scored
     disable_dropout: bool = True  # only True: our models have no dropout
@@ -455,6 +763,7 @@ class DPOConfig(TrainingConfig):
     # mask (https://huggingface.co/papers/2410.20305), so the prompt is computed once, not twice.
     # Same log-probs as the two-row layout; fewer tokens when prompts are long.
     prefix_sharing: bool = False
+    pad_token: str | None = None  # TRL: overrides the tokenizer's pad token
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -487,6 +796,12 @@ class DPOConfig(TrainingConfig):
             value = getattr(self, name)
             _check(value is None or value >= 1, f"`{name}` must be None or >= 1; got {value}.")
         _check_choice("truncation_mode", self.truncation_mode, TRUNCATION_MODES)
+        _check(
+            self.truncation_mode == "keep_start" or self.max_prompt_length is not None,
+            "`truncation_mode='keep_end'` chooses which end of the prompt survives "
+            "`max_prompt_length`, so it needs `max_prompt_length` set (TRL 1.16's deprecated "
+            "whole-sequence 'keep_end' is not implemented).",
+        )
         _check(
             not (self.sync_ref_model and self.precompute_ref_log_probs),
             "`sync_ref_model=True` cannot be combined with `precompute_ref_log_probs=True`: the "
@@ -639,9 +954,13 @@ def _fail(message: str) -> typing.NoReturn:
     raise ValueError(message)
 
 
-def _split_cli(cli_args: list[str], bool_keys: set[str]) -> dict[str, str | bool]:
-    """`--key value`, `--key=value` and bare `--flag` (bool fields only) -> {key: raw}."""
-    parsed: dict[str, str | bool] = {}
+def split_cli(
+    cli_args: list[str], bool_keys: set[str], list_keys: set[str] = frozenset()
+) -> dict[str, str | bool | list[str]]:
+    """Command-line tokens -> {key: raw value}, with HF `HfArgumentParser`'s spellings:
+    `--key value`, `--key=value`, a bare `--flag` (bool fields), `--no_flag` (bool false) and
+    `--key v1 v2 ...` (list fields)."""
+    parsed: dict[str, str | bool | list[str]] = {}
     i = 0
     while i < len(cli_args):
         token = cli_args[i]
@@ -651,18 +970,69 @@ def _split_cli(cli_args: list[str], bool_keys: set[str]) -> dict[str, str | bool
             )
         key, eq, raw = token[2:].partition("=")
         key = key.replace("-", "_")
+        values = []
+        while i + 1 + len(values) < len(cli_args) and not cli_args[i + 1 + len(values)].startswith(
+            "--"
+        ):
+            values.append(cli_args[i + 1 + len(values)])
+            if key not in list_keys:
+                break
         if eq:
             parsed[key] = raw
             i += 1
-        elif i + 1 < len(cli_args) and not cli_args[i + 1].startswith("--"):
-            parsed[key] = cli_args[i + 1]
-            i += 2
+        elif values:
+            parsed[key] = values if key in list_keys and len(values) > 1 else values[0]
+            i += 1 + len(values)
         elif key in bool_keys:
             parsed[key] = True
+            i += 1
+        elif key.startswith("no_") and key[3:] in bool_keys:
+            parsed[key[3:]] = False
             i += 1
         else:
             raise ConfigError(f"Flag `--{key}` needs a value: `--{key} VALUE` or `--{key}=VALUE`.")
     return parsed
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """Init fields of dataclass `cls` -> their resolved type annotations."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def kinds_of_keys(types_by_key: dict[str, Any]) -> tuple[set[str], set[str]]:
+    """(bool keys, list keys) of a {key: annotation} map, for `split_cli`."""
+    bool_keys = {k for k, t in types_by_key.items() if bool in _union_members(t)}
+    list_keys = {
+        k
+        for k, t in types_by_key.items()
+        if any(m is list or typing.get_origin(m) is list for m in _union_members(t))
+    }
+    return bool_keys, list_keys
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML mapping from `path`, or ConfigError naming the file (and line) and the fix."""
+    try:
+        values = _parse_text(Path(path).read_text()) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or str(error)
+        raise ConfigError(
+            f"{path}{where} is not valid YAML ({problem}); fix the file there (each line is "
+            "`field: value`, lists as `[a, b]`)."
+        ) from None
+    except OSError as error:
+        raise ConfigError(f"Cannot read config file {path}: {error.strerror}.") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path} must contain a mapping of field: value.")
+    return values
+
+
+def coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Convert a YAML/CLI value to `annotation`, or raise ConfigError naming the key."""
+    return _coerce(key, value, annotation)
 
 
 def parse_config(
@@ -677,22 +1047,17 @@ def parse_config(
     separately. `--config FILE` on the command line is used when `yaml_path` is not given.
     Unknown keys and bad values raise ConfigError naming the key and the closest valid keys.
     """
-    config_types = typing.get_type_hints(cls)
-    config_fields = {f.name for f in dataclasses.fields(cls) if f.init}
-    script_types = typing.get_type_hints(ScriptArguments)
-    all_types = {**script_types, **{k: v for k, v in config_types.items() if k in config_fields}}
-    bool_keys = {k for k, t in all_types.items() if bool in _union_members(t)}
+    script_types = field_types(ScriptArguments)
+    all_types = {**script_types, **field_types(cls)}
+    bool_keys, list_keys = kinds_of_keys(all_types)
 
-    cli_values = _split_cli(list(cli_args or []), bool_keys)
+    cli_values = split_cli(list(cli_args or []), bool_keys, list_keys)
     if yaml_path is None and "config" in cli_values:
         yaml_path = str(cli_values["config"])
 
     sources: list[tuple[str, dict[str, Any]]] = []
     if yaml_path is not None:
-        yaml_values = _parse_text(Path(yaml_path).read_text()) or {}
-        if not isinstance(yaml_values, dict):
-            raise ConfigError(f"{yaml_path} must contain a mapping of field: value.")
-        sources.append((str(yaml_path), yaml_values))
+        sources.append((str(yaml_path), read_yaml(yaml_path)))
     sources += [("the command line", cli_values), ("overrides", dict(overrides or {}))]
 
     config_kwargs: dict[str, Any] = {}

@@ -40,9 +40,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.kv_cache import Cache, CacheView, init_cache
+from jaxrl.models.kv_cache import Cache, CacheView, cache_shardings, init_cache
 from jaxrl.models.layers import default_positions
-from jaxrl.parallel import Rules, batch_sharding
+from jaxrl.parallel import Rules, batch_sharding, data_parallel_size
 
 MIN_BUCKET = 16
 # transformers GenerationConfig fields that change the output and that we do not implement,
@@ -95,8 +95,9 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         eos = self.eos_token_id
-        if isinstance(eos, Sequence):
-            object.__setattr__(self, "eos_token_id", tuple(int(i) for i in eos))
+        if eos is not None:
+            eos = tuple(int(i) for i in eos) if isinstance(eos, Sequence) else int(eos)
+            object.__setattr__(self, "eos_token_id", eos)
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
@@ -259,6 +260,15 @@ def filter_top_k_top_p(scaled_BV: jax.Array, top_k: int, top_p: float) -> jax.Ar
     return scaled_BV
 
 
+def sample_categorical(rng: jax.Array, logits_BV: jax.Array) -> jax.Array:
+    """One token per row from softmax(logits) by inverting the CDF with one uniform per row
+    (Gumbel-max would draw B x V random numbers: on CPU the sampler's costliest op)."""
+    cdf_BV = jnp.cumsum(jax.nn.softmax(logits_BV, axis=-1), axis=-1)
+    u_B1 = jax.random.uniform(rng, (logits_BV.shape[0], 1), jnp.float32) * cdf_BV[:, -1:]
+    # The first token whose CDF exceeds u: zero-probability tokens never are.
+    return jnp.minimum(jnp.sum(cdf_BV <= u_B1, axis=-1), logits_BV.shape[-1] - 1)
+
+
 def choose_tokens(
     logits_BV: jax.Array, rng: jax.Array, step: jax.Array, config: GenerationConfig
 ) -> tuple[jax.Array, jax.Array]:
@@ -274,7 +284,7 @@ def choose_tokens(
         scaled_BV = jnp.where(banned_V, -jnp.inf, scaled_BV)
     if config.do_sample:
         filtered_BV = filter_top_k_top_p(scaled_BV, config.top_k, config.top_p)
-        tokens_B = jax.random.categorical(jax.random.fold_in(rng, step), filtered_BV, axis=-1)
+        tokens_B = sample_categorical(jax.random.fold_in(rng, step), filtered_BV)
     else:
         tokens_B = jnp.argmax(scaled_BV, axis=-1)
     tokens_B = tokens_B.astype(jnp.int32)
@@ -305,7 +315,7 @@ class Sampler:
         self.mesh, self.rules = mesh, rules
         self.prompt_buckets = None if prompt_buckets is None else tuple(sorted(prompt_buckets))
         self._config: ModelConfig | None = None
-        self._prefill = jax.jit(self._prefill_fn, static_argnums=(4,))
+        self._prefill = jax.jit(self._prefill_fn, static_argnums=(4, 5))
         # The state (KV cache included) is dead after decoding: donate it.
         self._decode = jax.jit(self._decode_fn, static_argnums=(2,), donate_argnums=(1,))
 
@@ -317,11 +327,16 @@ class Sampler:
         *,
         prompt_mask: Any = None,
         seed: int | jax.Array = 0,
+        group_size: int = 1,
     ) -> SampleOutput:
         """Generate completions for `prompts` (ragged id lists, or [B, T] ids + optional mask).
 
-        `seed`: an int or a JAX PRNG key.
+        `seed`: an int or a JAX PRNG key. `group_size`: completions per prompt (GRPO's
+        `num_generations`); each prompt is prefilled once and its KV cache rows are repeated
+        before decoding, so the output has B * group_size rows, each prompt's group consecutive.
         """
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}.")
         if params is None:
             if self.params is None:
                 raise ValueError("This Sampler was built from a graphdef: pass its params.")
@@ -330,10 +345,12 @@ class Sampler:
         model_config = self._model_config(params)
         ids_BP, mask_BP = left_pad(prompts, prompt_mask, self.prompt_buckets, config.pad_id)
         self._check_positions(model_config, mask_BP, config)
-        rng = jax.random.key(seed) if isinstance(seed, int) else seed
+        rng = jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
         ids_BP, mask_BP = self._place(ids_BP), self._place(mask_BP)
-        state = self._prefill(params, ids_BP, mask_BP, rng, config)
+        state = self._prefill(params, ids_BP, mask_BP, rng, config, group_size)
         state, completion_mask_BN = self._decode(params, state, config)
+        if group_size > 1:
+            ids_BP, mask_BP = (jnp.repeat(x, group_size, axis=0) for x in (ids_BP, mask_BP))
         return SampleOutput(ids_BP, mask_BP, state.tokens_BN, completion_mask_BN, state.logprobs_BN)
 
     def _model_config(self, params: Any) -> ModelConfig:
@@ -362,6 +379,12 @@ class Sampler:
     def _place(self, x: np.ndarray) -> jax.Array:
         if self.mesh is None:
             return jnp.asarray(x)
+        n_split = data_parallel_size(self.mesh, self.rules)
+        if len(x) % n_split:
+            raise ValueError(
+                f"{len(x)} prompts cannot be split over the mesh's data-parallel size {n_split}; "
+                "give a multiple of it (e.g. repeat or pad the prompt list)."
+            )
         return jax.device_put(x, batch_sharding(self.mesh, self.rules))
 
     def _prefill_fn(
@@ -371,6 +394,7 @@ class Sampler:
         prompt_mask_BP: jax.Array,
         rng: jax.Array,
         config: GenerationConfig,
+        group_size: int = 1,
     ) -> SamplingState:
         model = nnx.merge(self.graphdef, params)
         batch, prompt_len = prompt_ids_BP.shape
@@ -385,6 +409,22 @@ class Sampler:
         h_BPD, cache = model.cached_hidden_states(prompt_ids_BP, positions_BP, cache, view)
         # Left padding: every row's last prompt token sits in the last slot.
         logits_BV = jnp.dot(h_BPD[:, -1], model.unembed_weight())
+        if group_size > 1:
+            # One prefill per prompt; its cache rows serve the whole group (rows i*G .. i*G+G-1).
+            batch *= group_size
+            cache, logits_BV, key_mask_BS, prompt_mask_BP = (
+                jax.tree.map(lambda x, a=axis: jnp.repeat(x, group_size, axis=a), tree)
+                for tree, axis in (
+                    (cache, 1 if model.config.scan_layers else 0),
+                    (logits_BV, 0),
+                    (key_mask_BS, 0),
+                    (prompt_mask_BP, 0),
+                )
+            )
+            if self.mesh is not None:
+                cache = jax.lax.with_sharding_constraint(
+                    cache, cache_shardings(model.config, batch, cache_len, self.mesh, self.rules)
+                )
         step = jnp.zeros((), jnp.int32)
         tokens_B, logprobs_B = choose_tokens(logits_BV, rng, step, config)
         return SamplingState(

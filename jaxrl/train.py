@@ -1,9 +1,11 @@
-"""`python -m jaxrl.train --algo {sft,reward,dpo} [--config FILE.yaml] [--field value ...]`.
+"""`python -m jaxrl.train --algo {sft,reward,dpo,grpo,rloo} [--config NAME|FILE.yaml] [--field value ...]`.
 
-A thin entry point over the library. With no model/dataset flags it runs offline on the embedded
-arithmetic task: SFT trains the shipped tiny model config from scratch; reward and DPO start
-from the shipped SFT-trained model. Exit status 0 on success; on bad input one paragraph on
-stderr and status 2.
+A thin entry point over the library. With no model and no dataset flag it runs offline on the
+embedded arithmetic task and its recipe (`jaxrl/recipes/ALGO.yaml`): SFT trains the shipped tiny
+model config from scratch; reward and DPO start from the shipped SFT-trained model. With a model
+or a dataset given, every field the user leaves unset keeps the config class default (TRL's), and a
+recipe applies only when named with `--config NAME_OR_PATH`. Exit status 0 on success; on bad
+input one paragraph on stderr and status 2.
 """
 
 from __future__ import annotations
@@ -16,9 +18,28 @@ from typing import Any
 
 import numpy as np
 
-ALGOS = ("sft", "reward", "dpo")
+ALGOS = ("sft", "reward", "dpo", "grpo", "rloo")
+ONLINE_ALGOS = ("grpo", "rloo")
 DEFAULT_ALGO = "dpo"
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# Recipes ship inside the package so that an installed wheel runs the embedded job too.
+CONFIG_DIR = Path(__file__).resolve().parent / "recipes"
+
+
+def recipe_path(name_or_path: str) -> Path:
+    """`--config` value -> YAML file: a shipped recipe name (`dpo`, `sft.yaml`) or a path."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    shipped = CONFIG_DIR / (
+        name_or_path if name_or_path.endswith(".yaml") else f"{name_or_path}.yaml"
+    )
+    if path.parent == Path(".") and shipped.exists():
+        return shipped
+    names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    raise FileNotFoundError(
+        f"--config {name_or_path!r} is neither a file nor a shipped recipe; give a YAML path or "
+        f"one of {names}."
+    )
 
 
 def task_compute_metrics(pred) -> dict[str, float]:
@@ -45,6 +66,27 @@ def _split_algo(argv: list[str]) -> tuple[str, list[str]]:
     return algo, rest
 
 
+def _flag_value(argv: list[str], name: str) -> str | None:
+    for i, token in enumerate(argv):
+        if token == f"--{name}" and i + 1 < len(argv):
+            return argv[i + 1]
+        if token.startswith(f"--{name}="):
+            return token.split("=", 1)[1]
+    return None
+
+
+def _without_config(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for i, token in enumerate(argv):
+        if skip:
+            skip = False
+        elif token == "--config":
+            skip = i + 1 < len(argv)
+        elif not token.startswith("--config="):
+            out.append(token)
+    return out
+
+
 def _load_split(script, split: str):
     from jaxrl.data.loading import load_dataset_any
 
@@ -56,6 +98,20 @@ def _load_split(script, split: str):
         raise e
 
 
+def _recipe_yaml(algo: str, rest: list[str]) -> Path | None:
+    """`--config NAME|PATH` names a recipe; with no model and no dataset flag the embedded job
+    runs its shipped recipe; a user's model or data gets TRL's defaults, never the demo recipe."""
+    config = _flag_value(rest, "config")
+    if config is not None:
+        return recipe_path(config)
+    if (
+        _flag_value(rest, "model_name_or_path") is None
+        and _flag_value(rest, "dataset_name") is None
+    ):
+        return CONFIG_DIR / f"{algo}.yaml"
+    return None
+
+
 def build_trainer(argv: list[str]) -> Any:
     """Parse the command line and build the trainer (shared by `jaxrl.train` and `jaxrl.bench`)."""
     from jaxrl import run_dir, trainers
@@ -63,11 +119,12 @@ def build_trainer(argv: list[str]) -> Any:
     from jaxrl.data import task
 
     algo, rest = _split_algo(argv)
-    has_config = any(a == "--config" or a.startswith("--config=") for a in rest)
-    default_yaml = CONFIG_DIR / f"{algo}.yaml"
-    yaml_path = None if has_config or not default_yaml.exists() else default_yaml
-    args, script = parse_config(CONFIGS[algo], yaml_path=yaml_path, cli_args=rest)
-    # [run_dir] fail on an unusable output_dir before loading any data or model
+    if algo in ONLINE_ALGOS:
+        return build_online_trainer(algo, rest)
+    args, script = parse_config(
+        CONFIGS[algo], yaml_path=_recipe_yaml(algo, rest), cli_args=_without_config(rest)
+    )
+    # Fail on an unusable output_dir before loading any data or model.
     run_dir.check_output_dir(
         args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir
     )
@@ -81,7 +138,11 @@ def build_trainer(argv: list[str]) -> Any:
         compute_metrics = task_compute_metrics if algo != "reward" else None
     else:
         train_ds = _load_split(script, script.dataset_train_split)
-        eval_ds = _load_split(script, script.dataset_test_split)
+        eval_ds = (
+            _load_split(script, script.dataset_test_split)
+            if args.eval_strategy != "no" or args.eval_on_start
+            else None
+        )
     if script.model_name_or_path is None:
         tokenizer = task.load_tokenizer()
         if algo == "sft":
@@ -97,7 +158,7 @@ def build_trainer(argv: list[str]) -> Any:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(script.tokenizer_name_or_path)
-    if args.eval_strategy == "no":
+    if args.eval_strategy == "no" and not args.eval_on_start:
         eval_ds = None
     cls = {"sft": trainers.SFTTrainer, "reward": trainers.RewardTrainer, "dpo": trainers.DPOTrainer}
     return cls[algo](
@@ -107,6 +168,57 @@ def build_trainer(argv: list[str]) -> Any:
         eval_dataset=eval_ds,
         processing_class=tokenizer,
         compute_metrics=compute_metrics,
+    )
+
+
+def build_online_trainer(algo: str, rest: list[str]) -> Any:
+    """GRPO/RLOO: prompt datasets and reward functions. The embedded default starts from the
+    shipped SFT model on the arithmetic task's prompts, rewarded by `jaxrl.rewards.arith_correct`
+    (held-out accuracy: `eval_greedy/rewards/arith_correct/mean`, greedy exact match)."""
+    from jaxrl import run_dir
+    from jaxrl.config import parse_config
+    from jaxrl.data import task
+    from jaxrl.rewards import arith_correct
+    from jaxrl.trainers.grpo import GRPOTrainer
+    from jaxrl.trainers.grpo_config import GRPOConfig
+    from jaxrl.trainers.rloo import RLOOTrainer
+    from jaxrl.trainers.rloo_config import RLOOConfig
+
+    config_cls, trainer_cls = {
+        "grpo": (GRPOConfig, GRPOTrainer),
+        "rloo": (RLOOConfig, RLOOTrainer),
+    }[algo]
+    args, script = parse_config(
+        config_cls, yaml_path=_recipe_yaml(algo, rest), cli_args=_without_config(rest)
+    )
+    run_dir.check_output_dir(
+        args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir
+    )
+    if script.dataset_name is None:
+        train_ds = str(task.asset_path("sft_train.jsonl"))
+        eval_ds = str(task.asset_path("sft_test.jsonl"))
+    else:
+        train_ds = _load_split(script, script.dataset_train_split)
+        eval_ds = _load_split(script, script.dataset_test_split)
+    tokenizer = None
+    if script.model_name_or_path is None:
+        tokenizer = task.load_tokenizer()
+        model = str(task.asset_path("sft_model"))
+    else:
+        model = script.model_name_or_path
+    if script.tokenizer_name_or_path is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(script.tokenizer_name_or_path)
+    if args.eval_strategy == "no":
+        eval_ds = None
+    return trainer_cls(
+        model=model,
+        reward_funcs=arith_correct,
+        args=args,
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        processing_class=tokenizer,
     )
 
 

@@ -17,7 +17,7 @@ from jaxrl.config import (
     parse_config,
 )
 
-CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "jaxrl" / "recipes"
 
 
 def _defaults(cls) -> dict:
@@ -37,7 +37,6 @@ _DEVIATIONS = {
     "disable_tqdm": (False, None),  # HF resolves None from the log level
     # TRL "auto" pads to 128 only on Neuron; we pad to the longest example (one compile per run).
     "pad_to_multiple_of": (None, "auto"),
-    "truncation_mode": ("keep_end", "keep_start"),  # DPO: applies to the prompt (TRL < 1.0)
 }
 
 
@@ -46,7 +45,7 @@ def test_defaults_match_trl(ours):
     trl = pytest.importorskip("trl")
     mine, theirs = _defaults(ours), _defaults(getattr(trl, ours.__name__))
     diff = {k: (mine[k], theirs[k]) for k in mine if k in theirs and mine[k] != theirs[k]}
-    assert diff == {k: v for k, v in _DEVIATIONS.items() if k in diff}
+    assert diff == {k: v for k, v in _DEVIATIONS.items() if k in mine and k in theirs}
     assert mine["learning_rate"] == theirs["learning_rate"]
 
 
@@ -143,8 +142,8 @@ def test_cli_config_flag_and_types(tmp_path):
         (["--max_steps", "abc"], r"`max_steps` expects int; got 'abc'"),
         (["--packing", "maybe"], r"`packing` expects bool"),
         (
-            ["--optim", "adam8bit"],
-            r"`optim='adam8bit'` is not valid; choose one of \['adamw_torch'",
+            ["--optim", "adam_w"],
+            r"`optim='adam_w'` is not valid; choose one of \['adamw_torch'",
         ),
         (["--max_steps"], r"Flag `--max_steps` needs a value"),
         (["stray"], r"Unexpected command-line argument 'stray'"),
@@ -199,8 +198,12 @@ def test_choices_match_the_code_that_honours_them():
 def test_model_init_kwargs_sets_param_dtype():
     config = SFTConfig(model_init_kwargs={"torch_dtype": "bfloat16"})
     assert config.param_dtype == "bfloat16" and config.model_init_kwargs == {"dtype": "bfloat16"}
-    with pytest.raises(ConfigError, match=r"keys \['attn_implementation'\] are not supported"):
-        SFTConfig(model_init_kwargs={"attn_implementation": "sdpa"})
+    # TRL scripts pass attn_implementation: exact-attention kernels map to jaxrl's attention.
+    assert SFTConfig(model_init_kwargs={"attn_implementation": "sdpa"}).param_dtype == "float32"
+    with pytest.raises(ConfigError, match="`attn_implementation='flex_attention'` has no JAX"):
+        SFTConfig(model_init_kwargs={"attn_implementation": "flex_attention"})
+    with pytest.raises(ConfigError, match=r"keys \['device_map'\] are not supported"):
+        SFTConfig(model_init_kwargs={"device_map": "auto"})
     with pytest.raises(ConfigError, match="conflicts with `param_dtype='float16'`"):
         SFTConfig(model_init_kwargs={"dtype": "bfloat16"}, param_dtype="float16")
 
@@ -225,3 +228,15 @@ def test_embedded_yaml_configs_load(algo):
     config, _ = parse_config(CONFIGS[algo], CONFIGS_DIR / f"{algo}.yaml")
     assert config.output_dir == f"outputs/{algo}" and config.bf16 is False
     assert config.max_steps > 0 and config.save_steps % config.eval_steps == 0
+
+
+def test_dpo_truncation_defaults_follow_trl_1_16():
+    """TRL 1.16 has no max_prompt_length and keeps a long sequence's start; jaxrl's default is
+    the same, and TRL < 1.0's prompt truncation is opt-in with `max_prompt_length`."""
+    config = DPOConfig()
+    assert (config.truncation_mode, config.max_prompt_length) == ("keep_start", None)
+    assert DPOConfig(max_prompt_length=32, truncation_mode="keep_end").truncation_mode == "keep_end"
+    with pytest.raises(ConfigError, match="needs `max_prompt_length` set"):
+        DPOConfig(truncation_mode="keep_end")
+    with pytest.raises(ConfigError, match="only 'nll' is implemented"):
+        SFTConfig(loss_type="dft")

@@ -65,7 +65,8 @@ def token_logprobs(
     """`log softmax(hidden @ unembed / temperature)[target]` as f32 `[B, T]`, chunked over T.
 
     Logits accumulate in f32 (`preferred_element_type`) whatever the input dtypes. T need not be
-    a multiple of `chunk_size` (padded internally). With `with_stats=True` also returns
+    a multiple of `chunk_size`: it runs as ceil(T / chunk_size) equal chunks of at most
+    `chunk_size`, padded by less than one position per chunk. With `with_stats=True` also returns
     `[B, T]` statistics under `stop_gradient`: `argmax` (token ids), `argmax_correct` (bool), `entropy` (nats),
     `logit_mean` (mean logit over the vocabulary; TRL's `logits/chosen` is its mean over
     completion tokens) and `log_sum_sq_probs`. For tied embeddings pass `embedding_VD.T`.
@@ -80,8 +81,10 @@ def token_logprobs(
             "pass the unembedding as [hidden, vocab] (for tied embeddings use embedding.T)."
         )
     B, T, D = hidden_BTD.shape
-    chunk = min(chunk_size, T)
-    num_chunks = -(-T // chunk)
+    # Balanced chunks: as few as chunk_size allows, all of one size, so the padding is under one
+    # row per chunk (T=129 runs as 2 x 65, not 2 x 128).
+    num_chunks = -(-T // chunk_size)
+    chunk = -(-T // num_chunks)
     pad = num_chunks * chunk - T
     if pad:
         hidden_BTD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))

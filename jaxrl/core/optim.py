@@ -17,12 +17,46 @@ import optax
 
 Schedule = Callable[[jax.Array | int], jax.Array]
 
-OPTIMIZERS = ("adamw", "sgd", "adafactor", "lion")  # config.OPTIMIZERS maps HF names onto these
-SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup")
+OPTIMIZERS = ("adamw", "sgd", "adagrad", "rmsprop", "adafactor", "lion")  # config.OPTIMIZERS maps
+SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "cosine_with_min_lr",
+    "cosine_warmup_with_min_lr",
+    "warmup_stable_decay",
+)
 
 # Parameters HF's Trainer keeps out of weight decay: biases and normalisation scales
 # (`get_decay_parameter_names` excludes bias and LayerNorm/RMSNorm weights).
 _NO_DECAY = re.compile(r"(bias|norm|ln_\d|ln_f|layernorm)", re.IGNORECASE)
+
+
+def _min_lr_rate(kw: dict[str, Any], learning_rate: float) -> float:
+    if "min_lr" in kw:
+        return kw["min_lr"] / learning_rate
+    if "min_lr_rate" in kw:
+        return kw["min_lr_rate"]
+    raise ValueError(
+        "This schedule needs lr_scheduler_kwargs {'min_lr': ...} or {'min_lr_rate': ...}."
+    )
+
+
+def _shape(kind: str, progress: jax.Array, num_cycles: float, rising: bool) -> jax.Array:
+    """WSD's warmup (rising) and decay curves on progress in [0, 1] (HF `_get_wsd_scheduler_lambda`)."""
+    if kind == "linear":
+        return progress if rising else 1.0 - progress
+    if kind == "cosine":
+        if rising:
+            return 0.5 * (1.0 - jnp.cos(jnp.pi * progress))
+        return 0.5 * (1.0 + jnp.cos(jnp.pi * num_cycles * 2.0 * progress))
+    if kind == "1-sqrt":
+        return 1.0 - jnp.sqrt(1.0 - progress) if rising else 1.0 - jnp.sqrt(progress)
+    raise ValueError(f"warmup/decay type {kind!r} is not one of 'linear', 'cosine', '1-sqrt'.")
 
 
 def make_schedule(
@@ -32,42 +66,80 @@ def make_schedule(
     warmup: int,
     scheduler_kwargs: dict[str, Any] | None = None,
 ) -> Schedule:
-    """`lr(step)` for the update number `step` (0-based), equal to HF's LambdaLR lambdas."""
+    """`lr(step)` for the update number `step` (0-based), equal to HF's LambdaLR lambdas
+    (`transformers.optimization`, the `get_scheduler` name with `scheduler_specific_kwargs`)."""
     kw = dict(scheduler_kwargs or {})
     if name not in SCHEDULERS:
         raise ValueError(f"lr_scheduler_type={name!r} is not supported; use one of {SCHEDULERS}.")
-    min_lr_rate = 0.0
-    if name == "cosine_with_min_lr":
-        if "min_lr" in kw:
-            min_lr_rate = kw.pop("min_lr") / learning_rate
-        elif "min_lr_rate" in kw:
-            min_lr_rate = kw.pop("min_lr_rate")
-        else:
-            raise ValueError(
-                "lr_scheduler_type='cosine_with_min_lr' needs lr_scheduler_kwargs "
-                "{'min_lr': ...} or {'min_lr_rate': ...}."
+    total = max_steps
+    ramp = max(1, warmup)
+
+    def cosine_factor(s, num_cycles, min_rate=0.0, shift=0.0):
+        progress = (s - warmup + shift) / max(1, total - warmup)
+        cos = 0.5 * (1.0 + jnp.cos(jnp.pi * num_cycles * 2.0 * progress))
+        return jnp.maximum(0.0, cos * (1 - min_rate) + min_rate)
+
+    def factor(s):
+        warm = s / ramp
+        if name == "constant":
+            return jnp.ones_like(s)
+        if name == "constant_with_warmup":
+            return jnp.where(s < warmup, warm, 1.0)
+        if name == "linear":
+            return jnp.where(
+                s < warmup, warm, jnp.maximum(0.0, (total - s) / max(1, total - warmup))
             )
-    num_cycles = kw.pop("num_cycles", 0.5) if name.startswith("cosine") else 0.5
-    if kw:
-        raise ValueError(f"Unsupported lr_scheduler_kwargs for {name!r}: {sorted(kw)}.")
-    total = max(1, max_steps)
+        if name == "cosine":
+            return jnp.where(s < warmup, warm, cosine_factor(s, kw.get("num_cycles", 0.5)))
+        if name == "cosine_with_min_lr":
+            rate = _min_lr_rate(kw, learning_rate)
+            return jnp.where(s < warmup, warm, cosine_factor(s, kw.get("num_cycles", 0.5), rate))
+        if name == "cosine_warmup_with_min_lr":
+            # HF's "lr_rate" variant: warmup reaches 1 on its last step, decay is shifted by one.
+            rate = _min_lr_rate(kw, learning_rate)
+            start = kw.get("warmup_lr_rate")
+            if start is None:
+                warm = (s + 1.0) / max(1.0, warmup)
+            else:
+                warm = start + (1.0 - start) * s / max(1, warmup - 1)
+            decay = cosine_factor(s, kw.get("num_cycles", 0.5), rate, shift=1.0)
+            return jnp.where(s < warmup, warm, decay)
+        if name == "cosine_with_restarts":
+            progress = (s - warmup) / max(1, total - warmup)
+            cycle = jnp.mod(kw.get("num_cycles", 1) * progress, 1.0)
+            hard = jnp.where(progress >= 1.0, 0.0, 0.5 * (1.0 + jnp.cos(jnp.pi * cycle)))
+            return jnp.where(s < warmup, warm, jnp.maximum(0.0, hard))
+        if name == "polynomial":
+            lr_end, power = kw.get("lr_end", 1e-7), kw.get("power", 1.0)
+            remaining = 1.0 - (s - warmup) / max(1, total - warmup)
+            poly = ((learning_rate - lr_end) * remaining**power + lr_end) / learning_rate
+            poly = jnp.where(s > total, lr_end / learning_rate, poly)
+            return jnp.where(s < warmup, warm, poly)
+        if name == "inverse_sqrt":
+            timescale = kw.get("timescale") or warmup or 10_000
+            decay = 1.0 / jnp.sqrt((s + timescale - warmup) / timescale)
+            return jnp.where(s < warmup, warm, decay)
+        # warmup_stable_decay
+        decay_steps = kw["num_decay_steps"]
+        stable = kw.get("num_stable_steps")
+        stable = total - warmup - decay_steps if stable is None else stable
+        min_ratio, cycles = kw.get("min_lr_ratio", 0.0), kw.get("num_cycles", 0.5)
+        up = _shape(kw.get("warmup_type", "linear"), s / ramp, cycles, rising=True)
+        down_progress = jnp.clip((s - warmup - stable) / max(1, decay_steps), 0.0, 1.0)
+        down = _shape(kw.get("decay_type", "cosine"), down_progress, cycles, rising=False)
+        up, down = (jnp.maximum(0.0, f * (1.0 - min_ratio) + min_ratio) for f in (up, down))
+        return jnp.where(
+            s < warmup,
+            up,
+            jnp.where(
+                s < warmup + stable,
+                1.0,
+                jnp.where(s < warmup + stable + decay_steps, down, min_ratio),
+            ),
+        )
 
     def schedule(step):
-        s = jnp.asarray(step, jnp.float32)
-        warm = s / max(1, warmup)
-        if name == "constant":
-            factor = jnp.ones_like(s)
-        elif name == "constant_with_warmup":
-            factor = jnp.where(s < warmup, warm, 1.0)
-        elif name == "linear":
-            decay = jnp.maximum(0.0, (total - s) / max(1, total - warmup))
-            factor = jnp.where(s < warmup, warm, decay)
-        else:
-            progress = (s - warmup) / max(1, total - warmup)
-            cos = 0.5 * (1.0 + jnp.cos(jnp.pi * num_cycles * 2.0 * progress))
-            cos = jnp.maximum(0.0, cos * (1 - min_lr_rate) + min_lr_rate)
-            factor = jnp.where(s < warmup, warm, cos)
-        return learning_rate * factor
+        return learning_rate * factor(jnp.asarray(step, jnp.float32))
 
     return schedule
 
@@ -107,6 +179,18 @@ def make_optimizer(
     elif optim == "sgd":
         tx = optax.chain(
             optax.add_decayed_weights(weight_decay, mask=decay_mask), optax.sgd(schedule)
+        )
+    elif optim == "adagrad":
+        # torch.optim.Adagrad (HF's defaults: initial accumulator 0, eps 1e-10); decay is L2 as torch.
+        tx = optax.chain(
+            optax.add_decayed_weights(weight_decay, mask=decay_mask),
+            optax.adagrad(schedule, initial_accumulator_value=0.0, eps=1e-10),
+        )
+    elif optim == "rmsprop":
+        # torch.optim.RMSprop defaults (alpha 0.99, eps 1e-8 added outside the sqrt); L2 decay.
+        tx = optax.chain(
+            optax.add_decayed_weights(weight_decay, mask=decay_mask),
+            optax.rmsprop(schedule, decay=0.99, eps=1e-8, eps_in_sqrt=False),
         )
     elif optim == "adafactor":
         # HF's Adafactor with an external lr: no relative step, no parameter scaling.

@@ -6,13 +6,26 @@ Every model holds only `nnx.Param` state carrying logical axis names, so
 
 from jaxrl.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, config_from_hf
 from jaxrl.models.gpt2 import GPT2ForCausalLM, GPT2Model
-from jaxrl.models.heads import ScoreHead, SequenceClassificationModel, ValueHead
-from jaxrl.models.hf import build_model, from_config, from_pretrained, save_pretrained
+from jaxrl.models.heads import (
+    CausalLMWithValueHead,
+    ScoreHead,
+    SequenceClassificationModel,
+    ValueHead,
+)
+from jaxrl.models.hf import (
+    AutoModelForCausalLMWithValueHead,
+    build_model,
+    from_config,
+    from_pretrained,
+    save_pretrained,
+)
 from jaxrl.models.llama import LlamaForCausalLM, LlamaModel
 from jaxrl.models.presets import count_params, flops_per_token, get_preset
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
+    "AutoModelForCausalLMWithValueHead",
+    "CausalLMWithValueHead",
     "GPT2ForCausalLM",
     "GPT2Model",
     "LlamaForCausalLM",

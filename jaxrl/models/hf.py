@@ -27,11 +27,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl import parallel
 from jaxrl.models.config import ModelConfig, config_from_hf
 from jaxrl.models.gpt2 import GPT2ForCausalLM
-from jaxrl.models.heads import SequenceClassificationModel
+from jaxrl.models.heads import CausalLMWithValueHead, SequenceClassificationModel, value_head_init
 from jaxrl.models.llama import LlamaForCausalLM
 from jaxrl.models.weights_io import CheckpointReader, parse_size, plan_shards, write_safetensors
 
-TASKS = ("causal_lm", "sequence_classification")
+TASKS = ("causal_lm", "sequence_classification", "causal_lm_with_value_head")
+# TRL's AutoModelForCausalLMWithValueHead keys: the LM's own keys plus these.
+V_HEAD_KEYS = ("v_head.summary.weight", "v_head.summary.bias")
 BASE_PREFIX = {"gpt2": "transformer"}  # HF base_model_prefix; "model" for the Llama family
 HF_CAUSAL_ARCH = {
     "llama": "LlamaForCausalLM",
@@ -50,7 +52,7 @@ HF_SEQ_CLS_ARCH = {
 # Checkpoint entries that are buffers or derived values, never parameters.
 IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 CONV1D_MODULES = ("c_attn", "c_proj", "c_fc")
-Model = LlamaForCausalLM | GPT2ForCausalLM | SequenceClassificationModel
+Model = LlamaForCausalLM | GPT2ForCausalLM | SequenceClassificationModel | CausalLMWithValueHead
 
 
 # ---------------------------------------------------------------- building
@@ -60,8 +62,19 @@ def _base_prefix(config: ModelConfig) -> str:
     return BASE_PREFIX.get(config.model_type, "model")
 
 
-def build_model(config: ModelConfig, rngs: nnx.Rngs, task: str, num_labels: int) -> Model:
-    """A freshly initialised model for `config` and `task` (use under `nnx.eval_shape` or jit)."""
+def build_model(
+    config: ModelConfig,
+    rngs: nnx.Rngs,
+    task: str,
+    num_labels: int,
+    value_head_kwargs: dict[str, Any] | None = None,
+) -> Model:
+    """A freshly initialised model for `config` and `task` (use under `nnx.eval_shape` or jit).
+
+    `value_head_kwargs` (task "causal_lm_with_value_head"): TRL's `summary_dropout_prob`,
+    `v_head_init_strategy`, `v_head_initializer_range`."""
+    if task == "causal_lm_with_value_head":
+        return CausalLMWithValueHead(config, rngs, **(value_head_kwargs or {}))
     if task == "sequence_classification":
         return SequenceClassificationModel(config, rngs, num_labels=num_labels)
     if config.model_type == "gpt2":
@@ -113,6 +126,7 @@ def from_config(
     task: str = "causal_lm",
     num_labels: int | None = None,
     attention_impl: str | None = None,
+    value_head_kwargs: dict[str, Any] | None = None,
 ) -> Model:
     """Randomly initialised model (normal(0, initializer_range) weights, as HF), created sharded."""
     _check_task(task)
@@ -130,7 +144,7 @@ def from_config(
     )
 
     def create() -> Model:
-        return build_model(config, nnx.Rngs(seed), task, labels)
+        return build_model(config, nnx.Rngs(seed), task, labels, value_head_kwargs)
 
     graphdef, abstract_state = nnx.split(nnx.eval_shape(create))
     shardings = _shardings(abstract_state, mesh, rules)
@@ -150,6 +164,8 @@ def _hf_key_template(path: tuple, config: ModelConfig) -> tuple[str, bool]:
     """HF key for a flat-state path; "{}" stands for the layer index when the param is stacked."""
     parts: list[str] = []
     stacked = False
+    if path[0] == "pretrained_model":  # value-head wrapper: the LM keeps its own HF keys
+        path = path[1:]
     for i, name in enumerate(path):
         name = _base_prefix(config) if (i == 0 and name == "backbone") else name
         parts.append(str(name))
@@ -298,11 +314,15 @@ def from_pretrained(
     task: str = "causal_lm",
     num_labels: int | None = None,
     attention_impl: str | None = None,
+    value_head_kwargs: dict[str, Any] | None = None,
 ) -> Model:
     """Load an HF checkpoint directory (or Hub id) into a sharded jaxrl model.
 
     For `task="sequence_classification"` from a causal-LM checkpoint the score head is freshly
-    initialised (as transformers does), with `num_labels` (default 1).
+    initialised (as transformers does), with `num_labels` (default 1). For
+    `task="causal_lm_with_value_head"` the value head is read from TRL's `v_head.summary.*` keys
+    when the checkpoint has them, else initialised as TRL does (`value_head_kwargs`, plus an
+    optional `seed` for that init).
     """
     import transformers
 
@@ -333,13 +353,25 @@ def from_pretrained(
     )
     reader = CheckpointReader(directory)
 
+    head_kwargs = dict(value_head_kwargs or {})
+    head_seed = head_kwargs.pop("seed", 0)
+
     def create() -> Model:
-        return build_model(config, nnx.Rngs(0), task, labels)
+        return build_model(config, nnx.Rngs(0), task, labels, head_kwargs)
 
     graphdef, abstract_state = nnx.split(nnx.eval_shape(create))
     shardings = _shardings(abstract_state, mesh, rules)
     flat_shardings = dict(nnx.to_flat_state(shardings))
     fresh_head = task == "sequence_classification" and "score.weight" not in reader
+    fresh_v_head = task == "causal_lm_with_value_head" and not all(k in reader for k in V_HEAD_KEYS)
+    if fresh_v_head:
+        v_kernel, v_bias = value_head_init(
+            jax.random.key(head_seed),
+            config.hidden_size,
+            config.param_dtype,
+            head_kwargs.get("v_head_init_strategy"),
+            head_kwargs.get("v_head_initializer_range", 0.2),
+        )
     used: set[str] = set()
     loaded = []
     for entry in _entries(abstract_state, config):
@@ -357,6 +389,9 @@ def from_pretrained(
                 "initialised; train it before use.",
                 stacklevel=2,
             )
+        elif fresh_v_head and entry.path[0] == "v_head":
+            host = v_kernel if entry.path[-1] == "kernel" else v_bias
+            value = _place(np.asarray(host), sharding)
         else:
             value = _place(_read_param(entry, reader, config, directory), sharding)
             used.update(_lookup_key(k, reader, config) for k in entry.keys())
@@ -450,3 +485,52 @@ def _write_config(config: ModelConfig, task: str, model: Model, path: Path) -> N
         hf_config.num_labels = model.num_labels
     hf_config.dtype = str(jnp.dtype(config.param_dtype))
     hf_config.save_pretrained(path)
+
+
+class AutoModelForCausalLMWithValueHead:
+    """TRL's loader name: `from_pretrained(path, summary_dropout_prob=..., v_head_init_strategy=...,
+    v_head_initializer_range=..., **load_kwargs)` gives a `CausalLMWithValueHead`; a checkpoint
+    written by TRL (LM keys + `v_head.summary.*`) keeps its value head. `save_pretrained(model,
+    path)` writes the same layout, so TRL's class reads the value head back."""
+
+    @staticmethod
+    def from_pretrained(
+        path_or_hub_id: str | Path,
+        *,
+        summary_dropout_prob: float | None = None,
+        v_head_init_strategy: str | None = None,
+        v_head_initializer_range: float = 0.2,
+        seed: int = 0,
+        **load_kwargs: Any,
+    ) -> CausalLMWithValueHead:
+        head = dict(
+            summary_dropout_prob=summary_dropout_prob,
+            v_head_init_strategy=v_head_init_strategy,
+            v_head_initializer_range=v_head_initializer_range,
+        )
+        return from_pretrained(
+            path_or_hub_id,
+            task="causal_lm_with_value_head",
+            value_head_kwargs={**head, "seed": seed},
+            **load_kwargs,
+        )
+
+    @staticmethod
+    def from_config(
+        hf_config: Any,
+        *,
+        summary_dropout_prob: float | None = None,
+        v_head_init_strategy: str | None = None,
+        v_head_initializer_range: float = 0.2,
+        **kwargs: Any,
+    ) -> CausalLMWithValueHead:
+        head = dict(
+            summary_dropout_prob=summary_dropout_prob,
+            v_head_init_strategy=v_head_init_strategy,
+            v_head_initializer_range=v_head_initializer_range,
+        )
+        return from_config(
+            hf_config, task="causal_lm_with_value_head", value_head_kwargs=head, **kwargs
+        )
+
+    save_pretrained = staticmethod(save_pretrained)

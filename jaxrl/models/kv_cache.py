@@ -1,9 +1,11 @@
 """Key/value cache for incremental decoding: its layout, its sharding, the attention that writes
 and reads it, and the cached pass over the layer stack.
 
-Layout: one `KVCache(k, v)` per layer with k, v [B, S, K, H] (batch, cache slot, kv heads,
+Layout: one `KVCache(k, v)` per layer with k, v [B, K, S, H] (batch, kv heads, cache slot,
 head dim) for an unscanned stack (a tuple of them), or a single `KVCache` stacked on a leading
-layer axis [L, B, S, K, H] for a scanned stack. Prompts are left-padded, so every row writes the
+layer axis [L, B, K, S, H] for a scanned stack. Heads before slots is the layout the attention
+matmuls read, so a decode step never transposes the cache (on CPU that copy of the whole cache
+per layer cost more than the step's attention). Prompts are left-padded, so every row writes the
 same slot at every step and the write index is one scalar (`CacheView.index`); which slots hold
 real tokens is `CacheView.key_mask_BS` (prompt padding is masked out).
 
@@ -28,12 +30,12 @@ from jaxrl.models.layers import attention_mask_BTS, constrain_batch, dot_product
 from jaxrl.parallel import Rules, logical_to_spec
 
 # Logical axes of one layer's k or v: sharded by batch and kv heads; slots stay whole.
-CACHE_AXES = ("batch", None, "kv_heads", "head_dim")
+CACHE_AXES = ("batch", "kv_heads", None, "head_dim")
 
 
 @flax.struct.dataclass
 class KVCache:
-    """Keys and values after rope, in the compute dtype: [B, S, K, H] (or [L, B, S, K, H])."""
+    """Keys and values after rope, in the compute dtype: [B, K, S, H] (or [L, B, K, S, H])."""
 
     k: jax.Array
     v: jax.Array
@@ -60,7 +62,7 @@ def cache_shardings(
     config: ModelConfig, batch: int, length: int, mesh: Mesh, rules: Rules | None = None
 ) -> Cache:
     """NamedShardings of the cache `init_cache` builds (same tree), from `CACHE_AXES`."""
-    shape = (batch, length, config.num_kv_heads, config.head_dim)
+    shape = (batch, config.num_kv_heads, length, config.head_dim)
     if config.scan_layers:
         axes, shape = ("layers", *CACHE_AXES), (config.num_layers, *shape)
     else:
@@ -78,7 +80,7 @@ def init_cache(
     rules: Rules | None = None,
 ) -> Cache:
     """An empty cache of `length` slots (call under jit: with a mesh it is created sharded)."""
-    shape = (batch, length, config.num_kv_heads, config.head_dim)
+    shape = (batch, config.num_kv_heads, length, config.head_dim)
     if config.scan_layers:
         shape = (config.num_layers, *shape)
     zeros = KVCache(jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype))
@@ -100,20 +102,20 @@ def cached_attention(
     config: ModelConfig,
 ) -> tuple[jax.Array, KVCache]:
     """Write the new keys/values at `view.index`, then attend (causal, GQA, sliding window)."""
-    k_BSKH = jax.lax.dynamic_update_slice_in_dim(
-        cache.k, k_BTKH.astype(cache.k.dtype), view.index, axis=1
+    k_BKSH = jax.lax.dynamic_update_slice_in_dim(
+        cache.k, k_BTKH.swapaxes(1, 2).astype(cache.k.dtype), view.index, axis=2
     )
-    v_BSKH = jax.lax.dynamic_update_slice_in_dim(
-        cache.v, v_BTKH.astype(cache.v.dtype), view.index, axis=1
+    v_BKSH = jax.lax.dynamic_update_slice_in_dim(
+        cache.v, v_BTKH.swapaxes(1, 2).astype(cache.v.dtype), view.index, axis=2
     )
-    new_cache = KVCache(k_BSKH, v_BSKH)
-    seq_len = q_BTNH.shape[1]
+    new_cache = KVCache(k_BKSH, v_BKSH)
+    batch, seq_len, num_heads, head_dim = q_BTNH.shape
     if view.prefill:  # nothing older in the cache: the training kernel on the prompt alone
         mask_B1TT = attention_mask_BTS(view.key_mask_BS[:, :seq_len], None)
         out = dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask_B1TT, sliding, config)
         return out, new_cache
     query_slot_T1 = (view.index + jnp.arange(seq_len, dtype=jnp.int32))[:, None]
-    key_slot_1S = jnp.arange(k_BSKH.shape[1], dtype=jnp.int32)[None, :]
+    key_slot_1S = jnp.arange(k_BKSH.shape[2], dtype=jnp.int32)[None, :]
     visible_TS = key_slot_1S <= query_slot_T1
     if config.sliding_window is not None:
         in_window_TS = key_slot_1S > query_slot_T1 - config.sliding_window
@@ -121,9 +123,19 @@ def cached_attention(
             visible_TS = visible_TS & in_window_TS if sliding else visible_TS
         else:  # scanned stack mixing full and sliding layers
             visible_TS = visible_TS & (in_window_TS | ~sliding)
-    mask_B1TS = view.key_mask_BS[:, None, None, :] & visible_TS[None, None]
-    out = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_B1TS)
-    return out, new_cache
+    mask_B11TS = view.key_mask_BS[:, None, None, None, :] & visible_TS[None, None, None]
+    # GQA without repeating K/V: query head n = kv head k * group + g (HF's head order).
+    num_kv = k_BKSH.shape[1]
+    q_BKGTH = q_BTNH.reshape(batch, seq_len, num_kv, num_heads // num_kv, head_dim)
+    q_BKGTH = q_BKGTH.transpose(0, 2, 3, 1, 4)
+    scores_BKGTS = jnp.einsum(
+        "bkgth,bksh->bkgts", q_BKGTH, k_BKSH, preferred_element_type=jnp.float32
+    ) / jnp.sqrt(jnp.float32(head_dim))
+    scores_BKGTS = jnp.where(mask_B11TS, scores_BKGTS, -jnp.inf)  # a query always sees itself
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BKSH.dtype)
+    out_BKGTH = jnp.einsum("bkgts,bksh->bkgth", probs_BKGTS, v_BKSH)
+    out_BTNH = out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(batch, seq_len, num_heads, head_dim)
+    return out_BTNH.astype(q_BTNH.dtype), new_cache
 
 
 def apply_layers_cached(

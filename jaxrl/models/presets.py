@@ -80,11 +80,32 @@ def _gpt2_tiny() -> Any:
     )
 
 
+def _llama_bench(hidden: int, layers: int, vocab: int) -> Callable[[], Any]:
+    """The Llama shapes of the jaxrl-vs-TRL sweep (`python -m jaxrl.bench --compare trl --sweep`):
+    head_dim 64, GQA with half as many K/V heads, MLP 4x hidden."""
+
+    def make() -> Any:
+        return transformers.LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=4 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=hidden // 64,
+            num_key_value_heads=hidden // 128,
+            max_position_embeddings=2048,
+            pad_token_id=0,
+        )
+
+    return make
+
+
 PRESETS: dict[str, Callable[[], Any]] = {
     "qwen2.5-0.5b": _qwen25_05b,
     "llama-tiny": _llama_tiny,
     "qwen2-tiny": _qwen2_tiny,
     "gpt2-tiny": _gpt2_tiny,
+    "llama-4x256": _llama_bench(256, 4, 2048),
+    "llama-8x512": _llama_bench(512, 8, 32000),
 }
 
 

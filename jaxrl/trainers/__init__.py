@@ -3,13 +3,23 @@ per algorithm."""
 
 from jaxrl.trainers.base import EvalPrediction, Trainer
 from jaxrl.trainers.dpo import DPOTrainer
+from jaxrl.trainers.grpo import GRPOTrainer
+from jaxrl.trainers.grpo_config import GRPOConfig
 from jaxrl.trainers.loop import TrainingInterrupted, TrainLoop
+from jaxrl.trainers.onpolicy import OnPolicyTrainer
 from jaxrl.trainers.reward import RewardTrainer
+from jaxrl.trainers.rloo import RLOOTrainer
+from jaxrl.trainers.rloo_config import RLOOConfig
 from jaxrl.trainers.sft import SFTTrainer
 
 __all__ = [
     "DPOTrainer",
     "EvalPrediction",
+    "GRPOConfig",
+    "GRPOTrainer",
+    "OnPolicyTrainer",
+    "RLOOConfig",
+    "RLOOTrainer",
     "RewardTrainer",
     "SFTTrainer",
     "Trainer",

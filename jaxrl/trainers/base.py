@@ -78,6 +78,7 @@ class Trainer(TrainLoop):
         self.args = args if args is not None else self.config_class(output_dir="trainer_output")
         if not isinstance(self.args, TrainingConfig):
             raise TypeError(f"args must be a {self.config_class.__name__}, got {type(args)}.")
+        self._check_script_inputs(eval_dataset)
         a = self.args
         run_dir.check_output_dir(a.output_dir)  # [run_dir] before loading anything
         if a.fp16 and jax.default_backend() == "cpu":
@@ -116,7 +117,7 @@ class Trainer(TrainLoop):
     def _make_mesh(self):
         a = self.args
         sizes = (a.mesh_data, a.mesh_fsdp, a.mesh_tensor)
-        devices = jax.devices()
+        devices = jax.devices("cpu") if a.use_cpu else jax.devices()  # HF `use_cpu`
         if -1 not in sizes and math.prod(sizes) < len(devices):
             # Like CUDA_VISIBLE_DEVICES: an explicit smaller mesh uses the first devices.
             logger.warning("Mesh %s uses %d of %d devices.", sizes, math.prod(sizes), len(devices))
@@ -623,6 +624,40 @@ class Trainer(TrainLoop):
             with open(os.path.join(out, "jaxrl_config.json"), "w") as f:
                 json.dump(self.args.to_dict(), f, indent=2, default=str)
         return out
+
+    # ----------------------------------------------------------------- TRL script surface
+    # What TRL's example scripts call on a trainer besides train()/save_model() (jaxrl.scripting).
+    def _check_script_inputs(self, eval_dataset):
+        # TRL's scripts set model_init_kwargs after the config is built: validate and map it now.
+        self.args.resolve_model_init_kwargs()
+        self.args.check_datasets(has_eval=eval_dataset is not None)
+
+    @property
+    def accelerator(self) -> Any:
+        """The bits of accelerate's `Accelerator` TRL scripts use (`print` on process 0)."""
+        from jaxrl.hub import ScriptAccelerator
+
+        return ScriptAccelerator(self.is_world_process_zero)
+
+    @property
+    def hub_model_id(self) -> str | None:
+        return self.args.hub_model_id
+
+    def push_to_hub(self, commit_message: str | None = "End of training", **kwargs) -> str | None:
+        """Save the final model to `output_dir` and upload it to `args.hub_model_id` (process 0).
+
+        TRL's model-card keywords (`dataset_name`, `tags`, ...) go into the README's metadata."""
+        from jaxrl.hub import push_folder
+
+        self.save_model(self.args.output_dir)
+        if not self.is_world_process_zero:
+            return None
+        return push_folder(self.args, self.args.output_dir, commit_message, card=kwargs)
+
+    def end(self) -> None:
+        """Finish at the end of a script (HF `Trainer.end`): wait for checkpoint writes."""
+        if getattr(self, "_ckpt", None) is not None:
+            self._ckpt.wait_until_finished()
 
 
 def _quantization_scheme(quantization_config: Any) -> str | None:

@@ -99,6 +99,19 @@ def num_pair_tokens(mb: dict) -> jax.Array:
     return jnp.sum(mb["attention_mask"])
 
 
+def _sft_term(mb: dict, logps_c_B: jax.Array, n_pairs: jax.Array, n_chosen: jax.Array):
+    """Per-pair share of the `sft` loss: the chosen tokens' NLL averaged over every chosen token
+    of the optimizer step's batch (RPO, TRL's `loss_type="sft"`).
+
+    The step divides the summed per-pair losses by the step's pair count, so each pair's NLL is
+    scaled by pairs/tokens of the whole step (carried in by `_collate_micro`), which keeps the
+    loss independent of `gradient_accumulation_steps`. Eval batches carry no step totals and use
+    their own counts."""
+    if "step_chosen_tokens" in mb:
+        n_pairs, n_chosen = jnp.sum(mb["step_pairs"]), jnp.sum(mb["step_chosen_tokens"])
+    return -logps_c_B * n_pairs / jnp.maximum(n_chosen, 1)
+
+
 class DPOTrainer(Trainer):
     """Direct preference optimisation (TRL `DPOTrainer` API; `args` is a `DPOConfig`)."""
 
@@ -210,6 +223,21 @@ class DPOTrainer(Trainer):
             )
         return batch
 
+    def _collate_micro(self, examples: list[dict], accum: int) -> dict[str, np.ndarray]:
+        batch_A = super()._collate_micro(examples, accum)
+        if "sft" in self.args.loss_type:
+            # Each row carries an equal share of this host's step totals, so summing a micro-batch
+            # over the (global) batch axis on device gives the step's totals over all hosts.
+            if "chosen_mask" in batch_A:
+                chosen_AB = batch_A["chosen_mask"].sum(-1)
+            else:
+                chosen_AB = batch_A["loss_mask"][:, :, 0].sum(-1)
+            rows = chosen_AB.shape[1]
+            shape = chosen_AB.shape
+            batch_A["step_chosen_tokens"] = np.full(shape, chosen_AB.sum() / rows, np.float32)
+            batch_A["step_pairs"] = np.full(shape, chosen_AB.size / rows, np.float32)
+        return batch_A
+
     # ----------------------------------------------------------------- reference model
     def _frozen_params(self, params: Any) -> dict[str, Any]:
         if not self.uses_ref_params:
@@ -267,13 +295,16 @@ class DPOTrainer(Trainer):
                 ref_c, ref_r = jnp.zeros_like(logps_c), jnp.zeros_like(logps_r)
             else:
                 ref_c, ref_r = self._ref_pair_logps(state, mb)
+            weights = a.loss_weights or [1.0] * len(loss_types)
+            pair_types = [(t, w) for t, w in zip(loss_types, weights, strict=True) if t != "sft"]
             losses_B, cr_B, rr_B = dpo_multi_loss(
                 logps_c,
                 logps_r,
                 ref_c,
                 ref_r,
-                loss_types=loss_types,
-                loss_weights=a.loss_weights,
+                # A pure-sft run still needs the rewards for its metrics: weight-0 sigmoid term.
+                loss_types=[t for t, _ in pair_types] or ["sigmoid"],
+                loss_weights=[w for _, w in pair_types] or [0.0],
                 beta=a.beta,
                 label_smoothing=a.label_smoothing,
                 chosen_lengths=out["tokens/chosen"],
@@ -284,6 +315,9 @@ class DPOTrainer(Trainer):
             w_B = mb["example_mask"] if "example_mask" in mb else jnp.ones_like(losses_B)
             n = jnp.sum(w_B)
             n_c, n_r = jnp.sum(out["tokens/chosen"] * w_B), jnp.sum(out["tokens/rejected"] * w_B)
+            sft_weight = sum(w for t, w in zip(loss_types, weights, strict=True) if t == "sft")
+            if sft_weight:
+                losses_B = losses_B + sft_weight * _sft_term(mb, logps_c, n, n_c)
             loss_sum = jnp.sum(losses_B * w_B)
             sums = {
                 "loss": loss_sum,

@@ -104,6 +104,10 @@ class TrainLoop:
             from jaxrl.callbacks.wandb import WandbCallback
 
             cbs.append(WandbCallback())
+        if "tensorboard" in report:
+            from jaxrl.callbacks.tensorboard import TensorBoardCallback
+
+            cbs.append(TensorBoardCallback())
         if not self.args.disable_tqdm:
             from jaxrl.callbacks.progress import RichProgressCallback
 

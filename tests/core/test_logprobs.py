@@ -144,3 +144,22 @@ def test_sharded_batch_and_vocab_equal_unsharded():
     np.testing.assert_allclose(logps, ref, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(stats["entropy"], ref_stats["entropy"], atol=1e-5, rtol=1e-5)
     assert logps.sharding.spec[0] == "data"
+
+
+@pytest.mark.parametrize(
+    "seq_len, chunk_size, num_chunks, chunk",
+    [(129, 128, 2, 65), (128, 128, 1, 128), (300, 128, 3, 100), (5, 128, 1, 5), (13, 4, 4, 4)],
+)
+def test_chunks_are_balanced(seq_len, chunk_size, num_chunks, chunk):
+    """ceil(T / chunk_size) chunks of ceil(T / num_chunks): a 129-token row is 2 x 65, not
+    2 x 128 (which would compute almost twice the logits)."""
+    hidden = jnp.ones((1, seq_len, D))
+    targets = jnp.zeros((1, seq_len), jnp.int32)
+    jaxpr = jax.make_jaxpr(
+        lambda h: token_logprobs(h, jnp.ones((D, V)), targets, chunk_size=chunk_size)
+    )(hidden)
+    scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(scans) == 1
+    assert scans[0].params["length"] == num_chunks
+    hidden_chunks = [v.aval.shape for v in scans[0].invars if v.aval.shape[-1:] == (D,)]
+    assert hidden_chunks == [(num_chunks, 1, chunk, D)]

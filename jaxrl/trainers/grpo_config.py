@@ -1,0 +1,97 @@
+"""`GRPOConfig`: TRL 1.16's `GRPOConfig` fields and defaults for `GRPOTrainer`.
+
+The shared generation/batching fields live in `OnPolicyConfig`; this file adds the GRPO loss
+fields. Fields for features jaxrl does not implement (adaptive entropy bonus, tool calling,
+vLLM importance-sampling correction) are accepted at their defaults and rejected otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxrl.config import ConfigError
+from jaxrl.losses.grpo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, resolve_scale_rewards
+from jaxrl.trainers.onpolicy_config import OnPolicyConfig
+
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+_UNSUPPORTED_GRPO = {
+    "entropy_coef": (0.0, "the entropy bonus is not implemented"),
+    "use_adaptive_entropy": (False, "the adaptive entropy bonus is not implemented"),
+    "entropy_coef_min": (0.0, "the adaptive entropy bonus is not implemented"),
+    "entropy_coef_max": (1.0, "the adaptive entropy bonus is not implemented"),
+    "entropy_coef_delta": (0.005, "the adaptive entropy bonus is not implemented"),
+    "entropy_target": (0.2, "the adaptive entropy bonus is not implemented"),
+    "max_tool_calling_iterations": (None, "tool calling is not implemented"),
+    # The vLLM importance-sampling correction only acts when generating with vLLM.
+    "vllm_importance_sampling_correction": (True, "vLLM is not used"),
+    "vllm_importance_sampling_mode": ("sequence_mask", "vLLM is not used"),
+    "vllm_importance_sampling_clip_max": (3.0, "vLLM is not used"),
+    "vllm_importance_sampling_clip_min": (None, "vLLM is not used"),
+    "vllm_importance_sampling_cap": (None, "vLLM is not used"),
+    "log_completions_hub_repo": (None, "completion logging is not implemented yet"),
+}
+
+
+@dataclass
+class GRPOConfig(OnPolicyConfig):
+    """TRL `GRPOConfig` (1.16): group-relative policy optimisation and its loss variants."""
+
+    num_generations: int = 8
+    max_completion_length: int = 512
+    beta: float = 0.0  # 0: no reference model is built or stored
+    delta: float | None = None
+    sapo_temperature_neg: float = 1.05
+    sapo_temperature_pos: float = 1.0
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    importance_sampling_level: str = "token"
+    multi_objective_aggregation: str = "sum_then_normalize"
+    scale_rewards: str | bool = "group"
+    loss_type: str = "dapo"
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+    use_adaptive_entropy: bool = False
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2
+    max_tool_calling_iterations: int | None = None
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    vllm_importance_sampling_clip_max: float = 3.0
+    vllm_importance_sampling_clip_min: float | None = None
+    vllm_importance_sampling_cap: float | None = None
+    off_policy_mask_threshold: float | None = None
+    use_bias_correction_kl: bool = True
+    log_completions_hub_repo: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, (inactive, why) in _UNSUPPORTED_GRPO.items():
+            value = getattr(self, name)
+            if value != inactive:
+                raise ConfigError(
+                    f"`{name}={value!r}` is not supported by jaxrl ({why}); remove the setting "
+                    f"(default {inactive!r})."
+                )
+        try:
+            self.scale_rewards = resolve_scale_rewards(self.scale_rewards)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for name, choices in (
+            ("loss_type", LOSS_TYPES),
+            ("importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS),
+            ("multi_objective_aggregation", MULTI_OBJECTIVE_AGGREGATIONS),
+        ):
+            if getattr(self, name) not in choices:
+                raise ConfigError(
+                    f"`{name}={getattr(self, name)!r}` is not valid; choose one of {list(choices)}."
+                )
+        if not 0.0 < self.top_entropy_quantile <= 1.0:
+            raise ConfigError(
+                f"`top_entropy_quantile` must be in (0, 1]; got {self.top_entropy_quantile}."
+            )
+        if self.delta is not None and self.delta <= 1.0:
+            raise ConfigError(f"`delta` must be > 1 (a cap on the ratio); got {self.delta}.")

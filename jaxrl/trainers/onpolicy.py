@@ -1,0 +1,525 @@
+"""What the online language-model trainers share (GRPO, RLOO; PPO later): prompts -> sampler ->
+rewards -> advantages -> jitted update.
+
+One loop step is one optimizer update (TRL's `global_step`). As TRL, a generation batch of
+`generation_batch_size` completions (`generation_batch_size / num_generations` prompts, each
+sampled `num_generations` times in one sampler call that prefills the prompt once) serves
+`steps_per_generation * num_iterations` micro-steps: `GenerationBatches` repeats each prompt
+batch that many times (TRL's `RepeatSampler`), the iteration generates and scores when its buffer
+is empty or a new cycle starts (after a resume it regenerates, as TRL when `_buffered_inputs is
+None`; the sampling seed is a function of the generation index, so a resume at a cycle boundary
+replays the same rollouts), shuffles the rows once and then feeds micro-step `m` the slice
+`m % steps_per_generation` as one of the `gradient_accumulation_steps` micro-batches of a single
+jitted `make_train_step` call.
+
+Log-probs: completion tokens only, from `logits / temperature` (TRL), through
+`jaxrl.core.logprobs` (chunked, never a full f32 [B, T, V]). The sampling policy's log-probs are
+the sampler's own when a generation batch spans several optimizer steps with
+`num_iterations == 1`; with `num_iterations > 1` one jitted forward recomputes them, as TRL; when
+generation and update are aligned (the default) the update is on-policy and needs none. A
+subclass supplies `_advantages` (per algorithm) and `_loss_fn`. No algorithm math here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import datasets
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrl import parallel
+from jaxrl.callbacks.base import TrainerCallback
+from jaxrl.callbacks.sync_ref import SyncRefModelCallback
+from jaxrl.config import ConfigError
+from jaxrl.core.logprobs import token_logprobs
+from jaxrl.core.step import make_train_step
+from jaxrl.data.batching import BatchIterator
+from jaxrl.data.formats import is_conversational
+from jaxrl.generation import GenerationConfig, Sampler
+from jaxrl.rewards import (
+    RewardFunc,
+    completions_from_texts,
+    compute_rewards,
+    group_reward_metrics,
+    resolve_reward_weights,
+    reward_func_name,
+)
+from jaxrl.trainers.base import Trainer
+from jaxrl.trainers.onpolicy_config import OnPolicyConfig
+
+logger = logging.getLogger("jaxrl")
+
+PROMPT_IDS = "prompt_ids"  # the tokenized prompt column added by `_prepare_dataset`
+
+
+def completion_logprobs(
+    model: Any,
+    batch: dict[str, jax.Array],
+    *,
+    temperature: float,
+    chunk_size: int,
+    with_stats: bool = False,
+):
+    """Log-probs `[B, C]` of the completion tokens of `prompt + completion` rows.
+
+    `batch`: `input_ids`/`attention_mask` `[B, P + C]` (left-padded prompt, then completion) and
+    `completion_mask` `[B, C]`. Only the C positions that predict completion tokens go through
+    the unembedding, divided by `temperature` as TRL.
+    """
+    ids_BT = batch["input_ids"]
+    n_completion = batch["completion_mask"].shape[1]
+    n_prompt = ids_BT.shape[1] - n_completion
+    h_BTD = model.hidden_states(ids_BT, batch["attention_mask"])
+    h_BCD = h_BTD[:, n_prompt - 1 : n_prompt + n_completion - 1]
+    return token_logprobs(
+        h_BCD,
+        model.unembed_weight(),
+        ids_BT[:, n_prompt:],
+        chunk_size=chunk_size,
+        with_stats=with_stats,
+        temperature=temperature,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What one optimizer step consumes: the prompt batch of generation `generation`, whether
+    this step starts its cycle, and the buffer slice of each micro-step."""
+
+    generation: int
+    starts_cycle: bool
+    examples: list[dict]
+    slices: tuple[int, ...]
+
+
+class GenerationBatches:
+    """Per optimizer step, a `StepPlan` (TRL `RepeatSampler` order); `.skip(n)` for resume."""
+
+    def __init__(
+        self, prompts: BatchIterator, *, generate_every: int, steps_per_generation: int, accum: int
+    ):
+        self.prompts = prompts
+        self.generate_every = generate_every
+        self.steps_per_generation = steps_per_generation
+        self.accum = accum
+        self.step = 0
+
+    def skip(self, n: int) -> None:
+        self.step += n
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> StepPlan:
+        m0 = self.step * self.accum  # first micro-step of this optimizer step
+        generation = m0 // self.generate_every
+        self.step += 1
+        return StepPlan(
+            generation=generation,
+            starts_cycle=m0 % self.generate_every == 0,
+            examples=self.prompts.batch_at(generation),
+            slices=tuple((m0 + j) % self.steps_per_generation for j in range(self.accum)),
+        )
+
+
+class OnPolicyTrainer(Trainer):
+    """Shared online shell; subclasses: `GRPOTrainer`, `RLOOTrainer` (see the module doc)."""
+
+    config_class = OnPolicyConfig
+    _metric_prefix_eval = "eval"
+
+    def __init__(
+        self,
+        model: Any,
+        reward_funcs: RewardFunc | str | Sequence[RewardFunc | str],
+        args: OnPolicyConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        reward_processing_classes: Any = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[optax.GradientTransformation | None, Callable | None] = (None, None),
+    ):
+        args = args if args is not None else self.config_class(output_dir="trainer_output")
+        if not isinstance(args, self.config_class):
+            raise TypeError(f"args must be a {self.config_class.__name__}, got {type(args)}.")
+        callbacks = list(callbacks or [])
+        if args.sync_ref_model:
+            callbacks.append(SyncRefModelCallback())
+        super().__init__(
+            model,
+            args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        a = self.args
+        self.reward_funcs = self._load_reward_funcs(reward_funcs, reward_processing_classes)
+        self.reward_func_names = [reward_func_name(f) for f in self.reward_funcs]
+        self.reward_weights = resolve_reward_weights(a.reward_weights, len(self.reward_funcs))
+        self.generation_batch_size, self.steps_per_generation = a.resolve_generation_batch(self.dp)
+        self.generate_every = self.steps_per_generation * a.num_iterations
+        if self.generate_every % a.gradient_accumulation_steps:
+            raise ConfigError(
+                f"steps_per_generation x num_iterations ({self.generate_every}) must be a "
+                f"multiple of gradient_accumulation_steps ({a.gradient_accumulation_steps}) so "
+                "that no optimizer step spans two generation batches."
+            )
+        eos = self.processing_class.eos_token_id
+        self.generation_config = GenerationConfig(
+            max_new_tokens=a.max_completion_length,
+            do_sample=True,
+            temperature=a.temperature,
+            top_k=a.top_k,
+            top_p=a.top_p,
+            eos_token_id=eos,
+            pad_token_id=self.processing_class.pad_token_id,
+        )
+        self.sampler: Sampler | None = None
+        # The current generation batch (device arrays, rows shuffled): `input_ids`,
+        # `attention_mask`, `completion_mask`, `advantages` and, when used, `old_logps`/`ref_logps`.
+        self.rollout: dict[str, jax.Array] | None = None
+        self._buffer_generation = -1
+        self._buffer_metrics: dict[str, float] = {}
+        self._buffer_tokens = 0.0
+        self._reward_log: dict[str, float] = {}
+
+    # ----------------------------------------------------------------- rewards
+    def _load_reward_funcs(self, reward_funcs, tokenizers) -> list[RewardFunc]:
+        from jaxrl.trainers.reward_scoring import load_reward_model_func
+
+        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        if not funcs:
+            raise ValueError("reward_funcs is empty; pass at least one reward function or model.")
+        if tokenizers is not None and not isinstance(tokenizers, (list, tuple)):
+            tokenizers = [tokenizers]
+        if tokenizers is not None and len(tokenizers) != len(funcs):
+            raise ValueError(
+                f"reward_processing_classes has {len(tokenizers)} entries for {len(funcs)} reward "
+                "functions; give one per reward function (None for callables)."
+            )
+        out = []
+        for i, func in enumerate(funcs):
+            if isinstance(func, str):
+                tok = tokenizers[i] if tokenizers is not None else None
+                out.append(
+                    load_reward_model_func(
+                        func, tokenizer=tok, chat_template_kwargs=self.args.chat_template_kwargs
+                    )
+                )
+            elif callable(func):
+                out.append(func)
+            else:
+                raise TypeError(
+                    f"reward_funcs[{i}] is a {type(func).__name__}; pass a callable "
+                    "(prompts, completions, **kwargs) -> list[float] or a reward model path."
+                )
+        return out
+
+    # ----------------------------------------------------------------- data
+    def _prepare_dataset(self, dataset: Any, split: str) -> datasets.Dataset:
+        dataset = self._load_data(dataset, split)
+        if isinstance(dataset, list):
+            dataset = datasets.Dataset.from_list(dataset)
+        if "prompt" not in dataset.column_names:
+            raise ValueError(
+                f"The {split} dataset has columns {dataset.column_names} but GRPO/RLOO need a "
+                "'prompt' column (a string, or a list of chat messages)."
+            )
+        tok = self.processing_class
+        kwargs = dict(self.args.chat_template_kwargs or {})
+
+        def tokenize(example):
+            prompt = example["prompt"]
+            if is_conversational({"prompt": prompt}):
+                ids = tok.apply_chat_template(
+                    prompt, add_generation_prompt=True, tokenize=True, return_dict=True, **kwargs
+                )["input_ids"]
+            else:
+                ids = tok(text=prompt)["input_ids"]
+            return {PROMPT_IDS: ids}
+
+        return dataset.map(tokenize)
+
+    def _example_lengths(self, dataset: datasets.Dataset) -> list[int]:
+        return [len(ids) for ids in dataset[PROMPT_IDS]]
+
+    def _max_length(self) -> int:
+        return max(self._example_lengths(self.train_dataset or self.eval_dataset) or [1])
+
+    def _prompt_buckets(self) -> list[int] | None:
+        """TRL's `pad_to_multiple_of` as the sampler's prompt buckets (None: powers of two)."""
+        m = self.args.pad_to_multiple_of
+        if m is None:
+            return None
+        return [m * k for k in range(1, math.ceil(self._max_length() / m) + 1)]
+
+    # ----------------------------------------------------------------- sizes and iteration
+    @property
+    def train_batch_size(self) -> int:
+        return (
+            self.args.per_device_train_batch_size * self.dp * self.args.gradient_accumulation_steps
+        )
+
+    @property
+    def prompts_per_generation(self) -> int:
+        return self.generation_batch_size // self.args.num_generations
+
+    def _prompt_iterator(self) -> BatchIterator:
+        return BatchIterator(
+            self.train_dataset,
+            global_batch_size=self.prompts_per_generation,
+            seed=self.args.seed,
+            shuffle=self.args.shuffle_dataset,
+            drop_last=True,
+            collate_fn=list,
+        )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        n_gen = self._prompt_iterator().steps_per_epoch
+        return max(1, n_gen * self.generate_every // self.args.gradient_accumulation_steps)
+
+    def _train_iterator(self) -> GenerationBatches:
+        return GenerationBatches(
+            self._prompt_iterator(),
+            generate_every=self.generate_every,
+            steps_per_generation=self.steps_per_generation,
+            accum=self.args.gradient_accumulation_steps,
+        )
+
+    # ----------------------------------------------------------------- subclass hooks
+    def _advantages(
+        self, rewards_NK: np.ndarray, rollout: dict[str, jax.Array]
+    ) -> tuple[jax.Array, dict[str, float]]:
+        """`(advantages_N, metrics)` of one generation batch (per algorithm)."""
+        raise NotImplementedError
+
+    def _needs_ref(self) -> bool:
+        return self.args.beta != 0.0
+
+    def _kl_in_reward(self) -> bool:
+        """Whether the advantages need the sampling policy's log-probs (RLOO's KL reward)."""
+        return False
+
+    def _needs_old_logps(self) -> bool:
+        """Whether the update needs the sampling policy's log-probs (TRL: when a generation
+        batch spans more than one optimizer step)."""
+        return self.generate_every != self.args.gradient_accumulation_steps
+
+    # ----------------------------------------------------------------- state
+    def _frozen_params(self, params: Any) -> dict[str, Any]:
+        if not self._needs_ref():
+            return {}  # beta == 0: no reference model at all, as TRL
+        return {"ref": jax.tree.map(jnp.copy, params)}
+
+    def _compile(self, state) -> None:
+        a = self.args
+        state_sh = self._state_shardings(state)
+        repl = NamedSharding(self.mesh, P())
+        step = make_train_step(self._loss_fn(), self.tx, self.schedule, self._state_updates())
+        spg = self.steps_per_generation
+
+        def update(state, buffer, slices_A):
+            # Buffer rows [spg * b, ...] -> [spg, b, ...]; micro-step j takes slice slices_A[j].
+            batch_A = jax.tree.map(
+                lambda x: x.reshape(spg, x.shape[0] // spg, *x.shape[1:])[slices_A], buffer
+            )
+            return step(state, batch_A)
+
+        self._jit_train_step = jax.jit(
+            update,
+            in_shardings=(state_sh, None, None),
+            out_shardings=(state_sh, repl),
+            donate_argnums=0,
+        )
+        chunk = a.logprob_chunk_size
+
+        def logps(params, batch):
+            model = self.apply_model(params)
+            return completion_logprobs(model, batch, temperature=a.temperature, chunk_size=chunk)
+
+        self._jit_logps = jax.jit(logps)
+        self.sampler = Sampler(
+            self.graphdef, mesh=self.mesh, rules=self.rules, prompt_buckets=self._prompt_buckets()
+        )
+
+    def _rollout_sharding(self) -> NamedSharding:
+        (batch_axes,) = parallel.logical_to_spec(("batch",), self.rules)
+        return NamedSharding(self.mesh, P(batch_axes))
+
+    # ----------------------------------------------------------------- rollout
+    def _sample(self, params, examples: list[dict], group_size: int, config, seed) -> dict:
+        """Generate `group_size` completions per prompt; host-side decoded texts and rewards."""
+        out = self.sampler(
+            params, [ex[PROMPT_IDS] for ex in examples], config, seed=seed, group_size=group_size
+        )
+        completion_ids_NC = np.asarray(out.completion_ids_BN)
+        mask_NC = np.asarray(out.completion_mask_BN)
+        lengths_N = mask_NC.sum(axis=1)
+        ids_list = [row[:n].tolist() for row, n in zip(completion_ids_NC, lengths_N, strict=True)]
+        stop = set(config.stop_ids)
+        truncated_N = np.array([not ids or ids[-1] not in stop for ids in ids_list])
+        rows = [ex for ex in examples for _ in range(group_size)]
+        prompts = [ex["prompt"] for ex in rows]
+        texts = self.processing_class.batch_decode(ids_list, skip_special_tokens=True)
+        completions = completions_from_texts(prompts, texts)
+        columns = {}
+        if not self.args.remove_unused_columns:
+            skip = ("prompt", PROMPT_IDS)
+            columns = {k: [ex[k] for ex in rows] for k in examples[0] if k not in skip}
+        rewards_NK = compute_rewards(
+            self.reward_funcs,
+            prompts,
+            completions,
+            completion_ids=ids_list,
+            columns=columns,
+            trainer_state=self.state,
+            log_metric=self._log_reward_metric,
+        )
+        return dict(
+            out=out,
+            lengths_N=lengths_N,
+            truncated_N=truncated_N,
+            rewards_NK=rewards_NK,
+            completions=completions,
+        )
+
+    def _log_reward_metric(self, name: str, value: float) -> None:
+        """TRL's `log_metric` hook for reward functions: logged with this generation's metrics."""
+        self._reward_log[name] = float(value)
+
+    def _generate_and_score(self, plan: StepPlan) -> None:
+        """Fill the buffer with one scored, shuffled generation batch (see the module doc)."""
+        a = self.args
+        G = a.num_generations
+        state = self.train_state
+        seed = jax.random.fold_in(jax.random.key(a.seed), plan.generation)
+        self._reward_log = {}
+        s = self._sample(state.params, plan.examples, G, self.generation_config, seed)
+        out = s["out"]
+        completion_mask_NC = out.completion_mask_BN
+        if a.mask_truncated_completions:
+            keep_N1 = jnp.asarray(~s["truncated_N"], completion_mask_NC.dtype)[:, None]
+            completion_mask_NC = completion_mask_NC * keep_N1
+        rollout = {
+            "input_ids": jnp.concatenate([out.prompt_ids_BP, out.completion_ids_BN], axis=1),
+            "attention_mask": jnp.concatenate([out.prompt_mask_BP, out.completion_mask_BN], axis=1),
+            "completion_mask": completion_mask_NC,
+        }
+        if self._needs_old_logps() or self._kl_in_reward():
+            if a.num_iterations > 1:
+                old = self._jit_logps(state.params, rollout)
+            else:  # the sampler's log-probs are the sampling policy's (same temperature)
+                old = out.logprobs_BN
+            rollout["old_logps"] = old
+        if self._needs_ref():
+            rollout["ref_logps"] = self._jit_logps(state.frozen["ref"], rollout)
+        advantages_N, metrics = self._advantages(s["rewards_NK"], rollout)
+        rollout["advantages"] = advantages_N
+        if not self._needs_old_logps():
+            rollout.pop("old_logps", None)
+        metrics.update(self._completion_metrics(s["lengths_N"], s["truncated_N"]))
+        metrics.update(self._reward_log)
+        # TRL shuffles the generation batch once before splitting it into micro-step slices.
+        order = np.random.default_rng([a.seed, plan.generation]).permutation(len(advantages_N))
+        sharding = self._rollout_sharding()
+        self.rollout = {
+            k: jax.device_put(jnp.take(v, jnp.asarray(order), axis=0), sharding)
+            for k, v in rollout.items()
+        }
+        self._buffer_generation = plan.generation
+        self._buffer_metrics = metrics
+        self._buffer_tokens = float(np.asarray(out.prompt_mask_BP).sum() + s["lengths_N"].sum())
+
+    @staticmethod
+    def _completion_metrics(lengths_N: np.ndarray, truncated_N: np.ndarray) -> dict[str, float]:
+        lengths_N = lengths_N.astype(np.float64)
+        term = lengths_N[~truncated_N]
+        term = term if term.size else np.zeros(1)
+        return {
+            "completions/mean_length": float(lengths_N.mean()),
+            "completions/min_length": float(lengths_N.min()),
+            "completions/max_length": float(lengths_N.max()),
+            "completions/clipped_ratio": float(truncated_N.mean()),
+            "completions/mean_terminated_length": float(term.mean()),
+            "completions/min_terminated_length": float(term.min()),
+            "completions/max_terminated_length": float(term.max()),
+        }
+
+    # ----------------------------------------------------------------- the on-policy iteration
+    def _train_iteration(self, plan: StepPlan) -> dict:
+        generated = plan.starts_cycle or self._buffer_generation != plan.generation
+        if generated:
+            self._generate_and_score(plan)
+        slices_A = jnp.asarray(plan.slices, jnp.int32)
+        self.train_state, metrics = self._jit_train_step(self.train_state, self.rollout, slices_A)
+        # Generation metrics ride on every step of their cycle, so the window mean is TRL's mean
+        # over generations; the token count only on the step that generated.
+        metrics = {**metrics, **self._buffer_metrics}
+        metrics["num_tokens"] = self._buffer_tokens if generated else 0.0
+        return metrics
+
+    # ----------------------------------------------------------------- eval
+    def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict:
+        """Reward metrics on the eval prompts: `num_generations_eval` sampled completions per
+        prompt (TRL's eval generation), plus greedy decoding (`<prefix>_greedy/...`: one
+        completion per prompt, e.g. exact-match accuracy for a correctness reward)."""
+        self._ensure_state()
+        a = self.args
+        ds = (
+            self.eval_dataset
+            if eval_dataset is None
+            else self._prepare_dataset(eval_dataset, "eval")
+        )
+        if ds is None:
+            raise ValueError("evaluate() needs an eval_dataset.")
+        G = a.num_generations_eval or a.num_generations
+        per_batch = max(1, a.per_device_eval_batch_size * self.dp // G)
+        greedy = dataclasses.replace(self.generation_config, do_sample=False)
+        sampled: list[dict] = []
+        greedy_rewards = []
+        rows = [ds[i] for i in range(len(ds))]
+        for b, start in enumerate(range(0, len(rows), per_batch)):
+            examples = rows[start : start + per_batch]
+            seed = jax.random.fold_in(jax.random.key(a.seed + 1), b)
+            s = self._sample(self.train_state.params, examples, G, self.generation_config, seed)
+            sampled.append(s)
+            g = self._sample(self.train_state.params, examples, 1, greedy, seed)
+            greedy_rewards.append(g["rewards_NK"])
+        rewards_NK = np.concatenate([s["rewards_NK"] for s in sampled])
+        metrics = self._reward_summary(rewards_NK, G)
+        metrics.update(
+            self._completion_metrics(
+                np.concatenate([s["lengths_N"] for s in sampled]),
+                np.concatenate([s["truncated_N"] for s in sampled]),
+            )
+        )
+        greedy_NK = np.concatenate(greedy_rewards)
+        weighted = np.nansum(greedy_NK * self.reward_weights[None], axis=1)
+        metrics["greedy/reward"] = float(np.mean(weighted))
+        for i, name in enumerate(self.reward_func_names):
+            metrics[f"greedy/rewards/{name}/mean"] = float(np.nanmean(greedy_NK[:, i]))
+        metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
+        self.log(metrics)
+        self._event("on_evaluate", metrics=metrics)
+        return metrics
+
+    def _reward_summary(self, rewards_NK: np.ndarray, group_size: int) -> dict[str, float]:
+        """Reward metrics without advantages (eval): TRL's names over scorable completions."""
+        grouped = np.nansum(rewards_NK * self.reward_weights[None], axis=1).reshape(-1, group_size)
+        is_std_zero = np.isclose(grouped.std(axis=1, ddof=1) if group_size > 1 else 0.0, 0.0)
+        return group_reward_metrics(
+            rewards_NK, self.reward_weights, self.reward_func_names, np.atleast_1d(is_std_zero)
+        )

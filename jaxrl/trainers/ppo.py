@@ -1,0 +1,843 @@
+"""`PPOTrainer` with TRL v0.7.2's API: `step(queries, responses, scores, response_masks=None)`
+runs one PPO step (rollout forward, rewards, GAE, the epochs x minibatches update) and returns
+TRL's stats dict.
+
+Host side here: input checks, padding, the response masks of TRL's `batched_forward_pass`,
+stats formatting, the KL-controller update and logging. Everything that touches parameters is
+jitted (`core.onpolicy`): one forward pass of policy and reference over the rollout, then the
+whole optimisation phase as one call with the train state donated.
+
+Differences from TRL v0.7.2, all deliberate:
+- `max_grad_norm` clips every optimizer update. TRL passes a one-shot `filter` iterator to
+  `clip_grad_norm_`, so only its first update is ever clipped.
+- `response_masks` are applied to the response tokens for left padding too (TRL offsets them
+  wrongly when the batch is left-padded).
+- Positions are `cumsum(attention_mask) - 1`; with right padding (the default) this equals what
+  TRL's models used; with left padding transformers 4.36 used plain `arange` positions.
+- The reference keeps only the LM (a value head is never needed for log-probs).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxrl.core import rl
+from jaxrl.core.logprobs import token_logprobs
+from jaxrl.core.onpolicy import (
+    UPDATE_SCALARS,
+    make_ppo_loss_fn,
+    make_ppo_update,
+    make_rollout_forward,
+)
+from jaxrl.core.state import TrainState
+from jaxrl.losses.ppo import ppo_loss
+from jaxrl.models.gpt2 import GPT2ForCausalLM
+from jaxrl.models.heads import CausalLMWithValueHead
+from jaxrl.models.hf import AutoModelForCausalLMWithValueHead, from_pretrained, save_pretrained
+from jaxrl.models.llama import LlamaForCausalLM
+from jaxrl.trainers.ppo_config import PPOConfig
+
+WANDB_PADDING = -1  # TRL's fill value for NaN advantages in the logged arrays
+LM_TYPES = (GPT2ForCausalLM, LlamaForCausalLM)
+# Columns TRL keeps with remove_unused_columns: the value-head model's forward arguments
+# (input_ids, past_key_values, attention_mask) plus its logging columns.
+SIGNATURE_COLUMNS = ("input_ids", "past_key_values", "attention_mask", "label", "query", "response")
+
+MODEL_CARD_TEMPLATE = """---
+license: apache-2.0
+tags:
+- trl
+- jaxrl
+- reinforcement-learning
+---
+
+# {model_name}
+
+This is a language model fine-tuned with reinforcement learning (PPO) using jaxrl, a JAX port of
+[TRL](https://github.com/huggingface/trl), to guide the model outputs according to a value,
+function, or human feedback. The model can be used for text generation.
+
+## Usage
+
+```python
+from transformers import pipeline
+
+generator = pipeline("text-generation", model="{model_id}")
+outputs = generator("Hello, my llama is cute")
+```
+
+To get the value-head outputs as well, load it with
+`trl.AutoModelForCausalLMWithValueHead.from_pretrained("{model_id}")` or
+`jaxrl.AutoModelForCausalLMWithValueHead.from_pretrained("{model_id}")`.
+"""
+
+
+def _as_1d_ints(x: Any, name: str) -> np.ndarray:
+    arr = np.asarray(x.detach().cpu() if hasattr(x, "detach") else x)
+    if arr.ndim != 1:
+        raise ValueError(
+            f"Each element of {name} must be a 1-D token tensor, got shape {arr.shape}."
+        )
+    return arr.astype(np.int64)
+
+
+def _learning_rate_hyperparams(opt_state: Any) -> list[Any]:
+    """The `inject_hyperparams` states in `opt_state` that expose a `learning_rate`."""
+    found = []
+
+    def visit(node):
+        if hasattr(node, "hyperparams") and "learning_rate" in node.hyperparams:
+            found.append(node)
+        elif isinstance(node, tuple | list):
+            for child in node:
+                visit(child)
+
+    visit(opt_state)
+    return found
+
+
+def _with_learning_rate(opt_state: Any, lr: jax.Array) -> Any:
+    def replace(node):
+        if hasattr(node, "hyperparams") and "learning_rate" in node.hyperparams:
+            hyper = dict(node.hyperparams)
+            hyper["learning_rate"] = jnp.asarray(lr, hyper["learning_rate"].dtype)
+            return node._replace(hyperparams=hyper)
+        if isinstance(node, tuple) and not hasattr(node, "_fields"):
+            return tuple(replace(c) for c in node)
+        if isinstance(node, list):
+            return [replace(c) for c in node]
+        return node
+
+    return replace(opt_state)
+
+
+def _masked_updates(mask: Any) -> optax.GradientTransformation:
+    """Multiply updates by a 0/1 tree (frozen shared layers get exactly zero change)."""
+
+    def init(params):
+        del params
+        return optax.EmptyState()
+
+    def update(updates, state, params=None):
+        del params
+        return jax.tree.map(lambda u, m: u * m.astype(u.dtype), updates, mask), state
+
+    return optax.GradientTransformation(init, update)
+
+
+def _trainable_mask(params: Any, num_shared_layers: int | None, model_config: Any) -> Any:
+    """1/0 per param element: 0 for the embeddings and the first `num_shared_layers`
+    layers (TRL freezes every parameter before the first one of layer n)."""
+    if num_shared_layers is None:
+        return None
+    num_layers = model_config.num_layers
+    if not 0 <= num_shared_layers < num_layers:
+        raise ValueError(
+            f"num_shared_layers={num_shared_layers} has no layer to start the unshared part "
+            f"(the model has {num_layers} layers): TRL's layer pattern could not be matched."
+        )
+    scan = model_config.scan_layers
+
+    def leaf_mask(path, x):
+        names = [getattr(p, "key", getattr(p, "idx", getattr(p, "name", p))) for p in path]
+        names = [n for n in names if n != "value"]
+        if names[0] != "pretrained_model":
+            return jnp.ones((), jnp.float32)  # the value head comes after every layer
+        if any(n in ("wte", "wpe", "embed_tokens") for n in names):
+            return jnp.zeros((), jnp.float32)
+        for i, n in enumerate(names):
+            if n in ("h", "layers") and i + 1 < len(names):
+                if scan:  # stacked layers: a per-layer row mask
+                    rows = (jnp.arange(x.shape[0]) >= num_shared_layers).astype(jnp.float32)
+                    return rows.reshape(-1, *([1] * (x.ndim - 1)))
+                return jnp.asarray(float(int(names[i + 1]) >= num_shared_layers))
+        return jnp.ones((), jnp.float32)
+
+    return jax.tree_util.tree_map_with_path(leaf_mask, params)
+
+
+class _EpochLoader:
+    """TRL's dataloader contract: `for batch in loader` is one shuffled epoch of full batches
+    (`drop_last`), a new order each epoch; `len(loader)` is the batches per epoch."""
+
+    def __init__(self, iterator: Any):
+        self._it = iterator
+
+    def __len__(self) -> int:
+        return self._it.steps_per_epoch
+
+    def __iter__(self):
+        for _ in range(len(self)):
+            yield next(self._it)
+
+
+class PPOTrainer:
+    """Proximal Policy Optimisation of a causal LM with a value head (TRL v0.7.2 API).
+
+    `model`: a `CausalLMWithValueHead` or a path / Hub id (an HF directory, with or without
+    TRL's `v_head.summary.*` keys). `ref_model`: None (a frozen copy of the policy LM), a path, a
+    jaxrl causal LM or value-head model. `num_shared_layers` (only without `ref_model`): the
+    policy's embeddings and first n layers are frozen (TRL's effective semantics; the reference
+    stays a full frozen copy). `optimizer`: an optax transformation (default `adam(lr)`, torch
+    Adam without weight decay); `lr_scheduler`: `ppo_step -> lr`, applied once per `step()` as
+    TRL's `lr_scheduler.step()`; it needs an optimizer whose learning rate is injectable
+    (`optax.inject_hyperparams`), which the default is. `ppo/learning_rate` is that injected
+    rate (or `config.learning_rate` for a user optimizer without one).
+    Minibatch order: each epoch draws `np.random.permutation(batch_size)` from NumPy's global
+    generator, seeded with `config.seed` at construction, the same draws as TRL.
+    """
+
+    def __init__(
+        self,
+        config: PPOConfig | None = None,
+        model: Any = None,
+        ref_model: Any = None,
+        tokenizer: Any = None,
+        dataset: Any = None,
+        optimizer: optax.GradientTransformation | None = None,
+        data_collator: Callable | None = None,
+        num_shared_layers: int | None = None,
+        lr_scheduler: Callable[[jax.Array], jax.Array] | None = None,
+    ):
+        if not isinstance(config, PPOConfig):
+            raise ValueError(f"config must be a PPOConfig, got {type(config)}")
+        from jaxrl import set_seed
+
+        set_seed(config.seed)
+        self.config = config
+        config.world_size = jax.process_count()
+        config.global_backward_batch_size = config.backward_batch_size * config.world_size
+        config.global_batch_size = config.batch_size * config.world_size
+        config.is_encoder_decoder = False
+        config.is_peft_model = False
+        self.is_encoder_decoder = False
+        self.is_peft_model = False
+
+        model_path = str(model) if isinstance(model, str | os.PathLike) else None
+        policy = self._load_policy(model)
+        self.tokenizer = self._load_tokenizer(tokenizer, model_path)
+        ref_lm = self._reference(policy, ref_model, num_shared_layers)
+
+        self.dataset = dataset
+        self.data_collator = data_collator
+        self.dataloader = None
+        if dataset is not None:
+            self.dataloader = self.prepare_dataloader(dataset, data_collator)
+        elif jax.process_count() > 1:
+            warnings.warn(
+                "No dataset is provided. In a multi-host setting every host must feed step() its "
+                "share of queries itself.",
+                UserWarning,
+                stacklevel=2,
+            )
+
+        self.kl_ctl = (
+            rl.adaptive_kl_controller(config.init_kl_coef, config.target, config.horizon)
+            if config.adap_kl_ctrl
+            else rl.fixed_kl_controller(config.init_kl_coef)
+        )
+        self.lr_scheduler = lr_scheduler
+        self.graphdef, params = nnx.split(policy)
+        self.ref_graphdef, ref_params = nnx.split(ref_lm)
+        if ref_lm is policy.pretrained_model:  # frozen copy: the policy's buffers are donated
+            ref_params = jax.tree.map(jnp.copy, ref_params)
+        shared = num_shared_layers if ref_model is None else None
+        self.tx = self._make_tx(optimizer, params, shared, policy.config)
+        extras = {
+            "kl_ctl": self.kl_ctl.init(),
+            "score_moments": rl.running_moments_init(),
+            "ppo_step": jnp.zeros((), jnp.int32),
+        }
+        self.train_state = jax.jit(
+            lambda p, r, e: TrainState.create(
+                p, self.tx, seed=config.seed, frozen={"ref": r}, extras=e
+            )
+        )(params, ref_params, extras)
+        if lr_scheduler is not None and not _learning_rate_hyperparams(self.train_state.opt_state):
+            raise ValueError(
+                "lr_scheduler needs an optimizer with an injectable learning rate: build it as "
+                "optax.inject_hyperparams(optax.adam)(learning_rate=...)."
+            )
+        self._compile()
+        self.current_step = 0
+        self.log_history: list[dict] = []
+
+    # ------------------------------------------------------------------ setup
+    def _load_policy(self, model: Any) -> CausalLMWithValueHead:
+        if isinstance(model, str | os.PathLike):
+            return AutoModelForCausalLMWithValueHead.from_pretrained(model, seed=self.config.seed)
+        if isinstance(model, CausalLMWithValueHead):
+            return model
+        raise ValueError(
+            "model must be a jaxrl CausalLMWithValueHead or a path / Hub id of an HF causal LM "
+            f"(value head keys optional), got {type(model).__name__}. Load one with "
+            "jaxrl.AutoModelForCausalLMWithValueHead.from_pretrained(...)."
+        )
+
+    def _load_tokenizer(self, tokenizer: Any, model_path: str | None) -> Any:
+        if tokenizer is None:
+            if model_path is None:
+                raise ValueError("tokenizer is required when model is not a path.")
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+        if getattr(tokenizer, "pad_token_id", None) is None:
+            raise ValueError(
+                "The tokenizer has no pad token; set one (e.g. tokenizer.pad_token = "
+                "tokenizer.eos_token), as TRL's collator needs it to pad queries + responses."
+            )
+        return tokenizer
+
+    def _reference(self, policy: CausalLMWithValueHead, ref_model: Any, num_shared_layers):
+        if ref_model is None:
+            return policy.pretrained_model
+        if num_shared_layers is not None:
+            warnings.warn(
+                "num_shared_layers is ignored when ref_model is provided. Two different models "
+                "are used for the model and the reference model and no layers are shared.",
+                UserWarning,
+                stacklevel=3,
+            )
+        if isinstance(ref_model, str | os.PathLike):
+            return from_pretrained(ref_model)
+        if isinstance(ref_model, CausalLMWithValueHead):
+            return ref_model.pretrained_model
+        if isinstance(ref_model, LM_TYPES):
+            return ref_model
+        raise ValueError(
+            "ref_model must be None, a path, or a jaxrl causal LM / CausalLMWithValueHead, got "
+            f"{type(ref_model).__name__}."
+        )
+
+    def _make_tx(
+        self, optimizer, params, num_shared_layers, model_config
+    ) -> optax.GradientTransformation:
+        c = self.config
+        inner = (
+            optimizer
+            if optimizer is not None
+            else optax.inject_hyperparams(optax.adam)(learning_rate=c.learning_rate)
+        )
+        parts = []
+        mask = _trainable_mask(params, num_shared_layers, model_config)
+        if mask is not None:
+            parts.append(_masked_updates(mask))
+        if c.max_grad_norm is not None:
+            parts.append(optax.clip_by_global_norm(c.max_grad_norm))
+        parts.append(inner)
+        if mask is not None:  # also after: a user optimizer may decay weights
+            parts.append(_masked_updates(mask))
+        return optax.chain(*parts)
+
+    def _compile(self) -> None:
+        c = self.config
+        apply_policy = lambda p: nnx.merge(self.graphdef, p)  # noqa: E731
+        apply_ref = lambda p: nnx.merge(self.ref_graphdef, p)  # noqa: E731
+        forward = make_rollout_forward(apply_policy, apply_ref, kl_kind=c.kl_penalty)
+        fbs = c.mini_batch_size
+
+        def rollout(params, ref_params, input_ids_BL, attention_mask_BL):
+            # TRL's forward batches of mini_batch_size rows, one after the other.
+            B, L = input_ids_BL.shape
+            chunks = lambda x: x.reshape(B // fbs, fbs, L)  # noqa: E731
+            out = jax.lax.map(
+                lambda xs: forward(params, ref_params, *xs),
+                (chunks(input_ids_BL), chunks(attention_mask_BL)),
+            )
+            return jax.tree.map(lambda x: x.reshape(B, *x.shape[2:]), out)
+
+        self._jit_rollout = jax.jit(rollout)
+
+        def rewards(scores_B, moments, kl_BT, mask_BT, kl_coef):
+            scores_B, moments = rl.scale_scores(
+                scores_B,
+                moments,
+                use_score_scaling=c.use_score_scaling,
+                use_score_norm=c.use_score_norm,
+                score_clip=c.score_clip,
+            )
+            r, nsr = rl.compute_rewards(scores_B, kl_BT, mask_BT, kl_coef)
+            return scores_B, moments, r, nsr
+
+        self._jit_rewards = jax.jit(rewards)
+        self._jit_advantages = jax.jit(
+            lambda v, r, m: rl.compute_advantages(
+                v, r, m, gamma=c.gamma, lam=c.lam, whiten_rewards=c.whiten_rewards
+            )
+        )
+        loss_fn = make_ppo_loss_fn(
+            apply_policy,
+            cliprange=c.cliprange,
+            cliprange_value=c.cliprange_value,
+            vf_coef=c.vf_coef,
+            ratio_threshold=c.ratio_threshold,
+        )
+        update = make_ppo_update(
+            loss_fn,
+            self.tx,
+            batch_size=c.batch_size,
+            mini_batch_size=c.mini_batch_size,
+            gradient_accumulation_steps=c.gradient_accumulation_steps,
+            early_stopping=c.early_stopping,
+            target_kl=c.target_kl,
+        )
+        scheduler = self.lr_scheduler
+
+        def optimise(state: TrainState, rollout_B: dict, perms_EB: jax.Array):
+            if scheduler is not None:  # TRL steps its scheduler once per PPO step
+                lr = scheduler(state.extras["ppo_step"])
+                state = state.replace(opt_state=_with_learning_rate(state.opt_state, lr))
+            return update(state, rollout_B, perms_EB)
+
+        self._jit_optimise = jax.jit(optimise, donate_argnums=0)
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def model(self) -> CausalLMWithValueHead:
+        """The policy bound to the current params (rebuilt after each step: the state is
+        donated, so do not keep it across `step()` calls)."""
+        return nnx.merge(self.graphdef, self.train_state.params)
+
+    @property
+    def ref_model(self) -> Any:
+        """The frozen reference LM."""
+        return nnx.merge(self.ref_graphdef, self.train_state.frozen["ref"])
+
+    @property
+    def kl_coef(self) -> float:
+        """The KL coefficient the next `step()` uses (TRL `kl_ctl.value`)."""
+        return float(self.train_state.extras["kl_ctl"].value)
+
+    def prepare_dataloader(self, dataset: Any, data_collator: Callable | None = None):
+        """TRL's dataloader: shuffled batches of `config.batch_size` rows, last partial batch
+        dropped, columns the model does not use removed (`remove_unused_columns`).
+        `data_collator` receives the list of row dicts; the default returns a dict of lists
+        (what TRL's examples pass as `collator`)."""
+        import datasets
+
+        from jaxrl.data.batching import BatchIterator
+
+        if isinstance(dataset, datasets.Dataset) and self.config.remove_unused_columns:
+            unused = [c for c in dataset.column_names if c not in SIGNATURE_COLUMNS]
+            dataset = dataset.remove_columns(unused)
+
+        def dict_of_lists(rows: list[dict]) -> dict[str, list]:
+            return {k: [r[k] for r in rows] for k in rows[0]}
+
+        iterator = BatchIterator(
+            dataset,
+            global_batch_size=self.config.batch_size * jax.process_count(),
+            seed=self.config.seed,
+            collate_fn=data_collator or dict_of_lists,
+            shuffle=True,
+            drop_last=True,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+        return _EpochLoader(iterator)
+
+    def _step_safety_checker(self, batch_size, queries, responses, scores, masks=None):
+        for name, seq in (("queries", queries), ("responses", responses), ("scores", scores)):
+            if not isinstance(seq, list):
+                raise ValueError(f"{name} must be a list of tensors - got {type(seq)}")
+            if batch_size is not None and len(seq) != batch_size:
+                raise ValueError(
+                    f"Batch size ({batch_size}) does not match number of examples - but got "
+                    f"{len(seq)} for: {name}"
+                )
+        queries = [_as_1d_ints(q, "queries") for q in queries]
+        responses = [_as_1d_ints(r, "responses") for r in responses]
+        flat_scores = []
+        for s in scores:
+            arr = np.asarray(s.detach().cpu() if hasattr(s, "detach") else s, np.float32)
+            if arr.ndim > 1:
+                raise ValueError(f"Scores must be 1-dimensional - got {arr.ndim} for {s}")
+            if arr.size != 1:
+                raise ValueError(f"Each score must hold one value, got {arr.size} for {s}")
+            flat_scores.append(arr.reshape(()))
+        if masks is not None:
+            if not isinstance(masks, list) or len(masks) != len(responses):
+                raise ValueError("response_masks must be a list with one mask per response.")
+            masks = [_as_1d_ints(m, "response_masks") for m in masks]
+            for m, r in zip(masks, responses, strict=True):
+                if len(m) != len(r):
+                    raise ValueError(
+                        f"A response mask has length {len(m)} but its response has {len(r)}."
+                    )
+        return queries, responses, np.stack(flat_scores), masks
+
+    def prepare_model_inputs(self, queries: Sequence, responses: Sequence) -> dict[str, np.ndarray]:
+        """`input_ids` (query + response, padded with the tokenizer's pad id on its padding
+        side) and `attention_mask`, as TRL's `DataCollatorForLanguageModeling` makes them."""
+        seqs = [
+            np.concatenate([np.asarray(q), np.asarray(r)])
+            for q, r in zip(queries, responses, strict=True)
+        ]
+        length = max(len(s) for s in seqs)
+        if self.config.pad_to_multiple_of:
+            length = -(-length // self.config.pad_to_multiple_of) * self.config.pad_to_multiple_of
+        ids = np.full((len(seqs), length), self.tokenizer.pad_token_id, np.int32)
+        mask = np.zeros((len(seqs), length), np.int32)
+        left = getattr(self.tokenizer, "padding_side", "right") == "left"
+        for i, s in enumerate(seqs):
+            sl = slice(length - len(s), length) if left else slice(0, len(s))
+            ids[i, sl] = s
+            mask[i, sl] = 1
+        return {"input_ids": ids, "attention_mask": mask}
+
+    @staticmethod
+    def _response_mask(queries, responses, attention_mask_BL, response_masks) -> np.ndarray:
+        """TRL's loss mask `[B, L - 1]`: position t is 1 iff token t + 1 is a response token
+        (and, with `response_masks`, that token's mask is 1)."""
+        B, L = attention_mask_BL.shape
+        masks = np.zeros((B, L), np.float32)
+        masks[:, :-1] = attention_mask_BL[:, 1:]
+        for j in range(B):
+            start = len(queries[j]) - 1
+            if attention_mask_BL[j, 0] == 0:  # left padding
+                start += int(np.argmax(attention_mask_BL[j]))
+            end = start + len(responses[j])
+            masks[j, :start] = 0
+            masks[j, end:] = 0
+            if response_masks is not None:
+                masks[j, start:end] *= response_masks[j]
+        return masks[:, :-1]
+
+    def step(
+        self,
+        queries: list,
+        responses: list,
+        scores: list,
+        response_masks: list | None = None,
+    ) -> dict[str, Any]:
+        """One PPO step on a batch of `config.batch_size` (query, response, score) triples;
+        returns TRL's stats (see `record_step_stats`, plus `ppo/learning_rate` and `time/ppo/*`)."""
+        c = self.config
+        queries, responses, scores_B, response_masks = self._step_safety_checker(
+            c.batch_size, queries, responses, scores, response_masks
+        )
+        timing = {}
+        t0 = time.time()
+        t = time.time()
+        inputs = self.prepare_model_inputs(queries, responses)
+        mask_BT = jnp.asarray(
+            self._response_mask(queries, responses, inputs["attention_mask"], response_masks)
+        )
+        state = self.train_state
+        fwd = self._jit_rollout(
+            state.params, state.frozen["ref"], inputs["input_ids"], inputs["attention_mask"]
+        )
+        jax.block_until_ready(fwd)
+        timing["time/ppo/forward_pass"] = time.time() - t
+
+        t = time.time()
+        kl_coef = state.extras["kl_ctl"].value
+        kl_coef_used = float(kl_coef)  # read now: the state is donated to the update below
+        scores_B, moments, rewards_BT, non_score_BT = self._jit_rewards(
+            jnp.asarray(scores_B), state.extras["score_moments"], fwd["kl"], mask_BT, kl_coef
+        )
+        jax.block_until_ready(rewards_BT)
+        timing["time/ppo/compute_rewards"] = time.time() - t
+        t = time.time()
+        values_BT, advantages_BT, returns_BT = self._jit_advantages(
+            fwd["values"], rewards_BT, mask_BT
+        )
+        jax.block_until_ready(returns_BT)
+        timing["time/ppo/compute_advantages"] = time.time() - t
+
+        t = time.time()
+        rollout = {
+            "input_ids": jnp.asarray(inputs["input_ids"]),
+            "attention_mask": jnp.asarray(inputs["attention_mask"]),
+            "old_logprobs": fwd["logprobs"],
+            "values": values_BT,
+            "mask": mask_BT,
+            "advantages": advantages_BT,
+            "returns": returns_BT,
+        }
+        # TRL draws one permutation per epoch it runs from NumPy's global generator; we draw
+        # all epochs up front and afterwards rewind to consume exactly as many as ran.
+        rng_state = np.random.get_state()
+        perms = np.stack([np.random.permutation(c.batch_size) for _ in range(c.ppo_epochs)])
+        lr_used = self._current_learning_rate()
+        self.train_state = self.train_state.replace(
+            extras={**state.extras, "score_moments": moments}
+        )
+        self.train_state, out = self._jit_optimise(
+            self.train_state, rollout, jnp.asarray(perms, jnp.int32)
+        )
+        out = jax.device_get(out)
+        timing["time/ppo/optimize_step"] = time.time() - t
+        np.random.set_state(rng_state)
+        for _ in range(int(np.sum(out["epoch_ran"]))):
+            np.random.permutation(c.batch_size)
+
+        t = time.time()
+        train_stats = self._train_stats(out)
+        stats = self.record_step_stats(
+            kl_coef=kl_coef_used,
+            scores=np.asarray(scores_B),
+            logprobs=np.asarray(fwd["logprobs"]),
+            ref_logprobs=np.asarray(fwd["ref_logprobs"]),
+            non_score_reward=np.asarray(non_score_BT),
+            train_stats=train_stats,
+            masks=np.asarray(mask_BT),
+            queries=queries,
+            responses=responses,
+        )
+        timing["time/ppo/calc_stats"] = time.time() - t
+        stats["ppo/learning_rate"] = lr_used
+        extras = dict(self.train_state.extras)
+        extras["kl_ctl"] = self.kl_ctl.update(
+            extras["kl_ctl"], stats["objective/kl"], c.batch_size * jax.process_count()
+        )
+        extras["ppo_step"] = extras["ppo_step"] + 1
+        self.train_state = self.train_state.replace(extras=extras)
+        timing["time/ppo/total"] = time.time() - t0
+        stats.update(timing)
+        if c.log_with != "wandb":
+            stats = {k: _to_scalar(v) for k, v in stats.items()}
+        return stats
+
+    def _current_learning_rate(self) -> float:
+        hyper = _learning_rate_hyperparams(self.train_state.opt_state)
+        if self.lr_scheduler is not None:
+            return float(self.lr_scheduler(self.train_state.extras["ppo_step"]))
+        if hyper:
+            return float(hyper[0].hyperparams["learning_rate"])
+        return float(self.config.learning_rate)
+
+    def _train_stats(self, out: dict) -> dict[str, np.ndarray]:
+        """Per-mini-batch stats of the epochs that ran, in TRL's order (epoch, backward batch,
+        mini-batch): scalars `[n_minibatches]`, arrays flattened into one row."""
+        ran = np.asarray(out["epoch_ran"], bool)
+        stats = {k: np.asarray(out["sum"][k])[ran].reshape(-1) for k in UPDATE_SCALARS}
+        skipped = int(stats.pop("ratio_skipped").sum())
+        if skipped:
+            warnings.warn(
+                f"{skipped} mini-batch(es) had an average ratio above ratio_threshold="
+                f"{self.config.ratio_threshold:.2f}; their loss was zeroed (batch skipped).",
+                UserWarning,
+                stacklevel=3,
+            )
+        adv = np.asarray(out["arrays"]["policy/advantages"])[ran].reshape(1, -1)
+        stats["policy/advantages"] = np.nan_to_num(adv, nan=WANDB_PADDING)
+        stats["policy/ratio"] = np.asarray(out["arrays"]["policy/ratio"])[ran].reshape(1, -1)
+        return stats
+
+    def record_step_stats(self, kl_coef: float, **data: Any) -> dict[str, Any]:
+        """TRL's step statistics from the rollout and the per-mini-batch train stats."""
+        mask = np.asarray(data.pop("masks"), np.float32)
+        logprobs, ref_logprobs = np.asarray(data["logprobs"]), np.asarray(data["ref_logprobs"])
+        kl_list = ((logprobs - ref_logprobs) * mask).sum(axis=-1)
+        mean_kl = kl_list.mean()
+        mean_entropy = (-logprobs * mask).sum(axis=-1).mean()
+        non_score = np.asarray(data["non_score_reward"])
+        mean_non_score_reward = (non_score * mask).sum() / mask.sum()
+        scores = np.asarray(data["scores"], np.float32)
+        if mean_kl < -1.0:
+            warnings.warn(
+                f"KL divergence is starting to become negative: {mean_kl:.2f} - this might be a "
+                "precursor for failed training. sometimes this happens because the generation "
+                "kwargs are not correctly set. Please make sure that the generation kwargs are "
+                "set correctly, or review your training hyperparameters.",
+                UserWarning,
+                stacklevel=2,
+            )
+        stats: dict[str, Any] = {
+            "objective/kl": float(mean_kl),
+            "objective/kl_dist": kl_list,
+            "objective/logprobs": logprobs,
+            "objective/ref_logprobs": ref_logprobs,
+            "objective/kl_coef": float(kl_coef),
+            "objective/entropy": float(mean_entropy),
+            "ppo/mean_non_score_reward": float(mean_non_score_reward),
+            "ppo/mean_scores": float(scores.mean()),
+            "ppo/std_scores": float(scores.std(ddof=1)) if scores.size > 1 else float("nan"),
+        }
+        query_lens = np.array([len(q) for q in data["queries"]], np.float32)
+        response_lens = np.array([len(r) for r in data["responses"]], np.float32)
+        for name, lens in (("queries", query_lens), ("responses", response_lens)):
+            stats[f"tokens/{name}_len_mean"] = float(lens.mean())
+            stats[f"tokens/{name}_len_std"] = (
+                float(lens.std(ddof=1)) if lens.size > 1 else float("nan")
+            )
+            stats[f"tokens/{name}_dist"] = lens
+        for k, v in data["train_stats"].items():
+            mean = np.mean(np.asarray(v), axis=0)
+            stats[f"ppo/{k}"] = float(mean) if np.ndim(mean) == 0 else mean
+        stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
+        return stats
+
+    def compute_rewards(
+        self, scores: Any, logprobs: Any, ref_logprobs: Any, masks: Any
+    ) -> tuple[jax.Array, jax.Array]:
+        """Per-token `(rewards, non_score_reward)` with the current KL coefficient and
+        `config.kl_penalty` (for "full", `logprobs`/`ref_logprobs` are full log-softmax
+        `[B, T, V]`, as in TRL)."""
+        kl = rl.kl_penalty(jnp.asarray(logprobs), jnp.asarray(ref_logprobs), self.config.kl_penalty)
+        return rl.compute_rewards(
+            jnp.asarray(scores), kl, jnp.asarray(masks), self.train_state.extras["kl_ctl"].value
+        )
+
+    def compute_advantages(
+        self, values: Any, rewards: Any, mask: Any
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`(values, advantages, returns)`: masked GAE with whitened advantages (TRL)."""
+        return self._jit_advantages(jnp.asarray(values), jnp.asarray(rewards), jnp.asarray(mask))
+
+    def loss(
+        self,
+        old_logprobs: Any,
+        values: Any,
+        logits: Any,
+        vpreds: Any,
+        logprobs: Any,
+        mask: Any,
+        advantages: Any,
+        returns: Any,
+    ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """TRL's `loss`: `(pg_loss, vf_coef * vf_loss, stats)` of one mini-batch."""
+        c = self.config
+        entropy = rl.entropy_from_logits(jnp.asarray(logits))
+        total, stats = ppo_loss(
+            old_logprobs, values, logprobs, vpreds, mask, advantages, returns, entropy,
+            cliprange=c.cliprange, cliprange_value=c.cliprange_value, vf_coef=c.vf_coef,
+            ratio_threshold=c.ratio_threshold,
+        )  # fmt: skip
+        del total
+        stats = {k: v for k, v in stats.items() if k != "ratio_skipped"}
+        return stats["loss/policy"], c.vf_coef * stats["loss/value"], stats
+
+    def batched_forward_pass(
+        self,
+        model: Any,
+        queries: list,
+        responses: list,
+        model_inputs: dict,
+        return_logits: bool = False,
+        response_masks: list | None = None,
+    ) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array]:
+        """TRL's `(logprobs, logits or None, values, masks)`, all `[B, L - 1, ...]`, for a
+        value-head model (values) or a plain causal LM (values None). Full logits only with
+        `return_logits` (TRL's API); log-probs are computed without them."""
+        ids = jnp.asarray(model_inputs["input_ids"])
+        attn = jnp.asarray(model_inputs["attention_mask"])
+        queries = [_as_1d_ints(q, "queries") for q in queries]
+        responses = [_as_1d_ints(r, "responses") for r in responses]
+        rmasks = None if response_masks is None else [np.asarray(m) for m in response_masks]
+        masks = jnp.asarray(self._response_mask(queries, responses, np.asarray(attn), rmasks))
+        graphdef, state = nnx.split(model)
+
+        @jax.jit
+        def run(state, ids, attn):
+            m = nnx.merge(graphdef, state)
+            if isinstance(m, CausalLMWithValueHead):
+                logps, values, _ = m.token_logprobs_and_values(ids, attn)
+                lm = m.pretrained_model
+            else:
+                h = m.hidden_states(ids, attn)
+                logps = token_logprobs(h[:, :-1], m.unembed_weight(), ids[:, 1:])
+                values, lm = None, m
+            logits = None
+            if return_logits:
+                h = lm.hidden_states(ids, attn)[:, :-1]
+                logits = jnp.einsum(
+                    "btd,dv->btv", h, lm.unembed_weight(), preferred_element_type=jnp.float32
+                )
+            return logps, logits, values
+
+        logps, logits, values = run(state, ids, attn)
+        return logps, logits, values, masks
+
+    def log_stats(
+        self,
+        stats: dict,
+        batch: dict,
+        rewards: Any,
+        columns_to_log: Sequence[str] = ("query", "response"),
+    ) -> dict[str, Any]:
+        """Add `env/reward_mean`, `env/reward_std` (unbiased) and `env/reward_dist` to `stats`,
+        record them in `log_history`, and send them to wandb with `log_with="wandb"` (with the
+        `game_log` table of `columns_to_log` and rewards). Only process 0 logs; returns the logs."""
+        rewards = np.asarray(
+            [
+                np.asarray(r.detach().cpu() if hasattr(r, "detach") else r, np.float32)
+                for r in rewards
+            ]
+        ).reshape(-1)
+        if jax.process_index() != 0:
+            return {}
+        logs = dict(stats)
+        if "query" not in batch and "response" not in batch:
+            warnings.warn(
+                "The game logs will not be logged because the batch does not contain the keys "
+                "'query' and 'response'.",
+                UserWarning,
+                stacklevel=2,
+            )
+        elif self.config.log_with == "wandb":
+            import wandb
+
+            missing = [c for c in columns_to_log if c not in batch]
+            if missing:
+                raise ValueError(f"Columns to log {missing} are not present in the batch.")
+            rows = [
+                list(r)
+                for r in zip(*[batch[c] for c in columns_to_log], rewards.tolist(), strict=True)
+            ]
+            logs["game_log"] = wandb.Table(columns=[*columns_to_log, "reward"], rows=rows)
+        logs["env/reward_mean"] = float(rewards.mean())
+        logs["env/reward_std"] = float(rewards.std(ddof=1)) if rewards.size > 1 else float("nan")
+        logs["env/reward_dist"] = rewards
+        self.log_history.append({k: v for k, v in logs.items() if k != "game_log"})
+        if self.config.log_with == "wandb":
+            import wandb
+
+            if wandb.run is None:
+                wandb.init(
+                    project=self.config.tracker_project_name,
+                    config={"trl_ppo_trainer_config": self.config.to_dict()},
+                    **self.config.tracker_kwargs.get("wandb", {}),
+                )
+            wandb.log(logs)
+        return logs
+
+    def save_pretrained(self, save_directory: str | Path) -> None:
+        """Policy (LM + value head, TRL's layout), tokenizer and model card."""
+        save_pretrained(self.model, save_directory)
+        if jax.process_index() == 0:
+            self.tokenizer.save_pretrained(str(save_directory))
+            self.create_model_card(str(save_directory))
+
+    def create_model_card(self, path: str, model_name: str | None = "TRL Model") -> None:
+        """Write `README.md` (TRL's card). The model id is `<hub user>/<path>` when the Hub
+        user is known, else `path` (TRL skips the card offline; we still write it)."""
+        try:
+            from huggingface_hub import whoami
+
+            model_id = f"{whoami()['name']}/{path}"
+        except Exception:  # offline or not logged in
+            model_id = path
+        os.makedirs(path, exist_ok=True)
+        card = MODEL_CARD_TEMPLATE.format(model_name=model_name, model_id=model_id)
+        with open(os.path.join(path, "README.md"), "w", encoding="utf-8") as f:
+            f.write(card)
+
+
+def _to_scalar(v: Any) -> Any:
+    """TRL's `convert_to_scalar`: 0-d or one-element arrays become Python floats."""
+    if isinstance(v, np.ndarray | jax.Array) and (v.ndim == 0 or (v.ndim == 1 and v.shape[0] == 1)):
+        return float(np.asarray(v).reshape(()))
+    return v

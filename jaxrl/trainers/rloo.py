@@ -1,0 +1,85 @@
+"""RLOOTrainer: REINFORCE leave-one-out with TRL 1.16 `RLOOTrainer` semantics.
+
+The online shell is `OnPolicyTrainer`; this file supplies RLOO's advantages (reward minus
+`beta` times the sequence-level k1 KL `sum_t log pi_old - log pi_ref`, optionally clipped to
+`reward_clip_range`, minus the leave-one-out baseline, optionally normalised;
+`jaxrl.losses.rloo.rloo_advantages`) and its loss (a PPO-clipped surrogate on the *sequence*
+log-prob ratio, `rloo_loss`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl.losses.rloo import rloo_advantages, rloo_loss, rloo_sequence_kl
+from jaxrl.rewards import group_reward_metrics
+from jaxrl.trainers.onpolicy import OnPolicyTrainer, completion_logprobs
+from jaxrl.trainers.rloo_config import RLOOConfig
+
+
+class RLOOTrainer(OnPolicyTrainer):
+    """TRL `RLOOTrainer` API: `RLOOTrainer(model, reward_funcs, args=RLOOConfig(...), ...)`."""
+
+    config_class = RLOOConfig
+
+    def _kl_in_reward(self) -> bool:
+        return self.args.beta != 0.0
+
+    def _needs_old_logps(self) -> bool:
+        # TRL's RLOO always takes the ratio against the sampling policy's log-probs.
+        return True
+
+    def _advantages(
+        self, rewards_NK: np.ndarray, rollout: dict[str, jax.Array]
+    ) -> tuple[jax.Array, dict[str, float]]:
+        a = self.args
+        metrics: dict[str, float] = {}
+        kl_N = None
+        if a.beta != 0.0:
+            kl_N, kl_aux = rloo_sequence_kl(
+                rollout["old_logps"], rollout["ref_logps"], rollout["completion_mask"]
+            )
+            metrics["kl"] = float(kl_aux["sum"]["kl"] / jnp.maximum(kl_aux["count"]["kl"], 1.0))
+        advantages_N, is_std_zero_P = rloo_advantages(
+            rewards_NK,
+            self.reward_weights,
+            num_generations=a.num_generations,
+            beta=a.beta,
+            kl_N=kl_N,
+            reward_clip_range=a.reward_clip_range,
+            normalize_advantages=a.normalize_advantages,
+        )
+        metrics.update(
+            group_reward_metrics(
+                rewards_NK, self.reward_weights, self.reward_func_names, np.asarray(is_std_zero_P)
+            )
+        )
+        return advantages_N, metrics
+
+    def _loss_fn(self):
+        a = self.args
+        chunk = a.logprob_chunk_size
+
+        def loss_fn(params, state, mb, rng, extras) -> tuple[jax.Array, Any]:
+            model = self.apply_model(params)
+            logps_BC, stats = completion_logprobs(
+                model, mb, temperature=a.temperature, chunk_size=chunk, with_stats=True
+            )
+            mask_BC = mb["completion_mask"]
+            old_B = jnp.sum(mb["old_logps"] * mask_BC, axis=-1)
+            loss_sum, aux = rloo_loss(
+                logps_BC,
+                mb["advantages"],
+                mask_BC,
+                old_logps_B=old_B,
+                epsilon=a.epsilon,
+                epsilon_high=a.epsilon_high,
+                entropies_BT=stats["entropy"],
+            )
+            return loss_sum, (aux, extras)
+
+        return loss_fn

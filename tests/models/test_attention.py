@@ -1,0 +1,246 @@
+"""The attention kernels equal XLA's reference attention (values and gradients) for every mask the
+models build, GQA included, and the blockwise kernel never holds [B, N, T, S] scores."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.models.attention import attend, block_size, blockwise_attention, resolve_impl
+from jaxrl.models.config import config_from_hf
+from jaxrl.models.layers import attention_mask_BTS, dot_product_attention
+from jaxrl.models.presets import get_preset
+
+B, N, H = 2, 4, 8
+
+
+def qkv(seq_len, num_kv, dtype=jnp.float32, seed=0):
+    kq, kk, kv, kw = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(kq, (B, seq_len, N, H), dtype)
+    k = jax.random.normal(kk, (B, seq_len, num_kv, H), dtype)
+    v = jax.random.normal(kv, (B, seq_len, num_kv, H), dtype)
+    w = jax.random.normal(kw, (B, seq_len, N, H), jnp.float32)
+    return q, k, v, w
+
+
+def reference(q, k, v, mask, window):
+    return jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        is_causal=True,
+        local_window_size=None if window is None else (window - 1, 0),
+        implementation="xla",
+    )
+
+
+def padding_mask(seq_len):
+    # Row 0 right-padded by 5, row 1 left-padded by 3.
+    idx = np.arange(seq_len)
+    return jnp.asarray(np.stack([idx < seq_len - 5, idx >= 3]).astype(np.int32))
+
+
+def segment_ids(seq_len):
+    # Two packed documents then padding; a single document.
+    a, b = seq_len // 3, seq_len // 2
+    row0 = [1] * a + [2] * b + [0] * (seq_len - a - b)
+    return jnp.asarray([row0, [1] * seq_len], jnp.int32)
+
+
+def prefix_tree_mask(seq_len):
+    """DPO prefix sharing: prompt (branch 0), chosen (1), rejected (2), padding (-1); a
+    completion sees the prompt and its own branch (causality comes from the kernel)."""
+    p, c = seq_len // 4, seq_len // 3
+    r = seq_len - p - c - 2
+    branch = jnp.asarray([[0] * p + [1] * c + [2] * r + [-1] * 2] * B)
+    visible = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
+    visible &= branch[:, None, :] >= 0
+    return visible[:, None]
+
+
+MASKS = {
+    "causal": lambda t: None,
+    "padding": lambda t: attention_mask_BTS(padding_mask(t), None),
+    "packed": lambda t: attention_mask_BTS(None, segment_ids(t)),
+    "packed_padded": lambda t: attention_mask_BTS(padding_mask(t), segment_ids(t)),
+    "prefix_tree": lambda t: attention_mask_BTS(prefix_tree_mask(t), None),
+}
+
+
+def values_and_grads(fn, q, k, v, w):
+    """fn(q, k, v) and the gradients of sum(fn(q, k, v) * w), in one jitted call."""
+
+    def run(q, k, v, w):
+        out, pullback = jax.vjp(fn, q, k, v)
+        return out, pullback(w.astype(out.dtype))
+
+    return jax.jit(run)(q, k, v, w)
+
+
+def assert_values_and_grads(fn, ref, q, k, v, w, atol):
+    out, grads = values_and_grads(fn, q, k, v, w)
+    ref_out, ref_grads = values_and_grads(ref, q, k, v, w)
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(ref_out, np.float32), atol=atol, rtol=atol
+    )
+    for name, a, b in zip("qkv", grads, ref_grads, strict=True):
+        assert a.dtype == b.dtype, name
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), atol=atol, rtol=atol, err_msg=name
+        )
+
+
+@pytest.mark.parametrize(
+    "mask_kind, num_kv",
+    [(kind, 2) for kind in sorted(MASKS)] + [("causal", 4), ("causal", 1), ("packed_padded", 1)],
+)  # GQA for every mask; MHA (4) and MQA (1)
+def test_blockwise_equals_reference(mask_kind, num_kv):
+    seq_len = 37  # three blocks of 16 (the last partly padding)
+    q, k, v, w = qkv(seq_len, num_kv)
+    mask = MASKS[mask_kind](seq_len)
+    assert_values_and_grads(
+        lambda q, k, v: blockwise_attention(q, k, v, mask, max_block=16),
+        lambda q, k, v: reference(q, k, v, mask, None),
+        q,
+        k,
+        v,
+        w,
+        atol=1e-5,
+    )
+
+
+@pytest.mark.parametrize(
+    "window, mask_kind",
+    [(1, "causal"), (5, "packed_padded"), (16, "causal"), (40, "packed_padded")],
+)  # within a block, across blocks, longer than T
+def test_sliding_window_equals_reference(window, mask_kind):
+    seq_len = 45
+    q, k, v, w = qkv(seq_len, 2, seed=1)
+    mask = MASKS[mask_kind](seq_len)
+    assert_values_and_grads(
+        lambda q, k, v: blockwise_attention(q, k, v, mask, window=window, max_block=8),
+        lambda q, k, v: reference(q, k, v, mask, window),
+        q,
+        k,
+        v,
+        w,
+        atol=1e-5,
+    )
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, 17, 129])
+def test_lengths_not_multiple_of_the_block(seq_len):
+    q, k, v, w = qkv(seq_len, 2, seed=seq_len)
+    mask = MASKS["padding"](seq_len) if seq_len > 8 else None
+    assert_values_and_grads(
+        lambda q, k, v: blockwise_attention(q, k, v, mask, max_block=16),
+        lambda q, k, v: reference(q, k, v, mask, None),
+        q,
+        k,
+        v,
+        w,
+        atol=1e-5,
+    )
+
+
+def test_bf16_within_bf16_tolerance():
+    seq_len = 33
+    q, k, v, w = qkv(seq_len, 2, dtype=jnp.bfloat16, seed=3)
+    mask = MASKS["packed_padded"](seq_len)
+    out = blockwise_attention(q, k, v, mask, max_block=16)
+    assert out.dtype == jnp.bfloat16
+    # Against the f32 reference on the same (bf16-rounded) inputs: bf16 output rounding plus the
+    # bf16 probabilities of the value matmul (which the XLA reference rounds the same way).
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32),
+        jax.jit(reference, static_argnums=4)(*f32, mask, None),
+        atol=2e-2,
+        rtol=2e-2,
+    )
+    assert_values_and_grads(
+        lambda q, k, v: blockwise_attention(q, k, v, mask, max_block=16),
+        lambda q, k, v: reference(q, k, v, mask, None),
+        q,
+        k,
+        v,
+        w,
+        atol=5e-2,
+    )
+
+
+def test_traced_sliding_flag_through_the_layer_dispatch():
+    """Scanned stacks that mix full and sliding layers pass `sliding` as a traced bool."""
+    config = config_from_hf(get_preset("llama-tiny")).replace(
+        sliding_window=6, attention_impl="blockwise"
+    )
+    seq_len = 21
+    q, k, v, _ = qkv(seq_len, 2, seed=4)
+    mask = MASKS["padding"](seq_len)
+    for flag in (True, False):
+        got = jax.jit(lambda q, k, v, s: dot_product_attention(q, k, v, mask, s, config))(
+            q, k, v, jnp.asarray(flag)
+        )
+        want = reference(q, k, v, mask, 6 if flag else None)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+        static = dot_product_attention(q, k, v, mask, flag, config)
+        np.testing.assert_allclose(static, want, atol=1e-5, rtol=1e-5)
+
+
+def test_never_holds_full_scores():
+    batch, seq_len, heads = 2, 1024, 4
+    q = jnp.ones((batch, seq_len, heads, H))
+    k = v = jnp.ones((batch, seq_len, 2, H))
+    scores_bytes = batch * heads * seq_len * seq_len * 4
+
+    def temp_bytes(fn):
+        grad = jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2)))
+        return grad.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
+
+    ref = temp_bytes(lambda q, k, v: reference(q, k, v, None, None))
+    blockwise = temp_bytes(lambda q, k, v: blockwise_attention(q, k, v, None))
+    assert ref >= scores_bytes  # sanity: the reference backward holds the scores
+    # What it does hold: [B, N, block, block] tiles and [B, T, ...] q/k/v-sized buffers.
+    assert blockwise < scores_bytes / 8, (blockwise, scores_bytes)
+
+
+def test_balanced_blocks():
+    assert block_size(128) == 128
+    assert block_size(129) == 72  # 2 blocks of 65, rounded up to a multiple of 8
+    assert block_size(512) == 128
+    assert block_size(37, 16) == 16
+    assert block_size(5) == 5
+
+
+def test_dispatch_defaults_and_forced_impls():
+    q, k, v, _ = qkv(19, 2, seed=5)
+    assert resolve_impl(None, q) == ("cudnn" if jax.default_backend() == "gpu" else "blockwise")
+    assert resolve_impl("xla", q) == "xla"
+    mask = MASKS["packed"](19)
+    want = reference(q, k, v, mask, 4)
+    for impl in (None, "blockwise", "xla"):
+        np.testing.assert_allclose(attend(q, k, v, mask, 4, impl), want, atol=1e-5, rtol=1e-5)
+
+
+def test_self_attention_only():
+    q, k, v, _ = qkv(8, 2)
+    with pytest.raises(ValueError, match="self-attention"):
+        blockwise_attention(q, k[:, :4], v[:, :4])
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention needs a GPU")
+@pytest.mark.parametrize("mask_kind", sorted(MASKS))
+def test_cudnn_equals_reference(mask_kind):
+    seq_len = 64
+    q, k, v, w = qkv(seq_len, 2, dtype=jnp.bfloat16, seed=6)
+    mask = MASKS[mask_kind](seq_len)
+    assert_values_and_grads(
+        lambda q, k, v: attend(q, k, v, mask, None, "cudnn"),
+        lambda q, k, v: reference(q, k, v, mask, None),
+        q,
+        k,
+        v,
+        w,
+        atol=5e-2,
+    )

@@ -1,0 +1,50 @@
+"""`python -m jaxrl.bench --compare trl`: the commands each side runs, their interleaving, and the
+per-point ratio and memory (the child processes are faked; the real ones take minutes)."""
+
+import json
+
+import pytest
+
+from jaxrl import bench
+
+
+def test_dpo_runs_trls_objective_on_both_sides():
+    cmds = bench.compare_commands("dpo", ("llama-4x256", 8, 512), 5, 2, ["--seed", "3"])
+    assert list(cmds) == ["dpo", "dpo prefix_sharing"]
+    jaxrl_cmd, trl_cmd = cmds["dpo"]
+    flags = dict(zip(jaxrl_cmd[3::2], jaxrl_cmd[4::2], strict=False))
+    assert flags["--loss_type"] == "sigmoid" and flags["--loss_weights"] == "null"
+    assert flags["--prefix_sharing"] == "false" and flags["--max_prompt_length"] == "256"
+    assert flags["--bf16"] == "false" and flags["--seed"] == "3"
+    assert cmds["dpo prefix_sharing"][0][-3:] == ["true", "--seed", "3"]
+    assert trl_cmd[1].endswith("examples/bench_trl.py")
+    assert trl_cmd[trl_cmd.index("--seq_len") + 1] == "512"
+    assert trl_cmd[trl_cmd.index("--batch") + 1] == "8"
+
+
+def test_sweep_interleaves_sides_and_reports_ratio_and_rss(monkeypatch, capsys):
+    calls = []
+
+    def fake_child(cmd):
+        side = "trl" if "bench_trl.py" in cmd[1] else "jaxrl"
+        calls.append(side)
+        step = {"jaxrl": 0.5, "trl": 1.0}[side]
+        return {"step_s": step + 0.01 * len(calls), "peak_rss_bytes": {"jaxrl": 3, "trl": 2}[side]}
+
+    monkeypatch.setattr(bench, "run_child", fake_child)
+    assert bench.main(["--algo", "sft", "--compare", "trl", "--sweep", "--reps", "2"]) == 0
+    assert calls == ["jaxrl", "trl"] * 2 * len(bench.SWEEP)
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(r["preset"], r["batch"], r["seq_len"]) for r in rows] == list(bench.SWEEP)
+    first = rows[0]
+    assert first["jaxrl_step_s_all"] == pytest.approx([0.51, 0.53])
+    assert first["speed_ratio"] == pytest.approx(1.03 / 0.52)
+    assert (first["jaxrl_peak_rss_bytes"], first["trl_peak_rss_bytes"]) == (3, 2)
+
+
+def test_compare_errors(capsys):
+    assert bench.main(["--compare", "torch", "--sweep"]) == 2
+    assert bench.main(["--algo", "reward", "--compare", "trl", "--sweep"]) == 2
+    assert bench.main(["--algo", "sft", "--compare", "trl"]) == 2
+    err = capsys.readouterr().err
+    assert "only `--compare trl`" in err and "sft and dpo" in err and "--preset NAME" in err

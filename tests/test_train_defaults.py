@@ -1,0 +1,96 @@
+"""`python -m jaxrl.train`: a user's model or data gets the config class defaults (TRL's), the
+embedded recipe applies only to the embedded job or when named with `--config`, and recipes ship
+inside the package."""
+
+import math
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from jaxrl.config import ConfigError, DPOConfig, SFTConfig
+from jaxrl.data import task
+from jaxrl.train import CONFIG_DIR, build_trainer, main, recipe_path
+
+MODEL = str(task.asset_path("sft_model"))
+
+
+def _data(tmp_path: Path) -> str:
+    out = tmp_path / "pairs"
+    out.mkdir()
+    rows = task.asset_path("dpo_train.jsonl").read_text().splitlines()[:16]
+    (out / "train.jsonl").write_text("\n".join(rows) + "\n")  # no test split
+    return str(out)
+
+
+def test_user_run_gets_trl_defaults_not_the_recipe(tmp_path):
+    trainer = build_trainer(
+        ["--algo", "dpo", "--model_name_or_path", MODEL, "--dataset_name", _data(tmp_path),
+         "--output_dir", str(tmp_path / "out")]
+    )  # fmt: skip
+    want = DPOConfig(output_dir=str(tmp_path / "out"))
+    assert trainer.args == want
+    a = trainer.args
+    assert (a.learning_rate, a.lr_scheduler_type, a.warmup_steps, a.weight_decay) == (
+        1e-6, "linear", 0, 0.0
+    )  # fmt: skip
+    assert (a.max_length, a.loss_type, a.prefix_sharing, a.eval_strategy) == (
+        1024, ["sigmoid"], False, "no"
+    )  # fmt: skip
+    assert trainer.eval_dataset is None  # no test split and no eval: trains like TRL's script
+
+
+def test_embedded_job_uses_its_recipe_and_config_names_a_recipe(tmp_path):
+    embedded = build_trainer(["--algo", "sft", "--max_steps", "1"])
+    assert embedded.args.max_length == 64 and embedded.args.learning_rate == 1e-3
+    named = build_trainer(
+        ["--algo", "dpo", "--config", "dpo", "--model_name_or_path", MODEL,
+         "--dataset_name", _data(tmp_path), "--eval_strategy", "no", "--eval_on_start", "false"]
+    )  # fmt: skip
+    assert named.args.max_length == 64 and named.args.prefix_sharing is True
+    assert recipe_path("sft.yaml") == CONFIG_DIR / "sft.yaml"
+
+
+def test_eval_without_a_test_split_is_rejected_naming_both_fields(tmp_path, capsys):
+    argv = ["--algo", "dpo", "--model_name_or_path", MODEL, "--dataset_name", _data(tmp_path),
+            "--output_dir", str(tmp_path / "o"), "--eval_strategy", "steps"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "eval_strategy='steps'" in err and "eval_dataset" in err
+    assert "--dataset_test_split" in err
+
+
+def test_unknown_recipe_and_bad_yaml_exit_2(tmp_path, capsys):
+    assert main(["--algo", "sft", "--config", "nope"]) == 2
+    assert "shipped recipe" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learning_rate: 1e-3\nmax_length: [64\n")
+    assert main(["--algo", "sft", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "line 3" in err and "not valid YAML" in err
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_non_finite_learning_rate_is_rejected(value):
+    with pytest.raises(ConfigError, match="`learning_rate` must be a finite number"):
+        SFTConfig(learning_rate=float(value))
+    assert math.isfinite(SFTConfig().learning_rate)
+
+
+def test_wheel_ships_the_recipes(tmp_path):
+    """A built wheel holds jaxrl/recipes/*.yaml, so an installed jaxrl runs the embedded job."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
+         str(tmp_path), str(root)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = tmp_path.glob("jaxrl-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for algo in ("sft", "reward", "dpo"):
+        assert f"jaxrl/recipes/{algo}.yaml" in names
+    assert "jaxrl/assets/arith/sft_model/model.safetensors" in names

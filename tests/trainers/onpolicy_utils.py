@@ -1,0 +1,46 @@
+"""Helpers shared by the GRPO/RLOO trainer tests: prompt data, a recording reward function and a
+hand recomputation of the rollout log-probs with a freshly loaded model."""
+
+from __future__ import annotations
+
+import datasets
+import jax
+import numpy as np
+
+from jaxrl import models
+from jaxrl.data import task
+from jaxrl.trainers.onpolicy import completion_logprobs
+
+
+def prompt_rows(n: int, split: str = "train") -> datasets.Dataset:
+    ds = datasets.load_dataset(
+        "json", data_files=str(task.asset_path(f"sft_{split}.jsonl")), split="train"
+    )
+    return ds.select(range(n))
+
+
+class RecordingReward:
+    """A deterministic reward with TRL's signature that records every call: the number of
+    '1' characters in the completion, None for empty completions."""
+
+    __name__ = "ones"
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def __call__(self, prompts, completions, completion_ids, **kwargs):
+        self.calls.append(
+            dict(prompts=prompts, completions=completions, ids=completion_ids, kwargs=kwargs)
+        )
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        return [float(t.count("1")) if t else None for t in texts]
+
+
+def recompute_logps(model_dir: str, rollout: dict, temperature: float = 1.0) -> np.ndarray:
+    """Completion log-probs of the rollout rows under the model saved at `model_dir` (f32)."""
+    model = models.from_pretrained(model_dir)
+    batch = {k: rollout[k] for k in ("input_ids", "attention_mask", "completion_mask")}
+    logps = jax.jit(
+        lambda b: completion_logprobs(model, b, temperature=temperature, chunk_size=128)
+    )(batch)
+    return np.asarray(logps)

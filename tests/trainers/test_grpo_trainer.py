@@ -1,0 +1,225 @@
+"""GRPOTrainer: one step equals a hand computation with the pure GRPO losses on the same rollout,
+sampler log-probs equal a recomputed f32 forward, generation reuse (steps_per_generation,
+num_iterations), one prefill per prompt batch, resume exactness, reference handling (beta=0,
+sync_ref_model), conversational prompts and reward models."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from onpolicy_utils import RecordingReward, prompt_rows, recompute_logps
+from trainer_utils import base_args, train_logs
+
+from jaxrl.callbacks.base import TrainerCallback
+from jaxrl.config import ConfigError
+from jaxrl.losses.grpo import grpo_advantages, grpo_loss
+from jaxrl.trainers.grpo import GRPOTrainer
+from jaxrl.trainers.grpo_config import GRPOConfig
+
+
+def make(model_dir, tokenizer, tmp_path, reward=None, train=None, callbacks=None, **kw):
+    settings = dict(
+        per_device_train_batch_size=8, num_generations=4, max_completion_length=4, max_steps=1
+    )
+    args = GRPOConfig(**base_args(tmp_path, **{**settings, **kw}))
+    reward = reward if reward is not None else RecordingReward()
+    trainer = GRPOTrainer(
+        model_dir,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=train if train is not None else prompt_rows(16),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+    return trainer, reward
+
+
+def test_one_step_equals_pure_loss_on_the_rollout(hf_model_dir, tokenizer, tmp_path):
+    trainer, reward = make(hf_model_dir, tokenizer, tmp_path, beta=0.04, loss_type="dapo")
+    trainer.train()
+    (log,) = train_logs(trainer)
+    rollout = jax.device_get(trainer.rollout)
+    assert "old_logps" not in rollout  # aligned generation: on-policy, no old log-probs
+    # Rewards as the trainer saw them (unshuffled), advantages as TRL computes them.
+    (call,) = reward.calls
+    assert len(call["prompts"]) == 8 and call["prompts"][0] == call["prompts"][3]
+    rewards = np.array([[np.nan if r is None else r] for r in reward(**_call_args(call))])
+    adv, _ = grpo_advantages(rewards, np.ones(1, np.float32), num_generations=4)
+    np.testing.assert_allclose(np.sort(rollout["advantages"]), np.sort(np.asarray(adv)), atol=1e-6)
+    np.testing.assert_allclose(log["reward"], np.nanmean(rewards), rtol=1e-6)
+    logps = recompute_logps(hf_model_dir, rollout)
+    # Step 1: the reference is the initial policy, so the ref log-probs equal the forward.
+    np.testing.assert_allclose(rollout["ref_logps"], logps, atol=2e-5)
+    loss_sum, aux = grpo_loss(
+        logps,
+        rollout["advantages"],
+        rollout["completion_mask"],
+        ref_per_token_logps_BT=rollout["ref_logps"],
+        beta=0.04,
+        loss_type="dapo",
+    )
+    np.testing.assert_allclose(log["loss"], loss_sum / aux["count"]["loss"], atol=1e-6)
+    assert log["kl"] == pytest.approx(0.0, abs=1e-6)
+    lengths = rollout["completion_mask"].sum(1)
+    assert log["completions/mean_length"] == pytest.approx(lengths.mean())
+    assert log["num_tokens"] == rollout["attention_mask"].sum()
+    for key in ("entropy", "clip_ratio/region_mean", "frac_reward_zero_std", "grad_norm"):
+        assert key in log
+
+
+def _call_args(call):
+    return dict(
+        prompts=call["prompts"], completions=call["completions"], completion_ids=call["ids"]
+    )
+
+
+def test_sampler_logps_are_old_logps_and_equal_forward(hf_model_dir, tokenizer, tmp_path):
+    # steps_per_generation=2: one generation serves two optimizer steps, so the update needs the
+    # sampling policy's log-probs; with num_iterations=1 they are the sampler's own.
+    trainer, reward = make(hf_model_dir, tokenizer, tmp_path, steps_per_generation=2, max_steps=2)
+    trainer.train()
+    assert len(reward.calls) == 1  # 16 completions generated once, consumed by two steps
+    rollout = jax.device_get(trainer.rollout)
+    mask = rollout["completion_mask"] > 0
+    logps = recompute_logps(hf_model_dir, rollout)
+    np.testing.assert_allclose(rollout["old_logps"][mask], logps[mask], atol=2e-5)
+
+
+def test_num_iterations_reuses_generations(hf_model_dir, tokenizer, tmp_path):
+    trainer, reward = make(hf_model_dir, tokenizer, tmp_path, num_iterations=2, max_steps=4)
+    trainer.train()
+    assert len(reward.calls) == 2
+    # The same prompts return for the second iteration; a new batch after that.
+    logs = train_logs(trainer)
+    assert logs[0]["reward"] == logs[1]["reward"] and len(logs) == 4
+    assert "old_logps" in trainer.rollout
+
+
+def test_one_prefill_per_prompt_batch(hf_model_dir, tokenizer, tmp_path):
+    trainer, _ = make(hf_model_dir, tokenizer, tmp_path)
+    trainer._ensure_state()
+    seen = []
+    prefill = trainer.sampler._prefill
+
+    def spy(params, ids, mask, rng, config, group_size):
+        seen.append((ids.shape[0], group_size))
+        return prefill(params, ids, mask, rng, config, group_size)
+
+    trainer.sampler._prefill = spy
+    trainer.train()
+    assert seen == [(2, 4)]  # 2 prompts prefilled once, their caches shared by 4 completions
+    assert trainer.rollout["input_ids"].shape[0] == 8
+
+
+class StopAt(TrainerCallback):
+    """Stops the run after optimizer step `step` (a kill right after a checkpoint)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+@pytest.mark.slow
+def test_resume_gives_the_same_metrics(hf_model_dir, tokenizer, tmp_path):
+    kw = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    full, _ = make(hf_model_dir, tokenizer, tmp_path / "a", **kw)
+    full.train()
+    part, _ = make(hf_model_dir, tokenizer, tmp_path / "b", callbacks=[StopAt(2)], **kw)
+    part.train()
+    resumed, _ = make(hf_model_dir, tokenizer, tmp_path / "b", **kw)
+    resumed.train(resume_from_checkpoint=True)
+    a = train_logs(full)[2:]
+    b = [x for x in train_logs(resumed) if x["step"] > 2]
+    assert [x["step"] for x in b] == [3, 4]
+    for x, y in zip(a, b, strict=True):
+        for k in ("loss", "reward", "completions/mean_length", "grad_norm", "num_tokens"):
+            assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-7), k
+
+
+@pytest.mark.slow
+def test_reference_only_when_beta_and_sync(hf_model_dir, tokenizer, tmp_path):
+    trainer, _ = make(hf_model_dir, tokenizer, tmp_path / "a")
+    trainer._ensure_state()
+    assert trainer.train_state.frozen == {}
+    trainer, _ = make(
+        hf_model_dir,
+        tokenizer,
+        tmp_path / "b",
+        beta=0.04,
+        sync_ref_model=True,
+        ref_model_sync_steps=1,
+        ref_model_mixup_alpha=1.0,
+        learning_rate=1e-2,
+    )
+    trainer.train()
+    ref, params = trainer.train_state.frozen["ref"], trainer.train_state.params
+    for r, p in zip(jax.tree.leaves(ref), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(r), np.asarray(p))  # alpha=1: ref <- policy
+
+
+@pytest.mark.slow
+def test_conversational_prompts(hf_model_dir, tmp_path):
+    from jaxrl.data.char_tokenizer import build_char_tokenizer
+    from jaxrl.data.task import CHARS
+
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok = build_char_tokenizer(CHARS, chat_template=template)
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+{a}="}], "x": a} for a in range(10, 18)]
+    import datasets
+
+    trainer, reward = make(hf_model_dir, tok, tmp_path, train=datasets.Dataset.from_list(rows))
+    trainer.train()
+    (call,) = reward.calls
+    assert call["prompts"][0][0]["role"] == "user"
+    assert call["completions"][0][0]["role"] == "assistant"
+    assert call["kwargs"]["x"][0] == call["kwargs"]["x"][3]  # extra columns reach the reward
+
+
+@pytest.mark.slow
+def test_reward_model_scores_texts(hf_model_dir, tokenizer, tmp_path):
+    import torch
+    from trainer_utils import tiny_config
+    from transformers import Qwen2ForSequenceClassification
+
+    torch.manual_seed(1)
+    rm_dir = tmp_path / "rm"
+    cfg = tiny_config()
+    cfg.num_labels = 1
+    rm = Qwen2ForSequenceClassification(cfg).eval()
+    rm.save_pretrained(rm_dir)
+    tokenizer.save_pretrained(rm_dir)
+    recorder = RecordingReward()
+    trainer, _ = make(hf_model_dir, tokenizer, tmp_path / "out", reward=[str(rm_dir), recorder])
+    trainer.train()
+    (log,) = train_logs(trainer)
+    (call,) = recorder.calls
+    texts = [p + c for p, c in zip(call["prompts"], call["completions"], strict=True)]
+    with torch.no_grad():
+        scores = [rm(torch.tensor([tokenizer(t)["input_ids"]])).logits[0, 0].item() for t in texts]
+    assert log["rewards/rm/mean"] == pytest.approx(np.mean(scores), abs=1e-4)
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="can not be both"):
+        GRPOConfig(generation_batch_size=16, steps_per_generation=2)
+    with pytest.raises(ConfigError, match="at least 2"):
+        GRPOConfig(num_generations=1)
+    with pytest.raises(ConfigError, match="use_vllm"):
+        GRPOConfig(use_vllm=True)
+    with pytest.raises(ConfigError, match="entropy_coef"):
+        GRPOConfig(entropy_coef=0.1)
+    assert GRPOConfig(scale_rewards=False).scale_rewards == "none"
+    c = GRPOConfig()
+    assert (c.learning_rate, c.num_generations, c.max_completion_length, c.beta, c.loss_type) == (
+        1e-6,
+        8,
+        512,
+        0.0,
+        "dapo",
+    )
+    with pytest.raises(ConfigError, match="divisible by num_generations"):
+        GRPOConfig(per_device_train_batch_size=6).resolve_generation_batch(1)

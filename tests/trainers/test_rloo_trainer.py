@@ -1,0 +1,85 @@
+"""RLOOTrainer: one step equals a hand computation with the pure RLOO functions on the same
+rollout (leave-one-out advantages with the KL-shaped reward, sequence-level ratio loss), reward
+clipping, and TRL's RLOOConfig defaults."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from onpolicy_utils import RecordingReward, prompt_rows, recompute_logps
+from trainer_utils import base_args, train_logs
+
+from jaxrl.losses.rloo import rloo_advantages, rloo_loss
+from jaxrl.trainers.rloo import RLOOTrainer
+from jaxrl.trainers.rloo_config import RLOOConfig
+
+
+def make(model_dir, tokenizer, tmp_path, **kw):
+    settings = dict(
+        per_device_train_batch_size=8, num_generations=4, max_completion_length=4, max_steps=1
+    )
+    args = RLOOConfig(**base_args(tmp_path, **{**settings, **kw}))
+    reward = RecordingReward()
+    trainer = RLOOTrainer(
+        model_dir,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=prompt_rows(16),
+        processing_class=tokenizer,
+    )
+    return trainer, reward
+
+
+def test_one_step_equals_pure_rloo(hf_model_dir, tokenizer, tmp_path):
+    trainer, reward = make(
+        hf_model_dir, tokenizer, tmp_path, beta=0.05, reward_clip_range=[0.0, 1.0]
+    )
+    trainer.train()
+    (log,) = train_logs(trainer)
+    rollout = jax.device_get(trainer.rollout)
+    logps = recompute_logps(hf_model_dir, rollout)
+    mask = rollout["completion_mask"] > 0
+    # The KL in the reward uses the sampler's log-probs against the reference (the initial
+    # policy at step 1): both equal the f32 forward.
+    np.testing.assert_allclose(rollout["old_logps"][mask], logps[mask], atol=2e-5)
+    np.testing.assert_allclose(rollout["ref_logps"][mask], logps[mask], atol=2e-5)
+    (call,) = reward.calls
+    raw = reward(prompts=call["prompts"], completions=call["completions"], completion_ids=None)
+    rewards = np.array([[np.nan if r is None else r] for r in raw], np.float32)
+    kl = ((rollout["old_logps"] - rollout["ref_logps"]) * rollout["completion_mask"]).sum(1)
+    assert np.abs(kl).max() < 1e-4
+    adv, _ = rloo_advantages(
+        rewards,
+        np.ones(1, np.float32),
+        num_generations=4,
+        beta=0.05,
+        kl_N=np.zeros(8, np.float32),
+        reward_clip_range=(0.0, 1.0),
+    )
+    np.testing.assert_allclose(np.sort(rollout["advantages"]), np.sort(np.asarray(adv)), atol=1e-4)
+    old_B = (rollout["old_logps"] * rollout["completion_mask"]).sum(1)
+    loss_sum, aux = rloo_loss(
+        logps, rollout["advantages"], rollout["completion_mask"], old_logps_B=old_B
+    )
+    np.testing.assert_allclose(log["loss"], loss_sum / aux["count"]["loss"], atol=1e-6)
+    assert log["reward"] == pytest.approx(np.nanmean(rewards))  # logged before clipping, as TRL
+    for key in ("kl", "entropy", "clip_ratio/region_mean", "rewards/ones/mean", "num_tokens"):
+        assert key in log
+
+
+def test_no_reference_without_beta(hf_model_dir, tokenizer, tmp_path):
+    trainer, _ = make(hf_model_dir, tokenizer, tmp_path, beta=0.0)
+    trainer.train()
+    assert trainer.train_state.frozen == {}
+    assert "ref_logps" not in trainer.rollout and "kl" not in train_logs(trainer)[0]
+
+
+def test_config_defaults():
+    c = RLOOConfig()
+    assert (c.num_generations, c.beta, c.learning_rate, c.normalize_advantages) == (
+        2,
+        0.05,
+        1e-6,
+        False,
+    )
