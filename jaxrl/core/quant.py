@@ -98,19 +98,21 @@ class NF4Array(QuantizedArray):
 
     shape: tuple[int, ...] = struct.field(pytree_node=False, default=())
     axis: int = struct.field(pytree_node=False, default=0)
+    n_red: int = struct.field(pytree_node=False, default=1)
 
     def dequantize(self, dtype: jnp.dtype | None = None) -> jax.Array:
+        # Inside a scanned layer stack `values`/`scale` arrive with their leading `layers`
+        # axes sliced off while the static `shape`/`axis` still describe the stacked leaf.
+        cut = len(self.shape) - self.n_red + 2 - self.values.ndim
+        shape, axis = self.shape[cut:], self.axis - cut
         hi, lo = self.values >> 4, self.values & 0xF
-        codes = jnp.stack([hi, lo], axis=self.axis + 2)  # [pre, nb, 32, 2, post]
-        codes = codes.reshape(
-            *self.values.shape[: self.axis + 1], -1, *codes.shape[self.axis + 3 :]
-        )
+        codes = jnp.stack([hi, lo], axis=axis + 2)  # [pre, nb, 32, 2, post]
+        codes = codes.reshape(*self.values.shape[: axis + 1], -1, *codes.shape[axis + 3 :])
         out = jnp.asarray(NF4_LEVELS, jnp.float32)[codes] * self.scale
-        n_red = len(self.shape) - (out.ndim - 2)
-        red = math.prod(self.shape[self.axis : self.axis + n_red])
-        flat = out.reshape(*out.shape[: self.axis], -1, *out.shape[self.axis + 2 :])
-        flat = jax.lax.slice_in_dim(flat, 0, red, axis=self.axis)
-        return flat.reshape(self.shape).astype(dtype or self.dtype)
+        red = math.prod(shape[axis : axis + self.n_red])
+        flat = out.reshape(*out.shape[:axis], -1, *out.shape[axis + 2 :])
+        flat = jax.lax.slice_in_dim(flat, 0, red, axis=axis)
+        return flat.reshape(shape).astype(dtype or self.dtype)
 
 
 def _is_quantizable(x: Any) -> bool:
@@ -202,7 +204,12 @@ def _quantize_leaf_nf4(x: jax.Array, keep: tuple[int, ...]) -> NF4Array:
     if sharding is not None:
         values, scale = jax.device_put(values, sharding), jax.device_put(scale, sharding)
     return NF4Array(
-        values=values, scale=scale, dtype=jnp.dtype(x.dtype).name, shape=tuple(x.shape), axis=axis
+        values=values,
+        scale=scale,
+        dtype=jnp.dtype(x.dtype).name,
+        shape=tuple(x.shape),
+        axis=axis,
+        n_red=n_red,
     )
 
 

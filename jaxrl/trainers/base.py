@@ -11,6 +11,7 @@ not contain algorithm math.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -77,7 +78,7 @@ class Trainer(TrainLoop):
         self.args = args if args is not None else self.config_class(output_dir="trainer_output")
         if not isinstance(self.args, TrainingConfig):
             raise TypeError(f"args must be a {self.config_class.__name__}, got {type(args)}.")
-        self._check_script_inputs(peft_config, quantization_config, eval_dataset)
+        self._check_script_inputs(eval_dataset)
         a = self.args
         run_dir.check_output_dir(a.output_dir)  # [run_dir] before loading anything
         if a.fp16 and jax.default_backend() == "cpu":
@@ -89,6 +90,7 @@ class Trainer(TrainLoop):
         self.compute_dtype = self._compute_dtype()
         self.model_path = model if isinstance(model, str) else None
         self.model = self._load_model(model, task=self.model_task)
+        self._setup_peft(peft_config, quantization_config)
         self.processing_class = self._load_tokenizer(processing_class)
         self.compute_metrics = compute_metrics
         self.user_tx, self.user_schedule = optimizers
@@ -159,6 +161,52 @@ class Trainer(TrainLoop):
             "model must be a path/hub id, a transformers config (random init) or a jaxrl nnx "
             f"model, got {type(model).__name__}."
         )
+
+    # ----------------------------------------------------------------- LoRA / QLoRA
+    def _default_peft_task(self) -> str:
+        return "CAUSAL_LM"
+
+    def _setup_peft(self, peft_config: Any, quantization_config: Any) -> None:
+        """Wrap the policy in LoRA adapters (TRL's `peft_config`), optionally over a quantized
+        base (TRL's `quantization_config`: a `BitsAndBytesConfig`, or "int8" / "nf4"). A model
+        that already carries adapters (`lora.load_peft_adapter`) trains them as is."""
+        from jaxrl import lora
+
+        scheme = _quantization_scheme(quantization_config)
+        if peft_config is not None:
+            if getattr(self.model, "lora_config", None) is not None:
+                raise ValueError(
+                    "The model already has LoRA adapters and peft_config was given too; merge the "
+                    "adapters first (lora.merge_lora) or drop peft_config."
+                )
+            config = peft_config
+            if not isinstance(config, lora.LoraConfig):
+                config = lora.LoraConfig.from_peft(peft_config)
+            if config.task_type is None:
+                config = dataclasses.replace(config, task_type=self._default_peft_task())
+            if config.task_type != self._default_peft_task():
+                raise ValueError(
+                    f"peft_config.task_type={config.task_type!r} does not fit "
+                    f"{type(self).__name__}; use {self._default_peft_task()!r}."
+                )
+            lora.apply_lora(self.model, config, nnx.Rngs(self.args.seed))
+        self.lora_config = getattr(self.model, "lora_config", None)
+        self.is_peft = self.lora_config is not None
+        if scheme is not None:
+            if not self.is_peft:
+                raise ValueError(
+                    "quantization_config needs peft_config: a quantized base cannot be trained in "
+                    "full, only LoRA adapters on top of it (QLoRA)."
+                )
+            lora.quantize_base(self.model, scheme)
+        if self.is_peft:
+            trainable, total = lora.trainable_parameters(self.model)
+            logger.info(
+                "LoRA: trainable params %d || all params %d || trainable%% %.4f",
+                trainable,
+                total,
+                100 * trainable / total,
+            )
 
     def _load_tokenizer(self, processing_class):
         if processing_class is None:
@@ -231,13 +279,29 @@ class Trainer(TrainLoop):
         return None
 
     # ----------------------------------------------------------------- functional pieces
-    def apply_model(self, params: Any):
-        """The nnx model bound to `params` (inside jit: a pure function of params)."""
+    def apply_model(self, params: Any, state: TrainState | None = None):
+        """The nnx model bound to `params` (inside jit: a pure function of params). With LoRA,
+        `params` is the adapter and `state.frozen["base"]` the frozen base; without `state`,
+        `params` must be the whole model state (`current_params()`)."""
+        if self.is_peft and state is not None:
+            return nnx.merge(self.graphdef, params, state.frozen["base"])
         return nnx.merge(self.graphdef, params)
 
     def _build_state(self) -> TrainState:
         a = self.args
-        self.graphdef, params = nnx.split(self.model)
+        if self.is_peft:
+            from jaxrl import lora
+            from jaxrl.callbacks.bema import BEMACallback
+
+            if any(isinstance(cb, BEMACallback) for cb in self.callback_handler.callbacks):
+                raise ValueError(
+                    "BEMACallback is not supported with LoRA (peft_config): it averages and "
+                    "exports full weights; train without peft_config or drop the callback."
+                )
+            # Only the adapter is trained (and seen by the optimizer); the base is frozen.
+            self.graphdef, params, base = lora.split_lora(self.model)
+        else:
+            self.graphdef, params = nnx.split(self.model)
         # The model object shares arrays with the state; the state is donated each step, so the
         # trainer keeps only the graph definition from here on.
         self.model = None
@@ -260,6 +324,8 @@ class Trainer(TrainLoop):
             user_tx=self.user_tx,
         )
         frozen = self._frozen_params(params)
+        if self.is_peft:
+            frozen["base"] = base
         extras = self._init_extras()
         create = jax.jit(
             lambda p, f, e: TrainState.create(
@@ -350,7 +416,9 @@ class Trainer(TrainLoop):
         state_sh = self._state_shardings(state)
         repl = NamedSharding(self.mesh, P())
         loss_fn = self._loss_fn()
-        step = make_train_step(loss_fn, self.tx, self.schedule, self._state_updates())
+        step = make_train_step(
+            self._with_lora_dropout(loss_fn), self.tx, self.schedule, self._state_updates()
+        )
         # State donated: params and optimizer moments are updated in place on device.
         self._jit_train_step = jax.jit(
             step,
@@ -359,6 +427,42 @@ class Trainer(TrainLoop):
             donate_argnums=0,
         )
         self._jit_eval_step = jax.jit(make_eval_step(loss_fn), out_shardings=repl)
+
+    def _with_lora_dropout(self, loss_fn: Callable) -> Callable:
+        """The training loss with `lora_dropout` drawn from the step's key (eval has none)."""
+        if not self.is_peft or not self.lora_config.lora_dropout:
+            return loss_fn
+        from jaxrl import lora
+
+        def train_loss(params, state, mb, rng, extras):
+            with lora.dropout_rng(jax.random.fold_in(rng, 0x10A)):
+                return loss_fn(params, state, mb, rng, extras)
+
+        return train_loss
+
+    # ----------------------------------------------------------------- checkpoints
+    def _save_checkpoint(self):
+        # The frozen base is not saved: it is reloaded from the model path on resume, so a
+        # LoRA checkpoint holds the adapter and its optimizer state only.
+        with self._without_base():
+            super()._save_checkpoint()
+
+    def _restore(self, step: int):
+        with self._without_base():
+            super()._restore(step)
+
+    @contextlib.contextmanager
+    def _without_base(self):
+        if not self.is_peft or self.train_state is None:
+            yield
+            return
+        frozen = dict(self.train_state.frozen)
+        base = frozen.pop("base")
+        self.train_state = self.train_state.replace(frozen=frozen)
+        try:
+            yield
+        finally:
+            self.train_state = self.train_state.replace_frozen(base=base)
 
     # ----------------------------------------------------------------- eval
     def _eval_batches(self, dataset):
@@ -403,7 +507,7 @@ class Trainer(TrainLoop):
             for k, v in aux.get("max", {}).items():
                 maxs[k] = max(maxs.get(k, -np.inf), float(np.max(v)))
             if predict is not None:
-                p, lab = jax.device_get(self._jit_predict(self.train_state.params, batch))
+                p, lab = jax.device_get(self._jit_predict(self.current_params(), batch))
                 keep = host["example_mask"][0] > 0
                 preds.append(np.asarray(p)[keep])
                 labels.append(np.asarray(lab)[keep])
@@ -457,8 +561,11 @@ class Trainer(TrainLoop):
         return self._sampler
 
     def current_params(self) -> Any:
-        """The policy params: the train state's (no copy) or, before training, the model's."""
+        """The policy params: the train state's (no copy) or, before training, the model's. With
+        LoRA: adapter and frozen base together (the whole model's state, for `nnx.merge`)."""
         if self.train_state is not None:
+            if self.is_peft:
+                return nnx.merge_state(self.train_state.params, self.train_state.frozen["base"])
             return self.train_state.params
         return nnx.state(self.model)
 
@@ -494,14 +601,24 @@ class Trainer(TrainLoop):
         """The policy as an nnx model bound to the current params."""
         if self.train_state is None:
             return self.model
-        return nnx.merge(self.graphdef, self.train_state.params)
+        return nnx.merge(self.graphdef, self.current_params())
 
-    def save_model(self, output_dir: str | None = None):
-        """Write an HF directory (config, safetensors, tokenizer), from process 0 only."""
-        from jaxrl import models
+    def save_model(self, output_dir: str | None = None, merged: bool = False):
+        """Write an HF directory (config, safetensors, tokenizer), from process 0 only. With LoRA,
+        as TRL with PEFT: the adapter alone (`adapter_config.json` + `adapter_model.safetensors`,
+        `base_model_name_or_path` = the model path), or with `merged=True` the full model with
+        the adapters folded in (PEFT's `merge_and_unload`)."""
+        from jaxrl import lora, models
 
         out = output_dir or os.path.join(self.args.output_dir, "final")
-        models.save_pretrained(self.current_model(), out)
+        if merged and not self.is_peft:
+            raise ValueError("save_model(merged=True) merges LoRA adapters; this model has none.")
+        if self.is_peft and not merged:
+            lora.save_peft_adapter(self.current_model(), out, self.model_path)
+        elif self.is_peft:
+            models.save_pretrained(lora.merge_lora(self.current_model()), out)
+        else:
+            models.save_pretrained(self.current_model(), out)
         if self.is_world_process_zero:
             self.processing_class.save_pretrained(out)
             with open(os.path.join(out, "jaxrl_config.json"), "w") as f:
@@ -510,15 +627,7 @@ class Trainer(TrainLoop):
 
     # ----------------------------------------------------------------- TRL script surface
     # What TRL's example scripts call on a trainer besides train()/save_model() (jaxrl.scripting).
-    def _check_script_inputs(self, peft_config, quantization_config, eval_dataset):
-        from jaxrl.config import ConfigError
-
-        if peft_config is not None or quantization_config is not None:
-            name = "peft_config" if peft_config is not None else "quantization_config"
-            raise ConfigError(
-                f"`{name}` is not supported yet: LoRA/QLoRA lands with issue 13; until then jaxrl "
-                "trains all parameters. Pass None."
-            )
+    def _check_script_inputs(self, eval_dataset):
         # TRL's scripts set model_init_kwargs after the config is built: validate and map it now.
         self.args.resolve_model_init_kwargs()
         self.args.check_datasets(has_eval=eval_dataset is not None)
@@ -549,3 +658,28 @@ class Trainer(TrainLoop):
         """Finish at the end of a script (HF `Trainer.end`): wait for checkpoint writes."""
         if getattr(self, "_ckpt", None) is not None:
             self._ckpt.wait_until_finished()
+
+
+def _quantization_scheme(quantization_config: Any) -> str | None:
+    """`lora.quantize_base`'s scheme for TRL's `quantization_config`: None, "int8", "nf4", or a
+    transformers `BitsAndBytesConfig` (`load_in_8bit`, or `load_in_4bit` with NF4)."""
+    from types import SimpleNamespace
+
+    from jaxrl import lora
+
+    if quantization_config is None or quantization_config in ("int8", "nf4"):
+        return quantization_config
+    if isinstance(quantization_config, str):
+        raise ValueError(
+            f"quantization_config={quantization_config!r}: use 'int8', 'nf4' or a "
+            "transformers BitsAndBytesConfig."
+        )
+    q = quantization_config
+    return lora.base_quantization(
+        SimpleNamespace(
+            load_in_8bit=getattr(q, "load_in_8bit", False),
+            load_in_4bit=getattr(q, "load_in_4bit", False),
+            bnb_4bit_quant_type=getattr(q, "bnb_4bit_quant_type", "nf4"),
+            use_bnb_nested_quant=getattr(q, "bnb_4bit_use_double_quant", False),
+        )
+    )

@@ -8,6 +8,7 @@ disk), and the loss from `jaxrl.losses.dpo_multi_loss`. Metrics use TRL's names.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -21,6 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from jaxrl import lora
 from jaxrl.config import DPOConfig
 from jaxrl.core import quant
 from jaxrl.core.logprobs import token_logprobs
@@ -120,6 +122,8 @@ class DPOTrainer(Trainer):
         args = args if args is not None else DPOConfig(output_dir="trainer_output")
         self._validate(args, ref_model)
         super().__init__(model, args, *a, **kw)
+        if self.is_peft:
+            self._validate_peft(args, ref_model)
         self._explicit_ref = None
         if ref_model is not None and not args.precompute_ref_log_probs:
             self._explicit_ref = self._load_model(ref_model, task="causal_lm")
@@ -150,6 +154,25 @@ class DPOTrainer(Trainer):
                 "sync_ref_model=True needs a live reference model; it cannot be combined with "
                 "precompute_ref_log_probs=True or reference_free=True."
             )
+
+    @staticmethod
+    def _validate_peft(args: DPOConfig, ref_model: Any):
+        if args.sync_ref_model:
+            raise ValueError(
+                "sync_ref_model=True is not supported with LoRA (peft_config), as in TRL: the "
+                "reference is the base model without the adapter, there is no separate reference "
+                "to synchronise. Use sync_ref_model=False, or full fine-tuning."
+            )
+        if ref_model is None and args.ref_model_quantization is not None:
+            raise ValueError(
+                "ref_model_quantization quantizes a reference copy; with LoRA and no ref_model the "
+                "reference is the frozen base itself. Quantize the base with quantization_config."
+            )
+
+    @property
+    def _ref_is_base(self) -> bool:
+        """LoRA without an explicit reference: the reference is the base without the adapter."""
+        return self.is_peft and self._ref_model_arg is None
 
     @property
     def uses_ref_params(self) -> bool:
@@ -219,6 +242,13 @@ class DPOTrainer(Trainer):
     def _frozen_params(self, params: Any) -> dict[str, Any]:
         if not self.uses_ref_params:
             return {}
+        if self._ref_is_base:
+            # No second copy of the weights: the reference runs the frozen base with the
+            # adapter disabled. Only modules_to_save params (trained in full) need their initial
+            # values kept, as PEFT's disable_adapter() uses the original modules.
+            saved = nnx.filter_state(params, lora.SavedParam)
+            has_saved = bool(jax.tree.leaves(saved))
+            return {"ref_saved": jax.tree.map(jnp.copy, saved)} if has_saved else {}
         if self._explicit_ref is not None:
             ref = nnx.state(self._explicit_ref)
             self._ref_graphdef = nnx.graphdef(self._explicit_ref)
@@ -236,8 +266,17 @@ class DPOTrainer(Trainer):
         return nnx.merge(graphdef, ref_params)
 
     def _ref_pair_logps(self, state, mb) -> tuple[jax.Array, jax.Array]:
-        model = self.ref_model_apply(state.ref_params)
-        out = pair_logps(model, mb, self.args.logprob_chunk_size, with_stats=False)
+        chunk = self.args.logprob_chunk_size
+        if self._ref_is_base:
+            adapter = state.params
+            if "ref_saved" in state.frozen:
+                adapter = nnx.merge_state(adapter, state.frozen["ref_saved"])
+            with lora.disable_adapter():  # read when traced: the call must be inside
+                model = nnx.merge(self.graphdef, adapter, state.frozen["base"])
+                out = pair_logps(model, mb, chunk, with_stats=False)
+        else:
+            model = self.ref_model_apply(state.ref_params)
+            out = pair_logps(model, mb, chunk, with_stats=False)
         return jax.lax.stop_gradient(out["chosen"]), jax.lax.stop_gradient(out["rejected"])
 
     # ----------------------------------------------------------------- loss
@@ -247,7 +286,7 @@ class DPOTrainer(Trainer):
         loss_types = a.loss_type if isinstance(a.loss_type, list) else [a.loss_type]
 
         def loss_fn(params, state, mb, rng, extras):
-            model = self.apply_model(params)
+            model = self.apply_model(params, state)
             out = pair_logps(model, mb, chunk, with_stats=True)
             logps_c, logps_r = out["chosen"], out["rejected"]
             if a.precompute_ref_log_probs:
@@ -357,10 +396,15 @@ class DPOTrainer(Trainer):
         ref_model = self._load_model(ref, task="causal_lm") if ref is not None else self.model
         graphdef, params = nnx.split(ref_model)
         chunk = self.args.logprob_chunk_size
+        # LoRA without a ref_model: the reference is the base with the adapter disabled.
+        adapter_off = (
+            lora.disable_adapter if ref is None and self.is_peft else contextlib.nullcontext
+        )
 
         @jax.jit
         def ref_logps(params, batch):
-            out = pair_logps(nnx.merge(graphdef, params), batch, chunk, with_stats=False)
+            with adapter_off():
+                out = pair_logps(nnx.merge(graphdef, params), batch, chunk, with_stats=False)
             return jnp.stack([out["chosen"], out["rejected"]], axis=1)
 
         bs = (

@@ -27,6 +27,10 @@ class RewardTrainer(Trainer):
     config_class = RewardConfig
     model_task = "sequence_classification"
 
+    def _default_peft_task(self) -> str:
+        # PEFT's SEQ_CLS task puts the score head in modules_to_save, so it is trained too.
+        return "SEQ_CLS"
+
     def _prepare_dataset(self, dataset: Any, split: str) -> datasets.Dataset:
         dataset = self._load_data(dataset, split)
         return prepare_reward_dataset(
@@ -56,7 +60,7 @@ class RewardTrainer(Trainer):
                 for k, v in mb.items()
                 if v.ndim >= 3 or k in ("input_ids", "attention_mask")
             }
-            model = self.apply_model(params)
+            model = self.apply_model(params, state)
             scores_2B = model(
                 rows["input_ids"], rows["attention_mask"], rows["positions"], rows["segment_ids"]
             )[:, 0].astype(jnp.float32)

@@ -77,7 +77,7 @@ class SFTTrainer(Trainer):
         loss_type = getattr(self.args, "loss_type", "nll")
 
         def loss_fn(params, state, mb, rng, extras):
-            model = self.apply_model(params)
+            model = self.apply_model(params, state)
             logps_BT, stats = lm_forward(model, mb, chunk, with_stats=True)
             mask_BT = example_weighted_mask(mb)
             loss_sum, n_tok = sft_loss_sum(logps_BT, mask_BT, loss_type=loss_type)
