@@ -35,11 +35,6 @@ from jaxrl.config import (
 
 logger = logging.getLogger("jaxrl")
 
-_LORA = (
-    "LoRA/QLoRA lands with issue 13; until then jaxrl trains all parameters. Remove `{name}` "
-    "(and the other PEFT/quantization flags) to run full fine-tuning."
-)
-
 
 @dataclass
 class ScriptArguments:
@@ -93,24 +88,6 @@ class ModelConfig:
     use_bnb_nested_quant: bool = False
     bnb_4bit_quant_storage: str | None = None
 
-    _PEFT_FIELDS = (
-        "use_peft",
-        "lora_r",
-        "lora_alpha",
-        "lora_dropout",
-        "lora_target_modules",
-        "lora_target_parameters",
-        "lora_modules_to_save",
-        "lora_task_type",
-        "use_rslora",
-        "use_dora",
-        "load_in_8bit",
-        "load_in_4bit",
-        "bnb_4bit_quant_type",
-        "use_bnb_nested_quant",
-        "bnb_4bit_quant_storage",
-    )
-
     def __post_init__(self) -> None:
         if self.trust_remote_code:
             raise ConfigError(
@@ -135,10 +112,13 @@ class ModelConfig:
                 f"`model_revision={self.model_revision!r}` is not supported: jaxrl loads a local "
                 "directory or the hub's main revision; download the revision and pass its path."
             )
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name in self._PEFT_FIELDS:
-            if getattr(self, name) != defaults[name]:
-                raise ConfigError(f"`{name}={getattr(self, name)!r}`: " + _LORA.format(name=name))
+        # PEFT/quantization options jaxrl does not implement (DoRA, MoE target parameters, fp4,
+        # nested quantization) fail here, at parse time, with the fix in the message.
+        try:
+            get_peft_config(self)
+            get_quantization_config(self)
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
 
 
 @dataclass
@@ -209,19 +189,20 @@ def get_dataset(mixture_config: DatasetMixtureConfig) -> Any:
     return datasets.DatasetDict({"train": combined})
 
 
-def get_peft_config(model_args: ModelConfig) -> None:
-    """TRL's PEFT config from `ModelConfig`: None without `use_peft`; LoRA is not integrated yet."""
-    if model_args.use_peft:
-        raise ConfigError("`use_peft=True`: " + _LORA.format(name="use_peft"))
-    return None
+def get_peft_config(model_args: ModelConfig) -> Any:
+    """TRL's `get_peft_config`: a `jaxrl.lora.LoraConfig` from the `lora_*` fields, or None
+    without `use_peft`. Pass it to a trainer as `peft_config=`."""
+    from jaxrl import lora
+
+    return lora.LoraConfig.from_trl(model_args)
 
 
-def get_quantization_config(model_args: ModelConfig) -> None:
-    """TRL's bitsandbytes config: None unless 8/4-bit loading is asked for, which is rejected."""
-    for name in ("load_in_8bit", "load_in_4bit"):
-        if getattr(model_args, name):
-            raise ConfigError(f"`{name}=True`: " + _LORA.format(name=name))
-    return None
+def get_quantization_config(model_args: ModelConfig) -> Any:
+    """TRL's `get_quantization_config`: the frozen-base scheme `load_in_8bit` / `load_in_4bit`
+    ask for ("int8", "nf4") or None. Pass it to a trainer as `quantization_config=`."""
+    from jaxrl import lora
+
+    return lora.base_quantization(model_args)
 
 
 class TrlParser:

@@ -40,9 +40,9 @@ def test_yaml_defaults_cli_overrides_env_no_flags_and_lists(tmp_path, monkeypatc
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--use_peft"], "lands with issue 13"),
-        (["--lora_r", "8"], "lands with issue 13"),
-        (["--load_in_8bit"], "lands with issue 13"),
+        (["--use_peft", "--use_dora"], "DoRA"),
+        (["--load_in_4bit", "--bnb_4bit_quant_type", "fp4"], "NF4"),
+        (["--load_in_8bit", "--load_in_4bit"], "at most one"),
         (["--dataset_streaming"], "map-style dataset"),
         (["--fsdp", "full_shard"], "use `mesh_fsdp`"),
         (["--bta", "0.1"], "Unknown arguments ['--bta', '0.1']"),
@@ -90,3 +90,21 @@ def test_get_dataset_mixture_with_fractions_and_split(tmp_path):
     # Equal shares capped by the smaller dataset: 10 + 10 rows, then a 25% test split.
     assert (len(ds["train"]), len(ds["test"])) == (15, 5)
     assert ds["train"].column_names == ["text"]
+
+
+def test_peft_fields_build_the_lora_and_quantization_configs():
+    from jaxrl import ModelConfig, get_peft_config, get_quantization_config
+    from jaxrl.lora import ALL_LINEAR, LoraConfig
+
+    args = ModelConfig(
+        use_peft=True,
+        lora_r=8,
+        lora_alpha=16,
+        lora_target_modules=["all-linear"],
+        load_in_4bit=True,
+    )
+    peft = get_peft_config(args)
+    assert isinstance(peft, LoraConfig)
+    assert (peft.r, peft.lora_alpha, peft.target_modules) == (8, 16, ALL_LINEAR)
+    assert get_quantization_config(args) == "nf4"
+    assert get_peft_config(ModelConfig()) is None and get_quantization_config(ModelConfig()) is None

@@ -87,8 +87,7 @@ def test_trl_script_trains_and_exports(tmp_path, name):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--use_peft"], "LoRA/QLoRA lands with issue 13"),
-        (["--load_in_4bit"], "LoRA/QLoRA lands with issue 13"),
+        (["--use_peft", "--use_dora"], "DoRA"),
         (["--torch_compile", "true"], "`torch_compile=True` is not supported"),
         (["--deepspeed", "ds.json"], "use `mesh_fsdp`"),
         (["--attn_implementation", "flex_attention"], "has no JAX counterpart"),
