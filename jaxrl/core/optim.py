@@ -15,21 +15,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxrl.config import LR_SCHEDULERS
+
 Schedule = Callable[[jax.Array | int], jax.Array]
 
 OPTIMIZERS = ("adamw", "sgd", "adagrad", "rmsprop", "adafactor", "lion")  # config.OPTIMIZERS maps
-SCHEDULERS = (
-    "linear",
-    "cosine",
-    "cosine_with_restarts",
-    "polynomial",
-    "constant",
-    "constant_with_warmup",
-    "inverse_sqrt",
-    "cosine_with_min_lr",
-    "cosine_warmup_with_min_lr",
-    "warmup_stable_decay",
-)
+# One list of HF scheduler names, kept with the configs (which import without JAX).
+SCHEDULERS = LR_SCHEDULERS
 
 # Parameters HF's Trainer keeps out of weight decay: biases and normalisation scales
 # (`get_decay_parameter_names` excludes bias and LayerNorm/RMSNorm weights).
