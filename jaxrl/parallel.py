@@ -197,6 +197,20 @@ def shard_batch(
     return out
 
 
+def to_host(x: Any) -> Any:
+    """A pytree of (possibly multi-host) jax Arrays as numpy, each the whole global array on
+    every process: `device_get` where the array is local, an all-gather where it spans hosts."""
+
+    def one(a):
+        if not isinstance(a, jax.Array) or a.is_fully_addressable:
+            return np.asarray(jax.device_get(a))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+    return jax.tree.map(one, x)
+
+
 def initialize_distributed() -> None:
     """Call `jax.distributed.initialize()` on multi-host setups; no-op on a single host.
 

@@ -1,9 +1,10 @@
 """Multi-host, proven on one machine: 2 processes x 4 CPU devices over loopback
 (`jax.distributed` with a local coordinator on 127.0.0.1) against 1 process x 8 devices.
 
-Checks: per-host data loading gives the same per-step metrics (SFT and DPO); only process 0
-writes metrics.jsonl and the export; a SIGTERM to one process makes both save the same step
-and exit 143; a resume on 2 processes continues exactly (orbax save and restore across both).
+Checks: per-host data loading gives the same per-step metrics and eval as one process (DPO);
+only process 0 writes metrics.jsonl and the export; a SIGTERM to one process makes both save
+the same step and exit 143; a resume on 2 processes continues bit for bit (orbax save and
+restore across both).
 """
 
 import json
@@ -22,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 COMMON = ["--logging_steps", "1", "--eval_strategy", "no", "--disable_tqdm", "true"]
+COMMON += ["--eval_on_start", "false"]
 COMMON += ["--mesh_data", "-1", "--mesh_fsdp", "1", "--per_device_train_batch_size", "1"]
 COMMON += ["--lr_scheduler_type", "constant", "--seed", "0"]
 
@@ -91,11 +93,14 @@ def _data(tmp_path: Path) -> str:
     return str(path)
 
 
-def test_sft_two_processes_match_one_sigterm_saves_both_and_resume_continues(tmp_path):
+def test_sft_sigterm_on_two_processes_saves_both_and_resume_is_exact(tmp_path):
+    # The reference is an uninterrupted 2-process run: the same reduction trees, so the resumed
+    # run must equal it bit for bit. (1 vs 2 processes agree only up to float32 rounding, which
+    # Adam at lr 1e-3 amplifies to ~1e-2 by step 9; the DPO test below compares those.)
     flags = ["--algo", "sft", "--dataset_name", _data(tmp_path), "--max_steps", "10"]
     flags += ["--save_steps", "1000", "--learning_rate", "1e-3"]
-    ref = tmp_path / "one"
-    assert wait_all(launch(ref, flags, 1), ref) == [0]
+    ref = tmp_path / "ref"
+    assert wait_all(launch(ref, flags, 2), ref) == [0, 0]
     want = step_rows(ref)
     assert [r["step"] for r in want] == list(range(1, 11))
 
@@ -118,23 +123,43 @@ def test_sft_two_processes_match_one_sigterm_saves_both_and_resume_continues(tmp
     assert wait_all(resumed, out) == [0, 0]
     got = step_rows(out)
     # Written by process 0 only: each step exactly once (two writers would double every line).
-    assert_same_metrics(got, want, ("loss", "grad_norm", "mean_token_accuracy", "num_tokens"))
+    keys = ("loss", "grad_norm", "mean_token_accuracy", "num_tokens")
+    assert [r["step"] for r in got] == list(range(1, 11))
+    assert [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in want]
     assert not (out / "jaxrl.lock").exists()
 
-    # The export is one HF directory with the same weights as the 1-process run's.
+    # The export is one HF directory with the same weights as the uninterrupted run's.
     from safetensors.numpy import load_file
 
     ours = load_file(out / "final" / "model.safetensors")
     theirs = load_file(ref / "final" / "model.safetensors")
     assert sorted(ours) == sorted(theirs)
     for key in theirs:
-        np.testing.assert_allclose(ours[key], theirs[key], atol=2e-5, err_msg=key)
+        np.testing.assert_array_equal(ours[key], theirs[key], err_msg=key)
 
 
 def test_dpo_two_processes_match_one(tmp_path):
-    flags = ["--algo", "dpo", "--max_steps", "3", "--save_strategy", "no"]
+    # eval_on_start runs the recipe's compute_metrics (generated answers, gathered from both
+    # hosts) before step 1.
+    flags = [
+        "--algo",
+        "dpo",
+        "--max_steps",
+        "3",
+        "--save_strategy",
+        "no",
+        "--eval_on_start",
+        "true",
+    ]
     ref, out = tmp_path / "one", tmp_path / "two"
     assert wait_all(launch(ref, flags, 1), ref) == [0]
     assert wait_all(launch(out, flags, 2), out) == [0, 0]
     keys = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen")
     assert_same_metrics(step_rows(out), step_rows(ref), keys)
+    evals = [
+        [json.loads(r) for r in (o / "metrics.jsonl").read_text().splitlines()] for o in (ref, out)
+    ]
+    evals = [[r for r in rows if "eval_task_accuracy" in r] for rows in evals]
+    assert len(evals[0]) == len(evals[1]) == 1
+    assert evals[0][0]["step"] == 0
+    assert_same_metrics(evals[1], evals[0], ("eval_task_accuracy", "eval_loss"))

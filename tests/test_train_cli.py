@@ -24,6 +24,8 @@ FAST = [
     "4",
     "--eval_strategy",
     "no",
+    "--eval_on_start",
+    "false",
     "--disable_tqdm",
     "true",
     "--mesh_fsdp",

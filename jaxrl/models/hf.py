@@ -414,13 +414,6 @@ def _warn_unused(unused: set[str], config: ModelConfig, task: str, directory: Pa
 # ---------------------------------------------------------------- saving
 
 
-def _gather(x: jax.Array) -> np.ndarray:
-    if x.is_fully_addressable:
-        return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
 
 def save_pretrained(model: Model, path: str | Path, *, max_shard_size: int | str = "5GB") -> None:
     """Write an HF directory (config.json + safetensors, sharded with an index above
@@ -448,7 +441,7 @@ def save_pretrained(model: Model, path: str | Path, *, max_shard_size: int | str
         entry, layer = key_to_entry[key]
         if entry.path not in cache:  # a stacked param is gathered once, kept for its layers
             cache.clear()
-            cache[entry.path] = _gather(entry.variable[...])
+            cache[entry.path] = parallel.to_host(entry.variable[...])
         x = cache[entry.path][layer] if entry.stacked else cache[entry.path]
         return _ours_to_hf(x, entry.path, entry.hf_shape, config)
 

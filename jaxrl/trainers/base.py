@@ -507,8 +507,8 @@ class Trainer(TrainLoop):
             for k, v in aux.get("max", {}).items():
                 maxs[k] = max(maxs.get(k, -np.inf), float(np.max(v)))
             if predict is not None:
-                p, lab = jax.device_get(self._jit_predict(self.current_params(), batch))
-                keep = host["example_mask"][0] > 0
+                p, lab = parallel.to_host(self._jit_predict(self.current_params(), batch))
+                keep = parallel.to_host(batch["example_mask"])[0] > 0
                 preds.append(np.asarray(p)[keep])
                 labels.append(np.asarray(lab)[keep])
         metrics = {k: sums[k] / max(counts[k], 1.0) for k in sums}

@@ -20,9 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
-from jaxrl import lora
+from jaxrl import lora, parallel
 from jaxrl.config import DPOConfig
 from jaxrl.core import quant
 from jaxrl.core.logprobs import token_logprobs
@@ -437,6 +436,6 @@ class DPOTrainer(Trainer):
             host = self._collate([ds[i] for i in idx[lo : lo + per_host]])
             batch = {k: v[None] for k, v in host.items()}
             dev = {k: v[0] for k, v in self._to_device(batch).items()}
-            res = np.asarray(multihost_utils.process_allgather(fn(params, dev), tiled=True))
+            res = parallel.to_host(fn(params, dev))
             out.append(res[: min(bs, n - start)])
         return np.concatenate(out).astype(np.float32)

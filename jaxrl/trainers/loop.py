@@ -255,9 +255,11 @@ class TrainLoop:
         # plan (max_steps, logging/eval/save cadence, batch size) from the current config, so a
         # resume with a larger max_steps trains on (HF semantics).
         planned = ("max_steps", "logging_steps", "eval_steps", "save_steps", "train_batch_size")
+        # Which process this is belongs to this process, not to the one that wrote the file.
+        local = ("is_world_process_zero", "is_local_process_zero")
         ts = meta["trainer_state"]
         for k, v in ts.items():
-            if hasattr(self.state, k) and k not in planned + ("num_train_epochs",):
+            if hasattr(self.state, k) and k not in planned + local + ("num_train_epochs",):
                 setattr(self.state, k, v)
         self._log_window = meta.get("log_window", [])
         self._tokens_seen = meta.get("tokens_seen", 0)

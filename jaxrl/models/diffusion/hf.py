@@ -316,13 +316,6 @@ def load_pipeline(
     )
 
 
-def _gather(x: jax.Array) -> np.ndarray:
-    if x.is_fully_addressable:
-        return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
 
 def save_weights(
     module: nnx.Module,
@@ -353,7 +346,7 @@ def save_weights(
 
     def fetch(key: str) -> np.ndarray:
         p = by_key[key]
-        return ours_to_torch(_gather(flat[p][...]), p)
+        return ours_to_torch(parallel.to_host(flat[p][...]), p)
 
     if jax.process_index() == 0:
         path.mkdir(parents=True, exist_ok=True)
