@@ -122,8 +122,8 @@ TRAINING_ARGUMENTS = (
         "include_for_metrics",
         list[str],
         [],
-        "`compute_metrics` receives argmax "
-        "predictions and labels only (never full logits or inputs)",
+        "`compute_metrics` receives predictions "
+        "(logits, or `preprocess_logits_for_metrics`' output) and labels, never inputs or losses",
     ),
     Foreign("batch_eval_metrics", bool, False, _EVAL),
     Foreign("save_on_each_node", bool, False, "orbax writes one checkpoint shared by all hosts"),

@@ -117,6 +117,9 @@ class TrainerCallback:
     def on_evaluate(self, args, state: TrainerState, control: TrainerControl, **kwargs):
         """Called after an evaluation, with `metrics=`."""
 
+    def on_predict(self, args, state: TrainerState, control: TrainerControl, **kwargs):
+        """Called after `trainer.predict()`, with `metrics=`."""
+
     def on_save(self, args, state: TrainerState, control: TrainerControl, **kwargs):
         """Called after a checkpoint save is started."""
 
@@ -133,6 +136,7 @@ _EVENTS = (
     "on_step_begin",
     "on_step_end",
     "on_evaluate",
+    "on_predict",
     "on_save",
     "on_log",
 )
@@ -214,6 +218,9 @@ class CallbackHandler(TrainerCallback):
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         control.should_evaluate = False
         return self.call_event("on_evaluate", args, state, control, metrics=metrics, **kwargs)
+
+    def on_predict(self, args, state, control, metrics=None, **kwargs):
+        return self.call_event("on_predict", args, state, control, metrics=metrics, **kwargs)
 
     def on_save(self, args, state, control, **kwargs):
         control.should_save = False

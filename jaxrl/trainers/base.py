@@ -18,7 +18,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,20 +38,17 @@ from jaxrl.core import optim
 from jaxrl.core.state import TrainState
 from jaxrl.core.step import make_eval_step, make_train_step
 from jaxrl.data.batching import BatchIterator
+from jaxrl.trainers.evaluation import (
+    EvalPrediction,
+    PredictionGatherer,
+    PredictionOutput,
+    prefixed,
+)
 from jaxrl.trainers.loop import TrainLoop
 
 logger = logging.getLogger("jaxrl")
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-class EvalPrediction(NamedTuple):
-    """What `compute_metrics` receives, as in HF. `predictions` are argmax token ids [N, T]
-    (never full logits: a [N, T, V] array on the host is the memory blow-up we avoid), and
-    `label_ids` are the target ids with -100 where no loss is taken."""
-
-    predictions: np.ndarray
-    label_ids: np.ndarray
 
 
 class Trainer(TrainLoop):
@@ -74,6 +71,7 @@ class Trainer(TrainLoop):
         compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None = None,
         peft_config: Any = None,
         quantization_config: Any = None,
+        preprocess_logits_for_metrics: Callable[[jax.Array, jax.Array], Any] | None = None,
     ):
         self.args = args if args is not None else self.config_class(output_dir="trainer_output")
         if not isinstance(self.args, TrainingConfig):
@@ -93,6 +91,10 @@ class Trainer(TrainLoop):
         self._setup_peft(peft_config, quantization_config)
         self.processing_class = self._load_tokenizer(processing_class)
         self.compute_metrics = compute_metrics
+        # HF's hook, traced into the jitted predict step: it reduces each batch's logits on
+        # device (e.g. to argmax ids), so a full [N, T, V] array never reaches the host.
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self._jit_predict = None
         self.user_tx, self.user_schedule = optimizers
         self.train_dataset = (
             self._prepare_dataset(train_dataset, "train") if train_dataset is not None else None
@@ -274,9 +276,14 @@ class Trainer(TrainLoop):
         """Named frozen models for the train state (e.g. {"ref": ...}); none by default."""
         return {}
 
-    def _predict_fn(self) -> Callable | None:
-        """Optional jitted-able `(params, batch) -> (argmax_ids, label_ids)` for compute_metrics."""
+    def _prediction_fn(self) -> Callable | None:
+        """`(model, micro_batch) -> (logits, label_ids)` of one eval batch in HF's layout (see
+        `jaxrl.trainers.evaluation`); traced inside the jitted predict step. None: no
+        predictions."""
         return None
+
+    # Rows of predictions per example: DPO predicts a chosen and a rejected row per pair.
+    _prediction_groups = 1
 
     # ----------------------------------------------------------------- functional pieces
     def apply_model(self, params: Any, state: TrainState | None = None):
@@ -479,7 +486,15 @@ class Trainer(TrainLoop):
             batch["example_mask"] = np.asarray(real[lo : lo + per_host], np.float32)
             yield {k: v[None] for k, v in batch.items()}
 
-    def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict:
+    def evaluate(
+        self,
+        eval_dataset: Any = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> dict:
+        """Eval loss and metrics over `eval_dataset` (default: the trainer's), logged and
+        returned with keys `{metric_key_prefix}_*` (HF). With `compute_metrics`, it also gets
+        the gathered predictions (HF's layout; `preprocess_logits_for_metrics` runs on device)."""
         self._ensure_state()
         ds = (
             self.eval_dataset
@@ -488,14 +503,45 @@ class Trainer(TrainLoop):
         )
         if ds is None:
             raise ValueError("evaluate() needs an eval_dataset.")
+        metrics, _ = self._evaluation_loop(
+            ds, metric_key_prefix, ignore_keys, self.compute_metrics is not None
+        )
+        self.log(metrics)
+        self._event("on_evaluate", metrics=metrics)
+        return metrics
+
+    def predict(
+        self,
+        test_dataset: Any,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "test",
+    ) -> PredictionOutput:
+        """HF's `predict`: predictions and labels over `test_dataset` (raw rows, a path or hub id,
+        or already tokenized), with the eval metrics (and `compute_metrics`') under
+        `{metric_key_prefix}_*`. Predictions per trainer: SFT, the logits `[N, T, V]` (or the
+        output of `preprocess_logits_for_metrics`); DPO, those of the `prompt + chosen` rows then
+        the `prompt + rejected` rows `[2N, ...]`; reward, the `[N, 2]` (chosen, rejected) scores
+        with label 0 (the chosen column). Not logged; callbacks get `on_predict`."""
+        self._ensure_state()
+        ds = self._prepare_dataset(test_dataset, "test")
+        metrics, (preds, labels) = self._evaluation_loop(ds, metric_key_prefix, ignore_keys, True)
+        self._event("on_predict", metrics=metrics)
+        return PredictionOutput(preds, labels, metrics)
+
+    def _evaluation_loop(
+        self, ds: Any, prefix: str, ignore_keys: list[str] | None, want_predictions: bool
+    ) -> tuple[dict, tuple[Any, Any]]:
+        """Eval metrics (prefixed) and, when asked for and the trainer has them, the predictions
+        and labels of every example in order (gathered across processes on every host)."""
         sums: dict[str, float] = {}
         counts: dict[str, float] = {}
         mins: dict[str, float] = {}
         maxs: dict[str, float] = {}
-        preds, labels = [], []
-        predict = self._predict_fn() if self.compute_metrics is not None else None
-        if predict is not None and getattr(self, "_jit_predict", None) is None:
-            self._jit_predict = jax.jit(predict)
+        # HF drops model outputs named in ignore_keys; the only output here is `logits`.
+        want_predictions = want_predictions and "logits" not in (ignore_keys or [])
+        predict = self._jitted_predict() if want_predictions else None
+        preds = PredictionGatherer(self._prediction_groups)
+        labels = PredictionGatherer(self._prediction_groups)
         for host in self._eval_batches(ds):
             batch = self._to_device(host)
             aux = jax.device_get(self._jit_eval_step(self.train_state, batch))
@@ -507,21 +553,42 @@ class Trainer(TrainLoop):
             for k, v in aux.get("max", {}).items():
                 maxs[k] = max(maxs.get(k, -np.inf), float(np.max(v)))
             if predict is not None:
-                p, lab = parallel.to_host(self._jit_predict(self.current_params(), batch))
+                p, lab = parallel.to_host(predict(self.current_params(), batch))
                 keep = parallel.to_host(batch["example_mask"])[0] > 0
-                preds.append(np.asarray(p)[keep])
-                labels.append(np.asarray(lab)[keep])
+                preds.add(p, keep)
+                labels.add(lab, keep)
         metrics = {k: sums[k] / max(counts[k], 1.0) for k in sums}
         metrics.update(mins)
         metrics.update(maxs)
-        if predict is not None:
-            metrics.update(
-                self.compute_metrics(EvalPrediction(np.concatenate(preds), np.concatenate(labels)))
-            )
-        metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
-        self.log(metrics)
-        self._event("on_evaluate", metrics=metrics)
-        return metrics
+        all_preds, all_labels = preds.result(), labels.result()
+        if self.compute_metrics is not None and all_preds is not None:
+            metrics.update(self.compute_metrics(EvalPrediction(all_preds, all_labels)))
+        return prefixed(metrics, prefix), (all_preds, all_labels)
+
+    def _jitted_predict(self) -> Callable | None:
+        """The jitted `(params, batch) -> (predictions, label_ids)` (built once), or None."""
+        if self._jit_predict is None:
+            fn = self._prediction_fn()
+            if fn is None:
+                return None
+            preprocess = self.preprocess_logits_for_metrics
+            if preprocess is None and self.model_task == "causal_lm":
+                logger.warning(
+                    "%s hands compute_metrics/predict the full logits [N, T, vocab] on the host, "
+                    "as HF does; pass preprocess_logits_for_metrics (e.g. an argmax) to reduce "
+                    "them on device.",
+                    type(self).__name__,
+                )
+
+            def predict(params, batch_A):
+                mb = {k: v[0] for k, v in batch_A.items()}
+                logits, label_ids = fn(self.apply_model(params), mb)
+                if preprocess is not None:
+                    logits = preprocess(logits, label_ids)
+                return logits, label_ids
+
+            self._jit_predict = jax.jit(predict)
+        return self._jit_predict
 
     # ----------------------------------------------------------------- generation
     def generation_config(self, generation_config: Any = None, **overrides: Any):
@@ -623,7 +690,62 @@ class Trainer(TrainLoop):
             self.processing_class.save_pretrained(out)
             with open(os.path.join(out, "jaxrl_config.json"), "w") as f:
                 json.dump(self.args.to_dict(), f, indent=2, default=str)
+            adapter_only = self.is_peft and not merged
+            if self.model_task == "causal_lm" and not adapter_only:
+                # As transformers' save_pretrained for a model that can generate.
+                self._export_generation_config(out).save_pretrained(out)
+            self._write_model_card(out, library_name="peft" if adapter_only else "transformers")
         return out
+
+    def _export_generation_config(self, out: str) -> Any:
+        """The source model's `generation_config.json` if it has one (local or cached), else
+        derived from the exported config.json as transformers does when it loads a model."""
+        from transformers import AutoConfig, GenerationConfig
+
+        if self.model_path is not None:
+            try:
+                return GenerationConfig.from_pretrained(self.model_path, local_files_only=True)
+            except OSError:
+                pass  # the source has none: derive it below
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(out))
+
+    # What the model card says about the trainer (TRL's class attributes of the same names).
+    _name = "Trainer"
+    _tag_names: tuple[str, ...] = ("trl",)
+    _paper: dict[str, str] = {}
+
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+    ) -> None:
+        """TRL's `create_model_card`: write `README.md` into `output_dir` (process 0)."""
+        if jax.process_index() == 0:
+            self._write_model_card(
+                self.args.output_dir, model_name=model_name, dataset_name=dataset_name, tags=tags
+            )
+
+    def _write_model_card(
+        self,
+        folder: str,
+        library_name: str = "transformers",
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+    ) -> None:
+        from jaxrl.model_card import card_fields, model_card
+
+        fields = card_fields(self)
+        fields["model_name"] = model_name or fields["model_name"]
+        fields["tags"] += [tags] if isinstance(tags, str) else list(tags or [])
+        pipeline = "text-generation" if self.model_task == "causal_lm" else "text-classification"
+        card = model_card(
+            **fields, dataset_name=dataset_name, library_name=library_name, pipeline_tag=pipeline
+        )
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "README.md"), "w") as f:
+            f.write(card)
 
     # ----------------------------------------------------------------- TRL script surface
     # What TRL's example scripts call on a trainer besides train()/save_model() (jaxrl.scripting).
@@ -650,6 +772,8 @@ class Trainer(TrainLoop):
         from jaxrl.hub import push_folder
 
         self.save_model(self.args.output_dir)
+        card_keys = ("model_name", "dataset_name", "tags")
+        self.create_model_card(**{k: kwargs[k] for k in card_keys if k in kwargs})
         if not self.is_world_process_zero:
             return None
         return push_folder(self.args, self.args.output_dir, commit_message, card=kwargs)

@@ -33,7 +33,8 @@ from jaxrl.data.collate import (
 from jaxrl.data.preference import prepare_preference_dataset
 from jaxrl.losses.dpo import dpo_multi_loss
 from jaxrl.trainers.base import Trainer
-from jaxrl.trainers.sft import lm_forward
+from jaxrl.trainers.evaluation import label_ids_from_loss_mask, label_ids_from_trained
+from jaxrl.trainers.sft import full_logits, lm_forward
 
 logger = logging.getLogger("jaxrl")
 
@@ -91,6 +92,27 @@ def pair_logps(model, mb: dict, chunk: int, with_stats: bool) -> dict:
     return res
 
 
+def shared_rows_predictions(model, mb: dict) -> tuple[jax.Array, jax.Array]:
+    """Logits and HF labels of the `prompt + chosen` then `prompt + rejected` rows `[2B, T]`,
+    unpacked from prefix-shared rows: one forward over the shared row, whose logits at each
+    slot equal those of the same token in its own row (the prefix-tree mask hides the other
+    completion). A rejected row reads slot `j` for its prompt and `j + len(chosen)` after it."""
+    branch_BT = mb["branch_ids"]
+    h_BTD = model.hidden_states(mb["input_ids"], prefix_tree_mask(branch_BT), mb["positions"], None)
+    logits_BTV = jnp.dot(h_BTD, model.unembed_weight(), preferred_element_type=jnp.float32)
+    p_B1, c_B1, r_B1 = (jnp.sum(branch_BT == k, axis=1, keepdims=True) for k in (1, 2, 3))
+    j_BT = jnp.broadcast_to(jnp.arange(branch_BT.shape[1]), branch_BT.shape)
+    src_BT = jnp.minimum(jnp.where(j_BT < p_B1, j_BT, j_BT + c_B1), branch_BT.shape[1] - 1)
+    rejected_logits_BTV = jnp.take_along_axis(logits_BTV, src_BT[..., None], axis=1)
+    rejected_ids_BT = jnp.take_along_axis(mb["input_ids"], src_BT, axis=1)
+    chosen_labels = label_ids_from_trained(mb["input_ids"], branch_BT == 2)
+    rejected_labels = label_ids_from_trained(rejected_ids_BT, (j_BT >= p_B1) & (j_BT < p_B1 + r_B1))
+    return (
+        jnp.concatenate([logits_BTV, rejected_logits_BTV], axis=0),
+        jnp.concatenate([chosen_labels, rejected_labels], axis=0),
+    )
+
+
 def num_pair_tokens(mb: dict) -> jax.Array:
     """Tokens of the pairs as TRL counts them (prompt once per completion), in either layout."""
     if "branch_ids" in mb:
@@ -115,6 +137,12 @@ class DPOTrainer(Trainer):
     """Direct preference optimisation (TRL `DPOTrainer` API; `args` is a `DPOConfig`)."""
 
     config_class = DPOConfig
+    _name = "DPO"
+    _tag_names = ("trl", "dpo")
+    _paper = {
+        "title": "Direct Preference Optimization: Your Language Model is Secretly a Reward Model",
+        "id": "2305.18290",
+    }
 
     def __init__(self, model: Any, ref_model: Any = None, args: DPOConfig | None = None, *a, **kw):
         self._ref_model_arg = ref_model
@@ -349,24 +377,16 @@ class DPOTrainer(Trainer):
 
         return loss_fn
 
-    def _predict_fn(self):
-        chunk = self.args.logprob_chunk_size
+    _prediction_groups = 2  # a `prompt + chosen` and a `prompt + rejected` row per pair
 
-        def predict(params, batch_A):
-            mb = {k: v[0] for k, v in batch_A.items()}
-            model = self.apply_model(params)
-            if "branch_ids" in mb:  # prefix-shared rows: score the chosen slots
-                _, stats = shared_token_logps(model, mb, chunk, with_stats=True)
-                mask_BT = mb["chosen_mask"]
-                targets_BT = mb["targets"]
-            else:
-                rows = pairs_to_rows(mb)
-                b = rows["input_ids"].shape[0] // 2
-                chosen = {k: v[:b] for k, v in rows.items()}
-                _, stats = lm_forward(model, chosen, chunk, with_stats=True)
-                mask_BT, targets_BT = chosen["loss_mask"], chosen["targets"]
-            labels = jnp.where(mask_BT > 0, targets_BT, -100)
-            return stats["argmax"], labels
+    def _prediction_fn(self):
+        def predict(model, mb):
+            if "branch_ids" in mb:
+                return shared_rows_predictions(model, mb)
+            rows = pairs_to_rows(mb)
+            return full_logits(model, rows), label_ids_from_loss_mask(
+                rows["input_ids"], rows["loss_mask"]
+            )
 
         return predict
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import datasets
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -21,10 +22,25 @@ from jaxrl.losses.reward import reward_loss
 from jaxrl.trainers.base import Trainer
 
 
+def pair_scores(model, mb: dict) -> tuple[dict, jax.Array]:
+    """The pairs' rows `[2B, T]` (chosen rows, then rejected rows) and their f32 scores `[2B]`."""
+    rows = {
+        k: jnp.concatenate([v[:, 0], v[:, 1]], axis=0)
+        for k, v in mb.items()
+        if v.ndim >= 3 or k in ("input_ids", "attention_mask")
+    }
+    scores_2B = model(
+        rows["input_ids"], rows["attention_mask"], rows["positions"], rows["segment_ids"]
+    )[:, 0].astype(jnp.float32)
+    return rows, scores_2B
+
+
 class RewardTrainer(Trainer):
     """Reward-model training (TRL `RewardTrainer` API; `args` is a `RewardConfig`)."""
 
     config_class = RewardConfig
+    _name = "Reward"
+    _tag_names = ("trl", "reward-trainer")
     model_task = "sequence_classification"
 
     def _default_peft_task(self) -> str:
@@ -55,15 +71,7 @@ class RewardTrainer(Trainer):
         coef = self.args.center_rewards_coefficient
 
         def loss_fn(params, state, mb, rng, extras):
-            rows = {
-                k: jnp.concatenate([v[:, 0], v[:, 1]], axis=0)
-                for k, v in mb.items()
-                if v.ndim >= 3 or k in ("input_ids", "attention_mask")
-            }
-            model = self.apply_model(params, state)
-            scores_2B = model(
-                rows["input_ids"], rows["attention_mask"], rows["positions"], rows["segment_ids"]
-            )[:, 0].astype(jnp.float32)
+            rows, scores_2B = pair_scores(self.apply_model(params, state), mb)
             b = scores_2B.shape[0] // 2
             rc_B, rr_B = scores_2B[:b], scores_2B[b:]
             losses_B = reward_loss(
@@ -89,3 +97,15 @@ class RewardTrainer(Trainer):
             return loss_sum, (aux, extras)
 
         return loss_fn
+
+    def _prediction_fn(self):
+        def predict(model, mb):
+            _, scores_2B = pair_scores(model, mb)
+            b = scores_2B.shape[0] // 2
+            # [B, 2] (chosen, rejected) scores; label 0 names the preferred column, so
+            # `argmax(predictions, 1) == label_ids` is the pair accuracy (TRL's old
+            # `compute_accuracy` layout).
+            scores_B2 = jnp.stack([scores_2B[:b], scores_2B[b:]], axis=1)
+            return scores_B2, jnp.zeros((b,), jnp.int32)
+
+        return predict

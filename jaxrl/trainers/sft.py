@@ -20,6 +20,7 @@ from jaxrl.data.collate import collate_sft
 from jaxrl.data.sft import prepare_sft_dataset
 from jaxrl.losses.sft import entropy, mean_token_accuracy, sft_loss_sum
 from jaxrl.trainers.base import Trainer
+from jaxrl.trainers.evaluation import label_ids_from_loss_mask
 
 
 def lm_forward(model, mb: dict, chunk_size: int, with_stats: bool):
@@ -30,6 +31,15 @@ def lm_forward(model, mb: dict, chunk_size: int, with_stats: bool):
     return token_logprobs(
         h_BTD, model.unembed_weight(), mb["targets"], chunk_size=chunk_size, with_stats=with_stats
     )
+
+
+def full_logits(model, mb: dict) -> jnp.ndarray:
+    """f32 logits [B, T, V] of a collated LM batch (eval predictions only; training never
+    builds them)."""
+    h_BTD = model.hidden_states(
+        mb["input_ids"], mb["attention_mask"], mb["positions"], mb["segment_ids"]
+    )
+    return jnp.dot(h_BTD, model.unembed_weight(), preferred_element_type=jnp.float32)
 
 
 def example_weighted_mask(mb: dict) -> jnp.ndarray:
@@ -44,6 +54,8 @@ class SFTTrainer(Trainer):
     """Supervised fine-tuning (TRL `SFTTrainer` API; `args` is an `SFTConfig`)."""
 
     config_class = SFTConfig
+    _name = "SFT"
+    _tag_names = ("trl", "sft")
 
     def __init__(self, model: Any, args: SFTConfig | None = None, *a, formatting_func=None, **kw):
         self.formatting_func = formatting_func
@@ -92,15 +104,9 @@ class SFTTrainer(Trainer):
 
         return loss_fn
 
-    def _predict_fn(self):
-        chunk = self.args.logprob_chunk_size
-
-        def predict(params, batch_A):
-            mb = {k: v[0] for k, v in batch_A.items()}
-            model = self.apply_model(params)
-            _, stats = lm_forward(model, mb, chunk, with_stats=True)
-            preds = stats["argmax"]
-            labels = jnp.where(mb["loss_mask"] > 0, mb["targets"], -100)
-            return preds, labels
+    def _prediction_fn(self):
+        def predict(model, mb):
+            logits_BTV = full_logits(model, mb)
+            return logits_BTV, label_ids_from_loss_mask(mb["input_ids"], mb["loss_mask"])
 
         return predict

@@ -351,7 +351,7 @@ def test_prefix_sharing_same_metrics_as_two_rows(tmp_path, tokenizer, hf_model_d
     """One prefix-shared row per pair gives the two-row layout's train and eval metrics and
     compute_metrics predictions, also on a 2x2x2 mesh; rows are shorter. (RPO's `sft` term is
     a batch token mean, so it is compared without gradient accumulation.)"""
-    from jaxrl.train import task_compute_metrics
+    from jaxrl.train import argmax_logits, chosen_task_compute_metrics
 
     runs = {}
     for name, extra in {
@@ -375,7 +375,8 @@ def test_prefix_sharing_same_metrics_as_two_rows(tmp_path, tokenizer, hf_model_d
             train_dataset=pref_data[0],
             eval_dataset=pref_data[1],
             processing_class=tokenizer,
-            compute_metrics=task_compute_metrics,
+            compute_metrics=chosen_task_compute_metrics,
+            preprocess_logits_for_metrics=argmax_logits,
         )
         trainer.train()
         runs[name] = (trainer, train_logs(trainer), trainer.evaluate())

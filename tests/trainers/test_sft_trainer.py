@@ -96,6 +96,7 @@ def test_loss_decreases_and_eval_metrics(tmp_path, tokenizer, sft_data):
         eval_dataset=sft_data[1],
         processing_class=tokenizer,
         compute_metrics=compute_metrics,
+        preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
     )
     trainer.train()
     logs = train_logs(trainer)
@@ -105,8 +106,9 @@ def test_loss_decreases_and_eval_metrics(tmp_path, tokenizer, sft_data):
     assert metrics["eval_rows"] == 20.0
     assert seen[0].predictions.shape == seen[0].label_ids.shape
     assert 0 <= seen[0].predictions.min() and seen[0].predictions.max() < 16  # argmax token ids
-    # Token accuracy is the share of trained tokens whose argmax is the label, over all rows.
-    preds, labels = seen[-1].predictions, seen[-1].label_ids
+    # HF's recipe: prediction t scores label t + 1. Token accuracy over the trained tokens of all
+    # rows is what the trainer logs as mean_token_accuracy.
+    preds, labels = seen[-1].predictions[:, :-1], seen[-1].label_ids[:, 1:]
     trained = labels != -100
     want = np.mean(preds[trained] == labels[trained])
     assert metrics["eval_mean_token_accuracy"] == pytest.approx(want, abs=1e-6)

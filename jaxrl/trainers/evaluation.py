@@ -1,0 +1,95 @@
+"""What `evaluate()` and `predict()` hand back, in HF's layout, and the host-side gathering of
+per-batch predictions.
+
+HF's `Trainer` gives `compute_metrics` an `EvalPrediction(predictions, label_ids)` whose rows are
+the evaluated sequences: `predictions[:, t]` is the model output at input position `t` (so it
+scores token `t + 1`) and `label_ids[:, t]` is input token `t`, or -100 where no loss is taken.
+The usual recipe compares `predictions[:, :-1]` with `label_ids[:, 1:]`. jaxrl's batches carry
+shifted `targets`/`loss_mask` instead (see `jaxrl.data.collate`); `label_ids_from_trained` turns
+them back. Everything here is host numpy or a tiny pure function; no model code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+IGNORE_INDEX = -100  # HF's label for positions without loss
+
+
+class EvalPrediction(NamedTuple):
+    """What `compute_metrics` receives, as HF's `EvalPrediction`: `predictions` (the model's
+    logits, or what `preprocess_logits_for_metrics` made of them on device) and `label_ids`
+    (unshifted, -100 where no loss is taken)."""
+
+    predictions: Any
+    label_ids: Any
+
+
+class PredictionOutput(NamedTuple):
+    """What `trainer.predict()` returns, as HF's `PredictionOutput`."""
+
+    predictions: Any
+    label_ids: Any
+    metrics: dict[str, float] | None
+
+
+def label_ids_from_trained(input_ids_BT: jax.Array, trained_BT: jax.Array) -> jax.Array:
+    """HF labels: input token `t` where it is a trained token, else -100. Position 0 is always
+    -100 (no prediction scores the first token; TRL's padding-free rows do the same)."""
+    t_T = jnp.arange(input_ids_BT.shape[1])
+    keep_BT = (trained_BT > 0) & (t_T >= 1)
+    return jnp.where(keep_BT, input_ids_BT, IGNORE_INDEX).astype(jnp.int32)
+
+
+def label_ids_from_loss_mask(input_ids_BT: jax.Array, loss_mask_BT: jax.Array) -> jax.Array:
+    """HF labels of a collated row: `loss_mask[t]` marks target `t + 1`, so input token `t` is
+    trained where `loss_mask[t - 1]` is set."""
+    trained_BT = jnp.pad(loss_mask_BT[:, :-1], ((0, 0), (1, 0)))
+    return label_ids_from_trained(input_ids_BT, trained_BT)
+
+
+class PredictionGatherer:
+    """Accumulates per-batch predictions and labels on the host, dropping the eval padding rows.
+
+    A batch's outputs have `groups * b` leading rows: `groups` blocks of `b` rows, one row per
+    example in each (DPO: the chosen rows, then the rejected rows). `result()` concatenates
+    each block over all batches, so the final rows are block 0 of every example, then block 1.
+    """
+
+    def __init__(self, groups: int = 1):
+        self.groups = groups
+        self.parts: list[Any] = []
+
+    def add(self, outputs: Any, keep_B: np.ndarray) -> None:
+        """`outputs`: a pytree of host arrays (already gathered across processes)."""
+
+        def rows(x):
+            x = np.asarray(x)
+            return x.reshape(self.groups, -1, *x.shape[1:])[:, keep_B]
+
+        self.parts.append(jax.tree.map(rows, outputs))
+
+    def result(self) -> Any:
+        if not self.parts:
+            return None
+
+        def concat(*xs):
+            x = np.concatenate(xs, axis=1)
+            return x.reshape(-1, *x.shape[2:])
+
+        return jax.tree.map(concat, *self.parts)
+
+
+def prefixed(metrics: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """HF's metric keys: `PREFIX_key`, unless the key already starts with the prefix; numpy
+    scalars become Python numbers (so the metrics are JSON-serialisable)."""
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, np.generic | np.ndarray) and np.ndim(value) == 0:
+            value = value.item()
+        out[key if key.startswith(f"{prefix}_") else f"{prefix}_{key}"] = value
+    return out

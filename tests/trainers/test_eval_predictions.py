@@ -1,0 +1,158 @@
+"""compute_metrics, preprocess_logits_for_metrics and predict() in HF's layout for the SFT, DPO and
+reward trainers: logits aligned to the inputs (checked against PyTorch), unshifted labels with
+-100, on-device preprocessing, PredictionOutput and the on_predict event."""
+
+import jax
+import numpy as np
+import pytest
+from trainer_utils import base_args
+
+from jaxrl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+from jaxrl.callbacks.base import TrainerCallback
+from jaxrl.trainers.evaluation import PredictionOutput
+
+
+def _eval_args(tmp_path, **kw):
+    # Eval batch 8 over 12 rows: the second batch is padded, its copies must not come back.
+    return base_args(tmp_path, max_steps=1, per_device_eval_batch_size=8, **kw)
+
+
+def test_sft_predictions_are_hf_logits_and_labels(tmp_path, tokenizer, hf_model_dir, sft_data):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    seen = []
+    trainer = SFTTrainer(
+        hf_model_dir,
+        args=SFTConfig(**_eval_args(tmp_path)),
+        eval_dataset=sft_data[1].select(range(12)),
+        processing_class=tokenizer,
+        compute_metrics=lambda pred: seen.append(pred) or {"n": len(pred.label_ids)},
+    )
+    metrics = trainer.evaluate()
+    assert metrics["eval_n"] == 12
+    logits, labels = seen[0]
+    n, t = labels.shape
+    assert logits.shape == (n, t, 16) and logits.dtype == np.float32
+    hf = AutoModelForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32).eval()
+    ds = trainer.eval_dataset
+    for i, (ids, trained) in enumerate(zip(ds["input_ids"], ds["loss_mask"], strict=True)):
+        with torch.no_grad():
+            theirs = hf(input_ids=torch.tensor([ids])).logits[0].numpy()
+        # Prediction t is the model output at input position t (HF's layout).
+        np.testing.assert_allclose(logits[i, : len(ids)], theirs, atol=1e-4)
+        # Labels: the input tokens where loss is taken (the completion), -100 elsewhere.
+        want = [
+            tok if m and j else -100 for j, (tok, m) in enumerate(zip(ids, trained, strict=True))
+        ]
+        want += [-100] * (t - len(ids))
+        np.testing.assert_array_equal(labels[i], want)
+    # HF's recipe on these gives the logged token accuracy.
+    pred_ids, targets = logits.argmax(-1)[:, :-1], labels[:, 1:]
+    scored = targets != -100
+    assert metrics["eval_mean_token_accuracy"] == pytest.approx(
+        np.mean(pred_ids[scored] == targets[scored]), abs=1e-6
+    )
+
+
+def test_preprocess_runs_on_device_and_predict(tmp_path, tokenizer, hf_model_dir, sft_data):
+    calls = []
+
+    def preprocess(logits, labels):
+        # Traced inside the jitted predict step: jax values of one batch, never host arrays.
+        calls.append((type(logits), logits.shape, labels.shape))
+        return logits.argmax(-1), (labels != -100).sum(-1)
+
+    predicted = []
+
+    class OnPredict(TrainerCallback):
+        def on_predict(self, args, state, control, metrics=None, **kwargs):
+            predicted.append(metrics)
+
+    trainer = SFTTrainer(
+        hf_model_dir,
+        args=SFTConfig(**_eval_args(tmp_path)),
+        processing_class=tokenizer,
+        compute_metrics=lambda pred: {"rows": len(pred.predictions[0])},
+        preprocess_logits_for_metrics=preprocess,
+        callbacks=[OnPredict()],
+    )
+    rows = sft_data[1].select(range(12))
+    out = trainer.predict(rows)
+    assert isinstance(out, PredictionOutput)
+    (kind, logits_shape, labels_shape), *_ = calls
+    assert issubclass(kind, jax.core.Tracer)
+    assert logits_shape == (8, labels_shape[1], 16)  # one eval batch, full vocab, on device
+    ids, n_trained = out.predictions
+    assert ids.shape == out.label_ids.shape == (12, labels_shape[1])
+    np.testing.assert_array_equal(n_trained, (out.label_ids != -100).sum(-1))
+    # predict() reports the eval metrics under its prefix and is not logged.
+    assert out.metrics["test_rows"] == 12 and "test_loss" in out.metrics
+    assert predicted == [out.metrics]
+    assert not any("test_loss" in h for h in trainer.state.log_history)
+    evaluated = trainer.evaluate(rows, metric_key_prefix="heldout")
+    assert evaluated["heldout_loss"] == pytest.approx(out.metrics["test_loss"], rel=1e-6)
+    # HF drops model outputs named in ignore_keys: without logits there are no predictions.
+    bare = trainer.predict(rows, ignore_keys=["logits"])
+    assert bare.predictions is None and "test_rows" not in bare.metrics
+
+
+def test_dpo_predictions_rows_and_prefix_sharing(tmp_path, tokenizer, hf_model_dir, pref_data):
+    rows = pref_data[1].select(range(12))
+    outs = {}
+    for name, extra in {"rows": {}, "shared": {"prefix_sharing": True}}.items():
+        trainer = DPOTrainer(
+            hf_model_dir,
+            args=DPOConfig(**_eval_args(tmp_path / name, **extra)),
+            processing_class=tokenizer,
+        )
+        outs[name] = (trainer, trainer.predict(rows))
+    trainer, out = outs["rows"]
+    logits, labels = out.predictions, out.label_ids
+    assert logits.shape[:2] == labels.shape and labels.shape[0] == 24
+    ds = trainer._prepare_dataset(rows, "test")
+    # Rows 0..N-1 are prompt + chosen, N..2N-1 prompt + rejected; labels are the completions.
+    for i, ex in enumerate(ds):
+        for row, key in ((i, "chosen_input_ids"), (12 + i, "rejected_input_ids")):
+            p, c = len(ex["prompt_input_ids"]), len(ex[key])
+            np.testing.assert_array_equal(labels[row, p : p + c], ex[key])
+            assert (labels[row, :p] == -100).all() and (labels[row, p + c :] == -100).all()
+    # Prefix-shared rows are unpacked into the same rows: equal labels and, where scored, equal
+    # logits (the shared layout's static length differs, so compare the common prefix).
+    _, shared = outs["shared"]
+    t = min(labels.shape[1], shared.label_ids.shape[1])
+    assert (labels[:, t:] == -100).all() and (shared.label_ids[:, t:] == -100).all()
+    np.testing.assert_array_equal(shared.label_ids[:, :t], labels[:, :t])
+    scored = labels[:, :t] != -100
+    np.testing.assert_allclose(
+        shared.predictions[:, :t][scored], logits[:, :t][scored], rtol=1e-4, atol=1e-4
+    )
+    assert out.metrics["test_rewards/accuracies"] == shared.metrics["test_rewards/accuracies"]
+
+
+def test_reward_compute_metrics_gets_pair_scores(tmp_path, tokenizer, hf_model_dir, pref_data):
+    seen = []
+
+    def compute_metrics(pred):
+        seen.append(pred)
+        scores, labels = pred
+        return {"pair_accuracy": float(np.mean(scores.argmax(1) == labels))}
+
+    trainer = RewardTrainer(
+        hf_model_dir,
+        args=RewardConfig(**_eval_args(tmp_path)),
+        eval_dataset=pref_data[1].select(range(12)),
+        processing_class=tokenizer,
+        compute_metrics=compute_metrics,
+    )
+    metrics = trainer.evaluate()
+    scores, labels = seen[0]
+    assert scores.shape == (12, 2) and labels.shape == (12,)
+    np.testing.assert_array_equal(labels, 0)
+    # The (chosen, rejected) columns are the scores the trainer's own metrics are made of.
+    assert metrics["eval_pair_accuracy"] == pytest.approx(metrics["eval_accuracy"], abs=1e-6)
+    assert np.mean(scores) == pytest.approx(metrics["eval_mean_reward"], rel=1e-5)
+    assert np.mean(scores[:, 0] - scores[:, 1]) == pytest.approx(metrics["eval_margin"], rel=1e-5)
+    assert scores.min() == pytest.approx(metrics["eval_min_reward"], rel=1e-6)
+    out = trainer.predict(pref_data[1].select(range(3)))
+    np.testing.assert_allclose(out.predictions, scores[:3], rtol=1e-6)
