@@ -42,13 +42,79 @@ def recipe_path(name_or_path: str) -> Path:
     )
 
 
+def argmax_logits(logits: Any, labels: Any) -> Any:
+    """`preprocess_logits_for_metrics` of the embedded recipes: token ids, reduced on device."""
+    import jax.numpy as jnp
+
+    return jnp.argmax(logits, axis=-1)
+
+
 def task_compute_metrics(pred) -> dict[str, float]:
-    """Held-out accuracy of the embedded task from teacher-forced argmax predictions."""
+    """Held-out accuracy of the embedded task: a row is right when every trained token is the
+    teacher-forced argmax (HF layout: prediction `t` scores label `t + 1`)."""
     from jaxrl.data.task import exact_match
 
-    labels = np.asarray(pred.label_ids)
-    mask = labels != -100
-    return {"task_accuracy": float(np.mean(exact_match(pred.predictions, labels, mask)))}
+    preds, labels = np.asarray(pred.predictions), np.asarray(pred.label_ids)
+    targets = labels[:, 1:]
+    mask = targets != -100
+    return {"task_accuracy": float(np.mean(exact_match(preds[:, :-1], targets, mask)))}
+
+
+def chosen_task_compute_metrics(pred) -> dict[str, float]:
+    """`task_compute_metrics` of a DPO eval: on the chosen rows (the first half)."""
+    n = len(pred.label_ids) // 2
+    return task_compute_metrics(type(pred)(pred.predictions[:n], pred.label_ids[:n]))
+
+
+# `python -m jaxrl.train`'s TRL `ModelConfig` PEFT / bitsandbytes flags.
+PEFT_FIELDS = (
+    "use_peft",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "lora_target_parameters",
+    "lora_modules_to_save",
+    "lora_task_type",
+    "use_rslora",
+    "use_dora",
+    "load_in_8bit",
+    "load_in_4bit",
+    "bnb_4bit_quant_type",
+    "use_bnb_nested_quant",
+    "bnb_4bit_quant_storage",
+)
+
+
+def peft_options(script: Any, algo: str) -> tuple[Any, str | None]:
+    """`(peft_config, quantization_config)` for the trainer from the PEFT flags, built as TRL's
+    `get_peft_config` / `get_quantization_config` build them from a `ModelConfig`."""
+    from jaxrl import scripting
+    from jaxrl.config import ConfigError
+
+    values = {name: getattr(script, name) for name in PEFT_FIELDS}
+    defaults = {name: getattr(type(script)(), name) for name in PEFT_FIELDS}
+    changed = sorted(k for k in PEFT_FIELDS if values[k] != defaults[k])
+    if not changed:
+        return None, None
+    if algo not in ("sft", "reward", "dpo"):
+        raise ConfigError(
+            f"{changed} set for --algo {algo}: LoRA/QLoRA is implemented for sft, reward and dpo "
+            "only. Remove the flags or pick one of those algorithms."
+        )
+    if values["bnb_4bit_quant_storage"] is not None:
+        raise ConfigError(
+            "bnb_4bit_quant_storage is a bitsandbytes storage dtype (for FSDP of packed 4-bit "
+            "weights); jaxrl's NF4 base stores packed uint8 codes whatever the mesh. Remove it."
+        )
+    if not values["use_peft"] and not (values["load_in_4bit"] or values["load_in_8bit"]):
+        raise ConfigError(
+            f"{changed} configure LoRA, which is off: add --use_peft true (TRL's ModelConfig "
+            "ignores them without it; jaxrl refuses options that would do nothing)."
+        )
+    values.pop("bnb_4bit_quant_storage")
+    model = scripting.ModelConfig(**values)  # validates (DoRA, fp4, ... are rejected)
+    return scripting.get_peft_config(model), scripting.get_quantization_config(model)
 
 
 def _split_algo(argv: list[str]) -> tuple[str, list[str]]:
@@ -126,6 +192,7 @@ def build_trainer(argv: list[str]) -> Any:
     args, script = parse_config(
         CONFIGS[algo], yaml_path=_recipe_yaml(algo, rest), cli_args=_without_config(rest)
     )
+    peft_config, quantization_config = peft_options(script, algo)
     # Fail on an unusable output_dir before loading any data or model.
     run_dir.check_output_dir(
         args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir
@@ -137,7 +204,9 @@ def build_trainer(argv: list[str]) -> Any:
         name = {"sft": "sft", "reward": "dpo", "dpo": "dpo"}[algo]
         train_ds = str(task.asset_path(f"{name}_train.jsonl"))
         eval_ds = str(task.asset_path(f"{name}_test.jsonl"))
-        compute_metrics = task_compute_metrics if algo != "reward" else None
+        compute_metrics = {"sft": task_compute_metrics, "dpo": chosen_task_compute_metrics}.get(
+            algo
+        )
     else:
         train_ds = _load_split(script, script.dataset_train_split)
         eval_ds = (
@@ -170,6 +239,9 @@ def build_trainer(argv: list[str]) -> Any:
         eval_dataset=eval_ds,
         processing_class=tokenizer,
         compute_metrics=compute_metrics,
+        preprocess_logits_for_metrics=argmax_logits if compute_metrics is not None else None,
+        peft_config=peft_config,
+        quantization_config=quantization_config,
     )
 
 
@@ -189,6 +261,7 @@ def build_ppo_trainer(rest: list[str]) -> Any:
     args, script = parse_config(
         PPOConfig, yaml_path=_recipe_yaml("ppo", rest), cli_args=_without_config(rest)
     )
+    peft_options(script, "ppo")  # rejects LoRA flags (not implemented for PPO)
     run_dir.check_output_dir(
         args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir
     )
@@ -236,6 +309,7 @@ def build_online_trainer(algo: str, rest: list[str]) -> Any:
     args, script = parse_config(
         config_cls, yaml_path=_recipe_yaml(algo, rest), cli_args=_without_config(rest)
     )
+    peft_options(script, algo)  # rejects LoRA flags (not implemented on-policy)
     run_dir.check_output_dir(
         args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir
     )
