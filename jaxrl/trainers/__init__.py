@@ -1,10 +1,11 @@
 """Trainers: the shared loop in `loop.py`, the language-model shell in `base.py`, one thin file
 per algorithm."""
 
-from jaxrl.trainers.base import EvalPrediction, Trainer
+from jaxrl.trainers.base import Trainer
 from jaxrl.trainers.ddpo import DDPOTrainer
 from jaxrl.trainers.ddpo_config import DDPOConfig
 from jaxrl.trainers.dpo import DPOTrainer
+from jaxrl.trainers.evaluation import EvalPrediction, PredictionOutput
 from jaxrl.trainers.grpo import GRPOTrainer
 from jaxrl.trainers.grpo_config import GRPOConfig
 from jaxrl.trainers.loop import TrainingInterrupted, TrainLoop
@@ -22,6 +23,7 @@ __all__ = [
     "GRPOConfig",
     "GRPOTrainer",
     "OnPolicyTrainer",
+    "PredictionOutput",
     "RLOOConfig",
     "RLOOTrainer",
     "RewardTrainer",
