@@ -1,6 +1,7 @@
 """Test setup: 8 fake CPU devices (must be set before JAX is imported) and f32 matmuls."""
 
 import os
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"]
@@ -9,6 +10,13 @@ if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+# One XLA compilation cache for the whole run, shared by both xdist workers and every CLI
+# subprocess (they inherit the environment): the tiny models' steps compile once, not per test.
+# A max size turns on the cache's file lock, so concurrent writers cannot tear an entry.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxrl-tests-xla-cache")
+)
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 import jax  # noqa: E402
 

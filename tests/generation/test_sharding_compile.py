@@ -44,12 +44,19 @@ def test_sharded_equals_unsharded(hf_causal):
 
 
 def test_compiles_once_per_prompt_bucket(hf_causal):
+    # An executable is either compiled by XLA or, with the persistent cache on (the test suite
+    # turns it on), read from it: count both.
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration, **kw: (
             compiles.append(event)
             if event == "/jax/core/compile/backend_compile_duration"
             else None
+        )
+    )
+    jax.monitoring.register_event_listener(
+        lambda event, **kw: (
+            compiles.append(event) if event == "/jax/compilation_cache/cache_hits" else None
         )
     )
     sampler = Sampler(models.from_pretrained(hf_causal("gpt2").path), prompt_buckets=(8, 16))
