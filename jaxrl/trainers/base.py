@@ -451,6 +451,10 @@ class Trainer(TrainLoop):
         with self._without_base():
             super()._restore(step)
 
+    def _restore_params(self, step: int):
+        with self._without_base():
+            return super()._restore_params(step)
+
     @contextlib.contextmanager
     def _without_base(self):
         if not self.is_peft or self.train_state is None:
@@ -619,7 +623,7 @@ class Trainer(TrainLoop):
             models.save_pretrained(lora.merge_lora(self.current_model()), out)
         else:
             models.save_pretrained(self.current_model(), out)
-        if self.is_world_process_zero:
+        if self.is_world_process_zero():
             self.processing_class.save_pretrained(out)
             with open(os.path.join(out, "jaxrl_config.json"), "w") as f:
                 json.dump(self.args.to_dict(), f, indent=2, default=str)
@@ -637,7 +641,7 @@ class Trainer(TrainLoop):
         """The bits of accelerate's `Accelerator` TRL scripts use (`print` on process 0)."""
         from jaxrl.hub import ScriptAccelerator
 
-        return ScriptAccelerator(self.is_world_process_zero)
+        return ScriptAccelerator(self.is_world_process_zero())
 
     @property
     def hub_model_id(self) -> str | None:
@@ -650,7 +654,7 @@ class Trainer(TrainLoop):
         from jaxrl.hub import push_folder
 
         self.save_model(self.args.output_dir)
-        if not self.is_world_process_zero:
+        if not self.is_world_process_zero():
             return None
         return push_folder(self.args, self.args.output_dir, commit_message, card=kwargs)
 
