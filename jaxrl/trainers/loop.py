@@ -39,7 +39,13 @@ from jaxrl.callbacks.base import (
 )
 from jaxrl.callbacks.collapse import CollapseWarningCallback
 from jaxrl.callbacks.jsonl import JsonlMetricsCallback
-from jaxrl.checkpoint import Checkpointer, install_sigterm_handler, step_dir_name, step_of
+from jaxrl.checkpoint import (
+    CheckpointCorruptError,
+    Checkpointer,
+    install_sigterm_handler,
+    step_dir_name,
+    step_of,
+)
 
 logger = logging.getLogger("jaxrl")
 
@@ -277,7 +283,11 @@ class TrainLoop:
 
     def _restore(self, step: int):
         ckpt = self._checkpointer()
-        if ckpt.metadata(step).get("save_only_model"):
+        try:
+            model_only = ckpt.metadata(step).get("save_only_model", False)
+        except CheckpointCorruptError:
+            model_only = False  # restore() below names the damage and falls back
+        if model_only:
             raise ValueError(
                 f"{ckpt.step_dir(step)} was saved with save_only_model=True: it holds the model "
                 "weights but no optimizer state, RNG or data position, so training cannot resume "

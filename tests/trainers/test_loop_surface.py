@@ -12,7 +12,7 @@ from trainer_utils import base_args, tiny_config, train_logs
 
 from jaxrl import SFTConfig, SFTTrainer
 from jaxrl.checkpoint import Checkpointer
-from jaxrl.trainers.loop import TrainLoop, TrainOutput
+from jaxrl.trainers import TrainLoop, TrainOutput
 
 
 def make(tmp_path, tokenizer, sft_data, eval_data=None, **kw):
