@@ -1,7 +1,7 @@
 """Train-state checkpoints on orbax: async saves, keep-N, resume into the target sharding.
 
-Each step directory holds the state pytree (`state/`) and a JSON `metadata/` item (trainer state,
-data position, config). Orbax writes into a temporary directory and renames it on commit, so an
+Each step directory, `checkpoint-<step>` as in HF, holds the state pytree (`state/`) and a JSON
+`metadata/` item (trainer state, data position, config). Orbax writes into a temporary directory and renames it on commit, so an
 interrupted save never replaces the latest good checkpoint; half-written temporary directories
 are never listed as steps. Also provides the SIGTERM flag a training loop polls so a preempted
 job saves before it exits. HF-format model export lives with the models, not here.
@@ -11,7 +11,9 @@ filled up, or a copy that was cut short) is named in a warning, moved aside to
 `damaged-<step>-<time>` (nothing is deleted) and resume falls back to the newest intact step.
 """
 
+import dataclasses
 import logging
+import re
 import signal
 import threading
 import time
@@ -20,6 +22,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from flax import nnx
 
 PyTree = Any
@@ -82,12 +85,56 @@ def _check_compatible(saved: PyTree, target: PyTree, where: str) -> None:
         )
 
 
+STEP_PREFIX = "checkpoint-"  # HF's step directory names: checkpoint-500
+_STEP_NAME = re.compile(r"checkpoint-(0|[1-9][0-9]*)")
+
+
+def step_dir_name(step: int) -> str:
+    """The directory name of checkpoint `step` (`checkpoint-<step>`, as HF)."""
+    return f"{STEP_PREFIX}{step}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a directory name `checkpoint-<step>` holds, or None for any other name."""
+    match = _STEP_NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _HFStepNames(ocp.step.NameFormat):
+    """Orbax step naming for `checkpoint-<step>`: orbax's own `step_prefix` always inserts an
+    underscore (`checkpoint_500`), which HF tools and users do not expect."""
+
+    def build_name(self, step: int) -> str:
+        return step_dir_name(step)
+
+    def _metadata(self, path: epath.Path) -> ocp.step.Metadata | None:
+        step = step_of(path.name)
+        # Uncommitted (temporary) directories of a save in flight are never steps.
+        if step is None or not path.is_dir() or not ocp.step.is_path_finalized(path):
+            return None
+        return ocp.step.Metadata(step=step, path=path)
+
+    def find_all(self, base_path: epath.PathLike):
+        base = epath.Path(base_path)
+        if not base.is_dir():
+            return iter([])
+        return ocp.step.build_step_metadatas(list(base.iterdir()), self._metadata)
+
+    def find_step(self, base_path: epath.PathLike, step: int) -> ocp.step.Metadata:
+        found = self._metadata(epath.Path(base_path) / self.build_name(step))
+        if found is None:
+            raise ValueError(f"No committed checkpoint {self.build_name(step)} in {base_path}.")
+        return found
+
+
 class Checkpointer:
-    """Saves and restores `(state pytree, metadata dict)` pairs under `directory/<step>/`.
+    """Saves and restores `(state pytree, metadata dict)` pairs under `directory/checkpoint-N/`.
 
     Saves are asynchronous by default: `save` returns once device arrays are copied to host, and
     the write finishes in the background (call `wait_until_finished` before reading them back or
-    exiting). `save_total_limit` keeps only the newest N steps, like HF.
+    exiting). `save_total_limit` keeps only the newest N steps, with HF's rotation rule: the
+    newest step and `protected_step` (the best model's checkpoint) are never deleted.
     """
 
     def __init__(
@@ -100,6 +147,8 @@ class Checkpointer:
         if save_total_limit is not None and save_total_limit < 1:
             raise ValueError(f"save_total_limit must be None or >= 1; got {save_total_limit}.")
         self.directory = Path(directory).absolute()
+        self.save_total_limit = save_total_limit
+        self.protected_step: int | None = None
         self._manager = ocp.CheckpointManager(
             self.directory,
             item_names=("state", "metadata"),
@@ -108,7 +157,9 @@ class Checkpointer:
                 "metadata": ocp.JsonCheckpointHandler(),
             },
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=save_total_limit,
+                # Rotation is ours (`_rotate`): orbax's max_to_keep cannot spare the best step.
+                max_to_keep=None,
+                step_name_format=_HFStepNames(),
                 enable_async_checkpointing=async_save,
                 create=True,
                 # Temporary directories of saves killed mid-write are removed at start-up, so a
@@ -128,6 +179,9 @@ class Checkpointer:
                 "Checkpoint %d already exists in %s; not saving it again.", step, self.directory
             )
             return
+        # Rotate once the previous save is committed, keeping `save_total_limit` steps while
+        # this one is written: a crash mid-save still leaves that many intact steps.
+        self.wait_until_finished()
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -136,6 +190,52 @@ class Checkpointer:
             ),
             force=True,
         )
+
+    def step_dir(self, step: int) -> Path:
+        """The directory of checkpoint `step`."""
+        return self.directory / step_dir_name(step)
+
+    def _rotate(self) -> None:
+        """HF's `rotate_checkpoints`: keep `save_total_limit` committed steps (more when the
+        newest and the protected step both need keeping), deleting the oldest first."""
+        if self.save_total_limit is None:
+            return
+        steps = self.all_steps()
+        if not steps:
+            return
+        # The newest step (for resuming) and the best model's step are never deleted.
+        protected = {steps[-1]} | ({self.protected_step} & set(steps))
+        keep_n = max(self.save_total_limit, len(protected))
+        remaining = len(steps)
+        for step in steps:
+            if remaining <= keep_n:
+                break
+            if step not in protected:
+                self._manager.delete(step)
+                remaining -= 1
+
+    def keep_only(self, step: int) -> None:
+        """Delete every committed step but `step` (HF's end of training with
+        `save_total_limit=1` and a best model: only the best checkpoint stays)."""
+        self.wait_until_finished()
+        for other in self.all_steps():
+            if other != step:
+                self._manager.delete(other)
+
+    def metadata(self, step: int) -> dict[str, Any]:
+        """The JSON metadata item of checkpoint `step` alone (no arrays are read)."""
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())
+            )
+        except Exception as err:  # a damaged step: restore() names it and falls back
+            raise CheckpointCorruptError(
+                f"Checkpoint {self.step_dir(step)} is damaged: its metadata is unreadable "
+                f"({type(err).__name__})."
+            ) from err
+        if restored["metadata"] is None:
+            raise CheckpointCorruptError(f"Checkpoint {self.step_dir(step)} holds no metadata.")
+        return restored["metadata"]
 
     def latest_step(self) -> int | None:
         """Newest committed step, or None if there is none."""
@@ -190,7 +290,7 @@ class Checkpointer:
         )
 
     def _restore_step(self, step: int, abstract_state: PyTree) -> tuple[PyTree, dict[str, Any]]:
-        where = self.directory / str(step)
+        where = self.step_dir(step)
         try:
             saved = self._manager.item_metadata(step)["state"]
             if saved is None:
@@ -226,7 +326,7 @@ class Checkpointer:
         # Renamed, not deleted: the files may still be worth inspecting, and a resumed run must
         # be able to save this step number again. Only process 0 touches shared files.
         if jax.process_index() == 0:
-            src = self.directory / str(step)
+            src = self.step_dir(step)
             dst = self.directory / f"damaged-{step}-{int(time.time())}"
             src.rename(dst)
             logger.warning("Moved damaged checkpoint %s to %s.", src, dst)
@@ -238,8 +338,9 @@ class Checkpointer:
         return bool(self._manager.reached_preemption(step))
 
     def wait_until_finished(self) -> None:
-        """Block until any in-flight asynchronous save is committed."""
+        """Block until any in-flight asynchronous save is committed, then rotate old steps."""
         self._manager.wait_until_finished()
+        self._rotate()
 
     def close(self) -> None:
         """Finish pending saves and release the manager's resources."""

@@ -115,17 +115,6 @@ DPO_LOSS_TYPES = (
 REF_MODEL_QUANTIZATIONS = ("int8",)
 
 
-# Fields whose config side is here but whose behaviour lives in the training loop, which does not
-# honour them yet: a non-default value is rejected until the loop calls the helpers in
-# jaxrl/loop_options.py and jaxrl/hub.py (remove a name here when its loop side lands).
-LOOP_PENDING: dict[str, Any] = {
-    "logging_strategy": "steps",
-    "save_only_model": False,
-    "load_best_model_at_end": False,
-    "remove_unused_columns": True,
-}
-
-
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -207,7 +196,9 @@ class TrainingConfig(_ForeignTrainingFields):
     load_best_model_at_end: bool = False
     metric_for_best_model: str | None = None  # None -> "loss" when needed (HF)
     greater_is_better: bool | None = None  # None -> not metric.endswith("loss") (HF)
-    # Drop dataset columns the trainer does not read before tokenizing (HF semantics).
+    # HF: drop dataset columns the model does not read. The SFT/reward/DPO trainers tokenize each
+    # example into the model's inputs and take no custom collator, so nothing could read another
+    # column: they always drop them, and False (which would change nothing) is refused.
     remove_unused_columns: bool = True
     # Run on the CPU backend even when an accelerator is present.
     use_cpu: bool = False
@@ -311,6 +302,13 @@ class TrainingConfig(_ForeignTrainingFields):
         self._validate_best_model()
         self._validate_hub()
         self._check_loop_pending()
+        _check(
+            self.remove_unused_columns or self._keeps_unused_columns,
+            "`remove_unused_columns=False` would change nothing here: this trainer tokenizes each "
+            "example into the model's inputs and takes no custom data collator, so no step can "
+            "read the other columns (they are always dropped, HF's default True). Remove the "
+            "setting; to score with extra columns use GRPO/RLOO, whose reward functions get them.",
+        )
         self._validate_checkpointing()
         _check(
             self.average_tokens_across_devices,
@@ -430,26 +428,17 @@ class TrainingConfig(_ForeignTrainingFields):
                 f"eval_steps={self.eval_steps}.",
             )
 
-    # LOOP_PENDING fields a subclass's trainer does honour (e.g. the on-policy trainers pass
-    # unused columns to reward functions), so any value is accepted there.
-    _honoured_loop_fields: typing.ClassVar[tuple[str, ...]] = ()
+    # Whether this config's trainer reads dataset columns besides those it tokenizes (the
+    # on-policy trainers pass them to reward functions), so `remove_unused_columns` matters.
+    _keeps_unused_columns: typing.ClassVar[bool] = False
 
     def _check_loop_pending(self) -> None:
-        pending = {
-            k: getattr(self, k)
-            for k, v in LOOP_PENDING.items()
-            if getattr(self, k) != v and k not in self._honoured_loop_fields
-        }
-        if self.save_strategy == "best":
-            pending["save_strategy"] = "best"
-        if self.push_to_hub and self.hub_strategy != "end":
-            pending["hub_strategy"] = self.hub_strategy
         _check(
-            not pending,
-            f"{', '.join(f'`{k}={v!r}`' for k, v in pending.items())}: accepted by the config, but "
-            "jaxrl's training loop does not act on it yet, so it is refused rather than ignored. "
-            "Use the default (with `push_to_hub`, set `hub_strategy='end'`: the final model is "
-            "pushed by `trainer.push_to_hub()`).",
+            not (self.push_to_hub and self.hub_strategy != "end"),
+            f"`hub_strategy={self.hub_strategy!r}`: accepted by the config, but jaxrl's training "
+            "loop does not push at each save yet, so it is refused rather than ignored. With "
+            "`push_to_hub`, set `hub_strategy='end'`: the final model is pushed by "
+            "`trainer.push_to_hub()`.",
         )
 
     def _validate_hub(self) -> None:

@@ -1,13 +1,11 @@
 """Host-side rules for the TrainingArguments fields whose behaviour lives in the training loop:
-`logging_strategy`, `save_strategy="best"`, `load_best_model_at_end` (with
-`metric_for_best_model` / `greater_is_better`), with HF Trainer semantics.
+`logging_strategy` / `logging_first_step`, and best-model tracking (`metric_for_best_model`,
+`greater_is_better`) behind `save_strategy="best"` and `load_best_model_at_end`, with HF Trainer
+semantics.
 
-The loop calls these pure functions; they hold no state and never touch arrays or files.
-Where each hooks in: `should_log` from the flow callback at each step and epoch end;
-`best_metric_name` + `is_improvement` after each `evaluate()` (keep the step of the best
-checkpoint; with `save_strategy="best"` save exactly when it improves); the best step's params are
-restored after the last step when `load_best_model_at_end`. `save_only_model` (HF: a checkpoint
-without optimizer state, not resumable) is a flag for the checkpoint writer.
+Pure functions of the config and metrics; they hold no state and never touch arrays or files.
+`should_log` is asked by the flow callback after each step; `best_metric_name` and
+`is_improvement` by the loop after each evaluation (jaxrl.trainers.loop).
 """
 
 from __future__ import annotations
@@ -18,11 +16,12 @@ from typing import Any
 
 def should_log(args: Any, step: int, logging_steps: int, epoch_ended: bool) -> bool:
     """Whether to log after optimizer step `step` (1-based) under `logging_strategy`."""
-    if step == 1 and args.logging_first_step:
+    if step == 1 and getattr(args, "logging_first_step", False):
         return True
-    if args.logging_strategy == "steps":
+    strategy = getattr(args, "logging_strategy", "steps")  # configs without the field: "steps"
+    if strategy == "steps":
         return step % logging_steps == 0
-    if args.logging_strategy == "epoch":
+    if strategy == "epoch":
         return epoch_ended
     return False
 

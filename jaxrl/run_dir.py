@@ -67,7 +67,10 @@ def previous_run(output_dir: str | os.PathLike) -> list[str]:
     path = Path(output_dir)
     found = []
     checkpoints = path / "checkpoints"
-    if checkpoints.is_dir() and any(p.name[:1].isdigit() for p in checkpoints.iterdir()):
+    # `checkpoint-N` step directories (and the bare `N` of jaxrl's layout before HF's names).
+    if checkpoints.is_dir() and any(
+        p.name.startswith("checkpoint-") or p.name[:1].isdigit() for p in checkpoints.iterdir()
+    ):
         found.append("checkpoints/")
     metrics = path / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0:

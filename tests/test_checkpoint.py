@@ -86,7 +86,7 @@ def test_leftover_tmp_dir_from_interrupted_save_is_ignored(tmp_path, mesh):
     ckpt.wait_until_finished()
     ckpt.close()
     # What a save killed mid-write leaves behind: an uncommitted temporary step directory.
-    torn = tmp_path / "5.orbax-checkpoint-tmp-1234567"
+    torn = tmp_path / "checkpoint-5.orbax-checkpoint-tmp-1234567"
     (torn / "state").mkdir(parents=True)
     (torn / "state" / "garbage").write_bytes(b"\x00partial")
 
@@ -171,13 +171,13 @@ def test_damaged_newest_checkpoint_falls_back_to_intact_one(tmp_path, mesh, dama
     for step in (1, 2):
         ckpt.save(step, _state(mesh, float(step)), {"step": step})
     ckpt.close()
-    DAMAGE[damage](tmp_path / "2")
+    DAMAGE[damage](tmp_path / "checkpoint-2")
 
     ckpt = Checkpointer(tmp_path, async_save=False)
     with caplog.at_level("WARNING", logger="jaxrl.checkpoint"):
         state, metadata = ckpt.restore(abstract_state=_abstract(mesh))
     assert metadata == {"step": 1} and float(state["params"]["b"][0]) == 1.0
-    assert f"{tmp_path / '2'} is damaged" in caplog.text
+    assert f"{tmp_path / 'checkpoint-2'} is damaged" in caplog.text
     # The damaged step is moved aside (not deleted), so the resumed run can save step 2 again.
     assert ckpt.all_steps() == [1]
     assert [p.name.split("-")[:2] for p in tmp_path.glob("damaged-*")] == [["damaged", "2"]]
@@ -190,8 +190,8 @@ def test_fall_back_from_an_explicit_newest_step(tmp_path, mesh):
     ckpt = Checkpointer(tmp_path, async_save=False)
     for step in (1, 2, 3):
         ckpt.save(step, _state(mesh, float(step)), {"step": step})
-    DAMAGE["truncated array files"](tmp_path / "3")
-    with pytest.raises(CheckpointCorruptError, match=r"/3 is damaged"):
+    DAMAGE["truncated array files"](tmp_path / "checkpoint-3")
+    with pytest.raises(CheckpointCorruptError, match=r"/checkpoint-3 is damaged"):
         ckpt.restore(3, abstract_state=_abstract(mesh))  # an explicit step never falls back
     assert ckpt.restore(3, abstract_state=_abstract(mesh), fall_back=True)[1] == {"step": 2}
     ckpt.close()
@@ -203,7 +203,7 @@ def test_no_intact_checkpoint_names_the_directory(tmp_path, mesh):
         ckpt.save(step, _state(mesh, float(step)), {"step": step})
     ckpt.close()
     for step in (1, 2):
-        DAMAGE["truncated metadata JSON"](tmp_path / str(step))
+        DAMAGE["truncated metadata JSON"](tmp_path / f"checkpoint-{step}")
     ckpt = Checkpointer(tmp_path, async_save=False)
     with pytest.raises(CheckpointCorruptError, match=f"No intact checkpoint in {tmp_path}"):
         ckpt.restore(abstract_state=_abstract(mesh))
@@ -214,10 +214,37 @@ def test_resave_of_a_step_whose_save_was_interrupted(tmp_path, mesh):
     ckpt = Checkpointer(tmp_path, async_save=False)
     ckpt.save(1, _state(mesh, 1.0), {"step": 1})
     ckpt.close()
-    torn = tmp_path / "2.orbax-checkpoint-tmp-99"
+    torn = tmp_path / "checkpoint-2.orbax-checkpoint-tmp-99"
     (torn / "state").mkdir(parents=True)
     (torn / "state" / "garbage").write_bytes(b"\x00partial")
     ckpt = Checkpointer(tmp_path, async_save=False)
     ckpt.save(2, _state(mesh, 2.0), {"step": 2})
     assert ckpt.restore(abstract_state=_abstract(mesh))[1] == {"step": 2}
+    ckpt.close()
+
+
+def test_step_directories_are_named_like_hf(tmp_path, mesh):
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(8, _state(mesh, 8.0), {"step": 8})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-8"]
+    assert ckpt.step_dir(8) == tmp_path / "checkpoint-8"
+    (tmp_path / "checkpoint-x").mkdir()  # not a step: ignored, never restored
+    assert ckpt.all_steps() == [8] and ckpt.metadata(8) == {"step": 8}
+    ckpt.close()
+
+
+def test_rotation_spares_the_protected_best_step_as_hf(tmp_path, mesh):
+    ckpt = Checkpointer(tmp_path, save_total_limit=2, async_save=False)
+    ckpt.protected_step = 1
+    for step in (1, 2, 3, 4):
+        ckpt.save(step, _state(mesh, float(step)), {"step": step})
+    ckpt.wait_until_finished()
+    # HF's rotate_checkpoints: the best (1) and the newest (4) stay, the oldest others go.
+    assert ckpt.all_steps() == [1, 4]
+    ckpt.protected_step = None
+    ckpt.save(5, _state(mesh, 5.0), {"step": 5})
+    ckpt.wait_until_finished()
+    assert ckpt.all_steps() == [4, 5]
+    ckpt.keep_only(4)
+    assert ckpt.all_steps() == [4] and [p.name for p in tmp_path.iterdir()] == ["checkpoint-4"]
     ckpt.close()

@@ -84,7 +84,7 @@ def output_dir_is_a_file(tmp: Path) -> list[str]:
 
 
 def previous_run(tmp: Path) -> list[str]:
-    (tmp / "out" / "checkpoints" / "4").mkdir(parents=True)
+    (tmp / "out" / "checkpoints" / "checkpoint-4").mkdir(parents=True)
     (tmp / "out" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
     return _data(tmp)
 
@@ -179,13 +179,13 @@ def test_overwrite_and_resume_keep_one_runs_results(tmp_path):
     assert _steps(out) == [1, 2, 3, 4]
     # Refused without a choice; the first run's results are untouched.
     assert _run(out, *data, *save) == 2
-    assert _steps(out) == [1, 2, 3, 4] and (out / "checkpoints" / "4").is_dir()
+    assert _steps(out) == [1, 2, 3, 4] and (out / "checkpoints" / "checkpoint-4").is_dir()
     # Resume continues the same run (nothing left to do at step 4: no new step lines).
     assert _run(out, *data, *save, "--resume_from_checkpoint", "true") == 0
     assert _steps(out) == [1, 2, 3, 4]
     # Overwrite starts afresh: the old step directories are gone, not mixed with new ones.
     assert _run(out, *data, "--max_steps", "1", "--overwrite_output_dir", "true") == 0
-    assert _steps(out) == [1] and not (out / "checkpoints" / "4").exists()
+    assert _steps(out) == [1] and not (out / "checkpoints" / "checkpoint-4").exists()
     assert not (out / "jaxrl.lock").exists()
 
 
@@ -211,15 +211,15 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(tmp_path, caplog, ca
     save = ["--save_strategy", "steps", "--save_steps", "2", "--max_steps", "4"]
     assert _run(out, *data, *save, "--max_steps", "4") == 0
     want = _steps(out)
-    (out / "checkpoints" / "4" / "metadata" / "metadata").write_text('{"trunc')
+    (out / "checkpoints" / "checkpoint-4" / "metadata" / "metadata").write_text('{"trunc')
     shutil.rmtree(out / "final")
     assert _run(out, *data, *save, "--resume_from_checkpoint", "true") == 0
-    assert "checkpoints/4 is damaged" in caplog.text
+    assert "checkpoints/checkpoint-4 is damaged" in caplog.text
     assert _steps(out) == want  # steps 3 and 4 re-run from step 2, lines not duplicated
     assert list((out / "checkpoints").glob("damaged-4-*"))
     # Every checkpoint damaged: a clear error naming the directory.
     for step in (2, 4):
-        (out / "checkpoints" / str(step) / "metadata" / "metadata").write_text("{")
+        (out / "checkpoints" / f"checkpoint-{step}" / "metadata" / "metadata").write_text("{")
     capsys.readouterr()
     assert _run(out, *data, *save, "--resume_from_checkpoint", "true") == 2
     assert f"No intact checkpoint in {out / 'checkpoints'}" in capsys.readouterr().err

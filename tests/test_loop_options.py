@@ -36,6 +36,10 @@ def test_best_model_validation_as_hf():
         SFTConfig(load_best_model_at_end=True, eval_strategy="steps", eval_steps=30, save_steps=50)
     with pytest.raises(ConfigError, match="needs `eval_strategy` 'steps' or 'epoch'"):
         SFTConfig(save_strategy="best")
-    # Valid, but the loop does not act on it yet: refused rather than ignored.
-    with pytest.raises(ConfigError, match="does not act on it yet"):
-        SFTConfig(load_best_model_at_end=True, eval_strategy="steps", eval_steps=10, save_steps=20)
+    SFTConfig(load_best_model_at_end=True, eval_strategy="steps", eval_steps=10, save_steps=20)
+    SFTConfig(save_strategy="best", eval_strategy="epoch", save_only_model=True)
+
+
+def test_remove_unused_columns_false_is_refused_where_nothing_reads_them():
+    with pytest.raises(ConfigError, match="remove_unused_columns=False` would change nothing"):
+        SFTConfig(remove_unused_columns=False)

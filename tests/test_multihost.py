@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxrl.checkpoint import Checkpointer
+
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
@@ -113,7 +115,7 @@ def test_sft_sigterm_on_two_processes_saves_both_and_resume_is_exact(tmp_path):
         time.sleep(0.2)
     procs[1].send_signal(signal.SIGTERM)  # only one host is told, as on a real preemption
     assert wait_all(procs, out) == [143, 143]
-    saved = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    saved = sorted(Checkpointer(out / "checkpoints").all_steps())
     assert len(saved) == 1 and 0 < saved[0] < 10  # one step, saved by both together
     for rank in range(2):
         log = (tmp_path / f"two.p{rank}.log").read_text()

@@ -49,14 +49,14 @@ def test_lock_from_another_host_is_stale_only_once_its_heartbeat_stops(tmp_path)
 
 
 def test_previous_run_needs_resume_or_overwrite(tmp_path):
-    (tmp_path / "checkpoints" / "10").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "checkpoint-10").mkdir(parents=True)
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "final").mkdir()
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(OutputDirError, match="--overwrite_output_dir.*--output_dir"):
         run_dir.prepare(tmp_path)
     run_dir.prepare(tmp_path, resume_from_checkpoint=True).release()
-    assert (tmp_path / "checkpoints" / "10").is_dir()  # resuming deletes nothing
+    assert (tmp_path / "checkpoints" / "checkpoint-10").is_dir()  # resuming deletes nothing
     run_dir.prepare(tmp_path, overwrite_output_dir=True).release()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 

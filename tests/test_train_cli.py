@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxrl.checkpoint import Checkpointer
 from jaxrl.train import main
 
 FAST = [
@@ -76,7 +77,7 @@ def test_sigkill_then_resume_reproduces_metrics(tmp_path):
     p_ref = cli(ref)
     p_kill = cli(killed)
     deadline = time.time() + 300
-    while not (killed / "checkpoints" / "8").exists():
+    while not (killed / "checkpoints" / "checkpoint-8").exists():
         assert p_kill.poll() is None, p_kill.communicate()[1][-2000:]
         assert time.time() < deadline
         time.sleep(0.05)
@@ -101,5 +102,5 @@ def test_sigterm_saves_before_exit(tmp_path, sig):
         time.sleep(0.05)
     proc.send_signal(sig)
     assert proc.wait() == 143
-    steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    steps = sorted(Checkpointer(out / "checkpoints").all_steps())
     assert steps and 0 < steps[-1] < 400

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jaxrl import loop_options
+
 logger = logging.getLogger(__name__)
 
 
@@ -31,6 +33,7 @@ class TrainerState:
     log_history: list[dict[str, Any]] = field(default_factory=list)
     best_metric: float | None = None
     best_global_step: int | None = None
+    best_model_checkpoint: str | None = None
     is_local_process_zero: bool = True
     is_world_process_zero: bool = True
 
@@ -234,16 +237,16 @@ class CallbackHandler(TrainerCallback):
 class DefaultFlowCallback(TrainerCallback):
     """Sets should_log / should_evaluate / should_save / should_training_stop from the config.
 
-    Same rules as HF: log every `logging_steps` (and step 1 if `logging_first_step`), evaluate and
-    save every `eval_steps` / `save_steps` under the "steps" strategies or at each epoch end under
-    "epoch", and at `max_steps` stop, evaluate (if not just done) and save.
+    Same rules as HF: log every `logging_steps` under `logging_strategy="steps"` or at each epoch
+    end under "epoch" (and step 1 if `logging_first_step`), evaluate and save every `eval_steps` /
+    `save_steps` under the "steps" strategies or at each epoch end under "epoch", and at
+    `max_steps` stop, evaluate (if not just done) and save. `save_strategy="best"` saves after an
+    evaluation that improved the best metric (the loop decides that).
     """
 
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
-        if step == 1 and args.logging_first_step:
-            control.should_log = True
-        if step % state.logging_steps == 0:
+        if loop_options.should_log(args, step, state.logging_steps, epoch_ended=False):
             control.should_log = True
         if args.eval_strategy == "steps" and step % state.eval_steps == 0:
             control.should_evaluate = True
@@ -258,6 +261,8 @@ class DefaultFlowCallback(TrainerCallback):
         return control
 
     def on_epoch_end(self, args, state, control, **kwargs):
+        if getattr(args, "logging_strategy", "steps") == "epoch":
+            control.should_log = True
         if args.eval_strategy == "epoch":
             control.should_evaluate = True
         if args.save_strategy == "epoch":

@@ -85,7 +85,7 @@ class BEMACallback(TrainerCallback):
         out = os.path.join(args.output_dir, "bema")
         model = nnx.merge(trainer.graphdef, self.buffers.bema)
         models.save_pretrained(model, out)
-        if trainer.is_world_process_zero:
+        if trainer.is_world_process_zero():
             trainer.processing_class.save_pretrained(out)
         return control
 

@@ -8,7 +8,7 @@ from jaxrl.trainers.dpo import DPOTrainer
 from jaxrl.trainers.evaluation import EvalPrediction, PredictionOutput
 from jaxrl.trainers.grpo import GRPOTrainer
 from jaxrl.trainers.grpo_config import GRPOConfig
-from jaxrl.trainers.loop import TrainingInterrupted, TrainLoop
+from jaxrl.trainers.loop import TrainingInterrupted, TrainLoop, TrainOutput
 from jaxrl.trainers.onpolicy import OnPolicyTrainer
 from jaxrl.trainers.reward import RewardTrainer
 from jaxrl.trainers.rloo import RLOOTrainer
@@ -30,5 +30,6 @@ __all__ = [
     "SFTTrainer",
     "Trainer",
     "TrainLoop",
+    "TrainOutput",
     "TrainingInterrupted",
 ]

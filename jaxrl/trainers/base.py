@@ -458,6 +458,10 @@ class Trainer(TrainLoop):
         with self._without_base():
             super()._restore(step)
 
+    def _restore_params(self, step: int):
+        with self._without_base():
+            return super()._restore_params(step)
+
     @contextlib.contextmanager
     def _without_base(self):
         if not self.is_peft or self.train_state is None:
@@ -686,7 +690,7 @@ class Trainer(TrainLoop):
             models.save_pretrained(lora.merge_lora(self.current_model()), out)
         else:
             models.save_pretrained(self.current_model(), out)
-        if self.is_world_process_zero:
+        if self.is_world_process_zero():
             self.processing_class.save_pretrained(out)
             with open(os.path.join(out, "jaxrl_config.json"), "w") as f:
                 json.dump(self.args.to_dict(), f, indent=2, default=str)
@@ -759,7 +763,7 @@ class Trainer(TrainLoop):
         """The bits of accelerate's `Accelerator` TRL scripts use (`print` on process 0)."""
         from jaxrl.hub import ScriptAccelerator
 
-        return ScriptAccelerator(self.is_world_process_zero)
+        return ScriptAccelerator(self.is_world_process_zero())
 
     @property
     def hub_model_id(self) -> str | None:
@@ -774,7 +778,7 @@ class Trainer(TrainLoop):
         self.save_model(self.args.output_dir)
         card_keys = ("model_name", "dataset_name", "tags")
         self.create_model_card(**{k: kwargs[k] for k in card_keys if k in kwargs})
-        if not self.is_world_process_zero:
+        if not self.is_world_process_zero():
             return None
         return push_folder(self.args, self.args.output_dir, commit_message, card=kwargs)
 

@@ -457,7 +457,7 @@ class DDPOTrainer(TrainLoop):
                 },
                 commit=False,
             )
-        if self.is_world_process_zero and epoch % self.config.save_freq == 0:
+        if self.is_world_process_zero() and epoch % self.config.save_freq == 0:
             from PIL import Image
 
             out = Path(self.args.output_dir) / "images" / f"epoch_{epoch}"
@@ -474,7 +474,7 @@ class DDPOTrainer(TrainLoop):
 
     def _save_checkpoint(self):
         super()._save_checkpoint()
-        if self.stat_tracker is not None and self.is_world_process_zero:
+        if self.stat_tracker is not None and self.is_world_process_zero():
             # The per-prompt buffers are host state the next epochs' advantages depend on.
             path = self._tracker_file(self.state.global_step)
             os.makedirs(os.path.dirname(path), exist_ok=True)

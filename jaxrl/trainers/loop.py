@@ -23,12 +23,13 @@ import logging
 import math
 import os
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from jaxrl import run_dir
+from jaxrl import loop_options, run_dir
 from jaxrl.callbacks.base import (
     CallbackHandler,
     DefaultFlowCallback,
@@ -38,7 +39,13 @@ from jaxrl.callbacks.base import (
 )
 from jaxrl.callbacks.collapse import CollapseWarningCallback
 from jaxrl.callbacks.jsonl import JsonlMetricsCallback
-from jaxrl.checkpoint import Checkpointer, install_sigterm_handler
+from jaxrl.checkpoint import (
+    CheckpointCorruptError,
+    Checkpointer,
+    install_sigterm_handler,
+    step_dir_name,
+    step_of,
+)
 
 logger = logging.getLogger("jaxrl")
 
@@ -51,6 +58,27 @@ def _is_finite(metrics: dict[str, float]) -> bool:
     return all(math.isfinite(v) for v in metrics.values())
 
 
+class TrainOutput(NamedTuple):
+    """What `train()` returns (HF's layout): the last step, the mean training loss over the steps
+    this call ran, and the run's summary metrics (`train_runtime`, `train_loss`, ...)."""
+
+    global_step: int
+    training_loss: float
+    metrics: dict[str, float]
+
+
+def _abstract(tree: Any) -> Any:
+    """Shapes, dtypes and shardings to restore `tree` into (host leaves: no sharding)."""
+    return jax.tree.map(
+        lambda x: (
+            jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
+            if not isinstance(x, jax.Array)
+            else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        ),
+        tree,
+    )
+
+
 class TrainLoop:
     """Loop, logging, checkpoints and callbacks; subclasses supply the iteration (see module doc).
 
@@ -60,18 +88,32 @@ class TrainLoop:
 
     # Metrics that are the value at the logging step (not averaged over the window), as HF.
     _last_value_metrics = ("grad_norm", "learning_rate", "num_tokens")
+    # The per-step metric `TrainOutput.training_loss` averages (HF: the training loss).
+    _loss_metric = "loss"
     processing_class: Any = None
 
     def _init_loop(self, callbacks: list[TrainerCallback] | None) -> None:
         a = self.args
-        self.is_world_process_zero = jax.process_index() == 0
         self.control = TrainerControl()
-        self.state = TrainerState(is_world_process_zero=self.is_world_process_zero)
+        self.state = TrainerState(
+            is_world_process_zero=self.is_world_process_zero(),
+            is_local_process_zero=self.is_local_process_zero(),
+        )
         default_cbs: list[TrainerCallback] = [DefaultFlowCallback(), CollapseWarningCallback()]
         default_cbs.append(JsonlMetricsCallback(os.path.join(a.output_dir, "metrics.jsonl")))
         default_cbs += self._reporting_callbacks()
         self.callback_handler = CallbackHandler(default_cbs + list(callbacks or []))
         self.train_state = None
+
+    def is_world_process_zero(self) -> bool:
+        """Whether this is the one process (of all hosts) that writes logs and exports (HF)."""
+        return jax.process_index() == 0
+
+    def is_local_process_zero(self) -> bool:
+        """Whether this is the first process on its host (HF). JAX runs one process per host, so
+        every process is, unless a launcher started several per host and says which this is
+        (`LOCAL_RANK`, as torchrun and accelerate set)."""
+        return int(os.environ.get("LOCAL_RANK", "0")) == 0
 
     def _event(self, name: str, **kwargs):
         """Dispatch a lifecycle event; callbacks get `trainer=self` besides HF's kwargs."""
@@ -171,14 +213,25 @@ class TrainLoop:
 
     def _save_checkpoint(self):
         self._flush_pending()  # never save a state whose metrics we have not checked for NaN
+        ckpt, step = self._checkpointer(), self.state.global_step
+        best = self.state.best_global_step
+        if best is not None and (best == step or best in ckpt.all_steps()):
+            # HF: the best step's checkpoint, spared by save_total_limit's rotation.
+            self.state.best_model_checkpoint = str(ckpt.step_dir(best))
+            ckpt.protected_step = best
+        model_only = getattr(self.args, "save_only_model", False)
         meta = {
             "trainer_state": dataclasses.asdict(self.state),
             "log_window": self._log_window,
             "tokens_seen": self._tokens_seen,
             "config": self.args.to_dict(),
+            "save_only_model": model_only,
         }
-        tree = {"train_state": self.train_state, "callbacks": self._callback_states()}
-        self._checkpointer().save(self.state.global_step, tree, meta)
+        if model_only:  # HF: the weights alone; no optimizer state, RNG or callback buffers
+            tree = {"params": self.train_state.params}
+        else:
+            tree = {"train_state": self.train_state, "callbacks": self._callback_states()}
+        ckpt.save(step, tree, meta)
         self._event("on_save")
 
     def _callback_states(self) -> dict:
@@ -190,6 +243,9 @@ class TrainLoop:
         return out
 
     def _resolve_resume(self, resume: Any) -> int | None:
+        """The step to resume from (HF semantics): True for the newest checkpoint of this run, or
+        a path: a `checkpoint-N` directory, a checkpoints directory (its newest step) or a run's
+        output_dir. A path outside this run switches the checkpointer to that directory."""
         if resume in (None, False):
             return None
         ckpt = self._checkpointer()
@@ -198,37 +254,56 @@ class TrainLoop:
             if step is None:  # e.g. a babysitter relaunch before the first save
                 logger.warning("No checkpoint in %s yet; starting from scratch.", ckpt.directory)
             return step
-        path = os.path.abspath(str(resume))
-        name = os.path.basename(path)
-        if os.path.isdir(path) and name.isdigit():
-            if os.path.dirname(path) != os.path.abspath(str(ckpt.directory)):
-                # A step directory of another run: restore from that run's checkpoint folder.
-                self._ckpt = Checkpointer(
-                    os.path.dirname(path), save_total_limit=self.args.save_total_limit
-                )
-            return int(name)
-        raise ValueError(
-            f"resume_from_checkpoint={resume!r}: expected True/'latest' or a step directory "
-            f"such as {os.path.join(self.args.output_dir, 'checkpoints', '500')}."
-        )
+        path = Path(str(resume)).absolute()
+        step = step_of(path.name)
+        if step is not None and path.is_dir():
+            directory = path.parent
+        elif path.is_dir() and path.name.isdigit():
+            raise ValueError(
+                f"resume_from_checkpoint={resume!r} is a step directory of jaxrl's old layout; "
+                "checkpoints are now named like HF's: rename it to "
+                f"{step_dir_name(int(path.name))}."
+            )
+        elif path.is_dir():
+            directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        else:
+            directory = None
+        if directory is not None and directory != ckpt.directory:
+            ckpt = self._ckpt = Checkpointer(directory, save_total_limit=self.args.save_total_limit)
+        if step is None and directory is not None:
+            step = ckpt.latest_step()
+        if step is None:
+            raise ValueError(
+                f"resume_from_checkpoint={resume!r}: no checkpoint there. Pass True (the newest "
+                "checkpoint of this run), a checkpoint directory such as "
+                f"{ckpt.directory / step_dir_name(500)}, or a directory holding checkpoint-N "
+                "directories."
+            )
+        return step
 
     def _restore(self, step: int):
+        ckpt = self._checkpointer()
+        try:
+            model_only = ckpt.metadata(step).get("save_only_model", False)
+        except CheckpointCorruptError:
+            model_only = False  # restore() below names the damage and falls back
+        if model_only:
+            raise ValueError(
+                f"{ckpt.step_dir(step)} was saved with save_only_model=True: it holds the model "
+                "weights but no optimizer state, RNG or data position, so training cannot resume "
+                "from it (HF semantics). Resume from a checkpoint saved without save_only_model, "
+                "or start a new run from these weights."
+            )
         for cb in self.callback_handler.callbacks:
             if hasattr(cb, "init_state"):  # stateful callbacks: shapes to restore into
                 cb.init_state(self)
         abstract = {
-            "train_state": jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                self.train_state,
-            ),
-            "callbacks": jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
-                self._callback_states(),
-            ),
+            "train_state": _abstract(self.train_state),
+            "callbacks": _abstract(self._callback_states()),
         }
         # Asked for the newest step: a damaged one falls back to an older intact one.
-        latest = step == self._checkpointer().latest_step()
-        tree, meta = self._checkpointer().restore(step, abstract, fall_back=latest)
+        latest = step == ckpt.latest_step()
+        tree, meta = ckpt.restore(step, abstract, fall_back=latest)
         self.train_state = tree["train_state"]
         for cb in self.callback_handler.callbacks:
             name = type(cb).__name__
@@ -265,6 +340,42 @@ class TrainLoop:
         self._tokens_seen = meta.get("tokens_seen", 0)
         logger.info("Resumed from step %d", self.state.global_step)
 
+    def _restore_params(self, step: int) -> Any:
+        """The trainable params of checkpoint `step` (a full or a save_only_model one)."""
+        ckpt = self._checkpointer()
+        if ckpt.metadata(step).get("save_only_model"):
+            tree, _ = ckpt.restore(step, {"params": _abstract(self.train_state.params)})
+            return tree["params"]
+        abstract = {
+            "train_state": _abstract(self.train_state),
+            "callbacks": _abstract(self._callback_states()),
+        }
+        tree, _ = ckpt.restore(step, abstract)
+        return tree["train_state"].params
+
+    def _load_best_model(self) -> None:
+        """HF's end of training with `load_best_model_at_end`: the best checkpoint's params become
+        the current ones (so `save_model` exports the best model)."""
+        step = self.state.best_global_step
+        logger.info(
+            "Loading best model from %s (score: %s).",
+            self.state.best_model_checkpoint,
+            self.state.best_metric,
+        )
+        self.train_state = self.train_state.replace(params=self._restore_params(step))
+
+    def _track_best(self, metrics: dict[str, float]) -> bool:
+        """HF's `_determine_best_metric`: update `best_metric` (and, when saving, the best step)
+        from an evaluation; True when it improved."""
+        if getattr(self.args, "metric_for_best_model", None) is None:
+            return False
+        if not loop_options.is_improvement(self.args, metrics, self.state.best_metric):
+            return False
+        self.state.best_metric = float(metrics[loop_options.best_metric_name(self.args)])
+        if self.args.save_strategy != "no":
+            self.state.best_global_step = self.state.global_step
+        return True
+
     # ----------------------------------------------------------------- metrics
     def _flush_pending(self):
         """Read the metrics of the last dispatched step (one step late) and check them."""
@@ -283,10 +394,16 @@ class TrainLoop:
         if "num_tokens" in values:  # per-step count -> running total, TRL's `num_tokens`
             self._tokens_seen += int(values["num_tokens"])
             values["num_tokens"] = float(self._tokens_seen)
+        self._loss_sum += values.get(self._loss_metric, 0.0)
+        if self._logging_strategy() == "no":
+            return  # nothing is logged per step (the summary at the end still is)
         self._log_window.append(values)
         if step in self._log_due:
             self._log_due.discard(step)
             self._emit_log(step)
+
+    def _logging_strategy(self) -> str:
+        return getattr(self.args, "logging_strategy", "steps")
 
     def _emit_log(self, step: int):
         window = self._log_window
@@ -313,7 +430,7 @@ class TrainLoop:
         self._event("on_log", logs=logs)
 
     # ----------------------------------------------------------------- train
-    def train(self, resume_from_checkpoint: Any = None) -> TrainerState:
+    def train(self, resume_from_checkpoint: Any = None) -> TrainOutput:
         self._check_can_train()
         # Refuse a used output_dir or a concurrent run; the lock is held while training.
         lock = run_dir.prepare(
@@ -331,7 +448,7 @@ class TrainLoop:
         finally:
             lock.release()
 
-    def _train(self, resume_from_checkpoint: Any) -> TrainerState:
+    def _train(self, resume_from_checkpoint: Any) -> TrainOutput:
         a = self.args
         os.makedirs(a.output_dir, exist_ok=True)
         self._ensure_state()
@@ -339,6 +456,7 @@ class TrainLoop:
         self._log_due: set[int] = set()
         self._log_window: list[dict] = []
         self._tokens_seen = 0
+        self._loss_sum = 0.0
         max_steps = self.max_steps
         spe = self.steps_per_epoch
         s = self.state
@@ -356,6 +474,8 @@ class TrainLoop:
         if step0 is not None:
             self._restore(step0)
         start = int(self.state.global_step)
+        if self.state.best_model_checkpoint is not None:  # resumed: keep sparing the best step
+            self._checkpointer().protected_step = self.state.best_global_step
         it = self._train_iterator()
         it.skip(start)
         sigterm = install_sigterm_handler()
@@ -382,27 +502,41 @@ class TrainLoop:
                     self._checkpointer().wait_until_finished()
                     raise TrainingInterrupted(
                         f"SIGTERM received: saved step {self.state.global_step} to "
-                        f"{a.output_dir}/checkpoints; rerun with --resume_from_checkpoint true."
+                        f"{self._checkpointer().step_dir(self.state.global_step)}; rerun with "
+                        "--resume_from_checkpoint true."
                     )
                 if self.control.should_training_stop:
                     break
             self._flush_pending()
-            if self._log_window:
+            # A partial logging window at the end is logged under "steps" (HF drops it).
+            if self._log_window and self._logging_strategy() == "steps":
                 self._emit_log(self.state.global_step)
         finally:
             sigterm.uninstall()
             if getattr(self, "_ckpt", None) is not None:
                 self._ckpt.wait_until_finished()
-        runtime = time.time() - t0
-        self.log(
-            {
-                "train_runtime": runtime,
-                "train_steps_per_second": (self.state.global_step - start) / max(runtime, 1e-9),
-                "train_tokens_per_second": (self._tokens_seen - tokens0) / max(runtime, 1e-9),
-            }
-        )
+        runtime = max(time.time() - t0, 1e-9)
+        steps_run = self.state.global_step - start
+        # HF: the summed per-step losses of this call over the steps it ran.
+        train_loss = self._loss_sum / max(steps_run, 0.001)
+        metrics = {
+            "train_runtime": round(runtime, 4),
+            "train_samples_per_second": round(steps_run * self.train_batch_size / runtime, 3),
+            "train_steps_per_second": round(steps_run / runtime, 3),
+            "train_tokens_per_second": round((self._tokens_seen - tokens0) / runtime, 3),
+            "train_loss": train_loss,
+        }
+        self.log(metrics)
+        metrics["epoch"] = self.state.log_history[-1]["epoch"]  # HF's log() adds it in place
+        if getattr(self.args, "load_best_model_at_end", False) and (
+            self.state.best_model_checkpoint is not None
+        ):
+            self._load_best_model()
+        if self.state.best_model_checkpoint is not None and self.args.save_total_limit == 1:
+            # HF: with one checkpoint allowed, only the best one stays once training is done.
+            self._checkpointer().keep_only(self.state.best_global_step)
         self._event("on_train_end")
-        return self.state
+        return TrainOutput(self.state.global_step, train_loss, metrics)
 
     def _preempted(self, sigterm) -> bool:
         """SIGTERM seen: on one host directly; across hosts at a step all of them agree on."""
@@ -418,7 +552,9 @@ class TrainLoop:
         if c.should_evaluate:
             c.should_evaluate = False
             self._flush_pending()
-            self.evaluate()
+            improved = self._track_best(self.evaluate())
+            if self.args.save_strategy == "best":  # HF: save exactly when the metric improved
+                c.should_save = improved
         if c.should_save:
             c.should_save = False
             self._save_checkpoint()

@@ -63,7 +63,7 @@ class OnPolicyConfig(TrainingConfig):
     # False: every dataset column besides `prompt` reaches the reward functions (TRL default);
     # True: only `prompt` does.
     remove_unused_columns: bool = False
-    _honoured_loop_fields: typing.ClassVar[tuple[str, ...]] = ("remove_unused_columns",)
+    _keeps_unused_columns: typing.ClassVar[bool] = True
     trust_remote_code: bool = False
     router_aux_loss_coef: float | None = None
     num_generations: int = 8

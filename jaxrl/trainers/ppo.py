@@ -217,6 +217,8 @@ class PPOTrainer(TrainLoop):
     `RewardTrainer` (scores `prompt + completion + eos`, as it was trained).
     """
 
+    _loss_metric = "ppo/loss/total"  # what train()'s TrainOutput.training_loss averages
+
     def __init__(
         self,
         config: PPOConfig | None = None,

@@ -70,9 +70,11 @@ def test_config_checks():
         DDPOConfig(allow_tf32=False)
     with pytest.raises(ValueError, match="tensorboard"):
         DDPOConfig(log_with="tensorboard")
-    cfg = DDPOConfig(save_freq=3, num_checkpoint_limit=2, resume_from="x/checkpoints/3", logdir="d")
+    cfg = DDPOConfig(
+        save_freq=3, num_checkpoint_limit=2, resume_from="x/checkpoints/checkpoint-3", logdir="d"
+    )
     assert (cfg.save_steps, cfg.save_total_limit, cfg.output_dir) == (3, 2, "d")
-    assert cfg.resume_from_checkpoint == "x/checkpoints/3"
+    assert cfg.resume_from_checkpoint == "x/checkpoints/checkpoint-3"
     assert cfg.num_train_epochs == 100 and cfg.num_train_timesteps == 50
     assert DDPOConfig(sample_num_steps=10, train_timestep_fraction=0.25).num_train_timesteps == 2
 
@@ -242,7 +244,7 @@ def test_resume_is_exact_and_lora_trains_only_adapters(sd_path, tmp_path):
     resumed = make(
         sd_path,
         tmp_path / "part",
-        **{**kw, "resume_from": str(tmp_path / "part" / "checkpoints" / "1")},
+        **{**kw, "resume_from": str(tmp_path / "part" / "checkpoints" / "checkpoint-1")},
     )
     # The prompt function is user state: replay the one epoch of prompts already drawn.
     for _ in range(4):

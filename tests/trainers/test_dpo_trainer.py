@@ -301,7 +301,7 @@ def test_bema_buffers_survive_resume(tmp_path, tokenizer, hf_model_dir, pref_dat
         args=DPOConfig(
             **base_args(
                 tmp_path / "run",
-                resume_from_checkpoint=str(tmp_path / "run" / "checkpoints" / "2"),
+                resume_from_checkpoint=str(tmp_path / "run" / "checkpoints" / "checkpoint-2"),
                 **kw,
             )
         ),

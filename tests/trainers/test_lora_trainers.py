@@ -213,7 +213,7 @@ def test_lora_resume_is_exact_and_checkpoint_has_no_base(
     full.train()
     run = _sft(tmp_path / "run", hf_model_dir, tokenizer, sft_data, peft_config=cfg, **kw)
     run.train()
-    ckpt = tmp_path / "run" / "checkpoints" / "2"
+    ckpt = tmp_path / "run" / "checkpoints" / "checkpoint-2"
     # The resumed trainer restores into a tree without frozen["base"] (it reloads the base from
     # the model path), so this also checks that the checkpoint holds no base weights.
     resumed = _sft(

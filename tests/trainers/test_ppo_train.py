@@ -147,7 +147,7 @@ def _train(hf_model_dir, out, resume=None, callbacks=None, **kw):
     trainer = PPOTrainer(
         cfg, hf_model_dir, dataset=_prompt_ds(), reward=_ones_reward, callbacks=callbacks
     )
-    trainer.train()
+    trainer.output = trainer.train()  # TrainOutput, checked where the test needs it
     return trainer
 
 
@@ -164,6 +164,10 @@ def test_train_callable_reward_and_exact_resume(hf_model_dir, tmp_path):
     trainer = _train(hf_model_dir, full, max_steps=4)
     logs = _step_logs(full)
     assert sorted(logs) == [1, 2, 3, 4]
+    # TrainOutput.training_loss: the mean of PPO's per-step total loss (HF's training loss).
+    want = np.mean([logs[s]["ppo/loss/total"] for s in logs])
+    assert trainer.output.global_step == 4
+    assert trainer.output.training_loss == pytest.approx(want, rel=1e-5)
     first = next(m for m in _metrics(full) if m["step"] == 1)
     assert TRL_KEYS <= set(first), TRL_KEYS - set(first)
     assert int(trainer.train_state.extras["ppo_step"]) == 4

@@ -1,0 +1,148 @@
+"""The HF Trainer surface of the shared loop: `train()`'s TrainOutput, the process-zero methods,
+`logging_strategy`, best-model tracking (`save_strategy="best"`, `load_best_model_at_end`,
+`save_total_limit` sparing the best step), `save_only_model` and HF's checkpoint paths for
+`resume_from_checkpoint`."""
+
+from types import SimpleNamespace
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from trainer_utils import base_args, tiny_config, train_logs
+
+from jaxrl import SFTConfig, SFTTrainer
+from jaxrl.checkpoint import Checkpointer
+from jaxrl.trainers import TrainLoop, TrainOutput
+
+
+def make(tmp_path, tokenizer, sft_data, eval_data=None, **kw):
+    return SFTTrainer(
+        tiny_config(),
+        args=SFTConfig(**base_args(tmp_path, **kw)),
+        train_dataset=sft_data[0],
+        eval_dataset=eval_data,
+        processing_class=tokenizer,
+    )
+
+
+def test_train_output_and_logging_strategies(tmp_path, tokenizer, sft_data, monkeypatch):
+    # 64 examples / 16 per step: an epoch is 4 steps; 6 steps end mid-epoch.
+    kw = dict(per_device_train_batch_size=16, max_steps=6)
+    trainer = make(tmp_path / "steps", tokenizer, sft_data, **kw)
+    assert trainer.is_world_process_zero() and trainer.is_local_process_zero()
+    monkeypatch.setenv("LOCAL_RANK", "1")  # a launcher's second process on this host
+    assert not trainer.is_local_process_zero() and trainer.is_world_process_zero()
+    monkeypatch.delenv("LOCAL_RANK")
+    out = trainer.train()
+    losses = [h["loss"] for h in train_logs(trainer)]
+    assert isinstance(out, TrainOutput) and out.global_step == 6 and len(losses) == 6
+    # HF: the summed step losses over the steps run; the summary is logged and returned.
+    assert out.training_loss == pytest.approx(np.mean(losses), rel=1e-6)
+    assert out.metrics["train_loss"] == out.training_loss
+    summary = trainer.state.log_history[-1]
+    assert {k: summary[k] for k in out.metrics} == out.metrics
+    runtime = out.metrics["train_runtime"]
+    assert out.metrics["train_steps_per_second"] == pytest.approx(6 / runtime, rel=1e-2)
+    assert out.metrics["train_samples_per_second"] == pytest.approx(96 / runtime, rel=1e-2)
+    assert out.metrics["epoch"] == 1.5
+
+    epoch = make(tmp_path / "epoch", tokenizer, sft_data, logging_strategy="epoch", **kw)
+    epoch.args.logging_first_step = True
+    out_epoch = epoch.train()
+    logged = train_logs(epoch)
+    # Step 1 (logging_first_step) and the epoch end (step 4); the window since the last log is
+    # averaged, as HF; steps 5-6 end mid-epoch and are not logged.
+    assert [h["step"] for h in logged] == [1, 4]
+    assert logged[0]["loss"] == pytest.approx(losses[0], rel=1e-5)
+    assert logged[1]["loss"] == pytest.approx(np.mean(losses[1:4]), rel=1e-5)
+    assert out_epoch.training_loss == pytest.approx(out.training_loss, rel=1e-5)
+
+    silent = make(tmp_path / "no", tokenizer, sft_data, logging_strategy="no", **kw)
+    out_no = silent.train()
+    assert train_logs(silent) == [] and len(silent.state.log_history) == 1  # the summary only
+    assert out_no.training_loss == pytest.approx(out.training_loss, rel=1e-5)
+
+
+def _eval_losses(trainer) -> dict[int, float]:
+    return {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
+
+
+def test_save_strategy_best_and_load_best_model_at_end(tmp_path, tokenizer, sft_data):
+    # greater_is_better=True on eval_loss makes the first evaluation the best one (training
+    # lowers the held-out loss), so the best model is not the last one.
+    trainer = make(
+        tmp_path,
+        tokenizer,
+        sft_data,
+        eval_data=sft_data[1],
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="best",
+        metric_for_best_model="loss",
+        greater_is_better=True,
+        load_best_model_at_end=True,
+    )
+    trainer.train()
+    evals = _eval_losses(trainer)
+    assert list(evals) == [1, 2, 3] and evals[1] > evals[2] > evals[3]
+    s = trainer.state
+    assert s.best_global_step == 1 and s.best_metric == pytest.approx(evals[1])
+    assert s.best_model_checkpoint == str(tmp_path / "checkpoints" / "checkpoint-1")
+    # "best": saved only when the metric improved (once, at step 1).
+    assert Checkpointer(tmp_path / "checkpoints").all_steps() == [1]
+    # The best params are the current ones: what evaluate() and save_model() see.
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(evals[1], rel=1e-6)
+
+
+def test_save_only_model_best_checkpoint_survives_rotation(tmp_path, tokenizer, sft_data):
+    run = dict(
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        save_total_limit=1,
+        save_only_model=True,
+        metric_for_best_model="loss",
+        greater_is_better=True,
+        load_best_model_at_end=True,
+    )
+    trainer = make(tmp_path, tokenizer, sft_data, eval_data=sft_data[1], **run)
+    trainer.train()
+    evals = _eval_losses(trainer)
+    assert trainer.state.best_global_step == 1 and evals[1] > evals[3]
+    ckpt = Checkpointer(tmp_path / "checkpoints")
+    # HF: rotation spares the best step; with save_total_limit=1 only it stays at the end.
+    assert ckpt.all_steps() == [1] and ckpt.metadata(1)["save_only_model"] is True
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(evals[1], rel=1e-6)
+    # A model-only checkpoint has no optimizer state: resuming from it is refused (HF).
+    again = make(
+        tmp_path,
+        tokenizer,
+        sft_data,
+        eval_data=sft_data[1],
+        resume_from_checkpoint=str(ckpt.step_dir(1)),
+        **run,
+    )
+    with pytest.raises(ValueError, match="save_only_model=True.*cannot resume"):
+        again.train()
+
+
+def test_resume_from_checkpoint_accepts_hf_paths(tmp_path):
+    run = tmp_path / "run"
+    ckpt = Checkpointer(run / "checkpoints", async_save=False)
+    for step in (2, 5):
+        ckpt.save(step, {"w": jnp.zeros(2)}, {"step": step})
+    ckpt.close()
+    (run / "checkpoints" / "7").mkdir()  # jaxrl's old layout
+
+    loop = TrainLoop()
+    loop.args = SimpleNamespace(output_dir=str(tmp_path / "other"), save_total_limit=None)
+    assert loop._resolve_resume(True) is None  # this run has no checkpoint yet
+    assert loop._resolve_resume(str(run / "checkpoints" / "checkpoint-2")) == 2
+    assert loop._checkpointer().directory == run / "checkpoints"  # that run's folder
+    assert loop._resolve_resume(str(run / "checkpoints")) == 5  # its newest step
+    assert loop._resolve_resume(str(run)) == 5  # a run's output_dir
+    with pytest.raises(ValueError, match="rename it to checkpoint-7"):
+        loop._resolve_resume(str(run / "checkpoints" / "7"))
+    with pytest.raises(ValueError, match="no checkpoint there"):
+        loop._resolve_resume(str(tmp_path / "missing"))
