@@ -16,7 +16,8 @@ CPU) on the same random model, prompts and sampling settings (TRL's GRPO default
 1, no top-k/top-p, no EOS so every row generates all tokens), and reports both and their ratio.
 Its flags: --preset NAME (default: a 4-layer, 256-wide Llama), --batch B (32), --prompt_len P
 (32), --max_new_tokens N (64), --steps (3), --warmup (1), --torch_threads (PyTorch's default).
-One step = one whole `generate` call (prefill + N decode steps); tokens = generated tokens.
+One step = one whole `generate` call (prefill + N decode steps); tokens = generated tokens. The
+timed calls alternate jaxrl, transformers, jaxrl, ... so both sides run under the same load.
 
 `--compare trl [--sweep] [--reps N]` (sft, dpo): times jaxrl against TRL's trainer
 (`examples/bench_trl.py`, torch on this machine) at the `--preset/--seq_len/
@@ -590,7 +591,6 @@ def run_generate(argv: list[str]) -> dict:
     jax_generate()
     first_call_s = time.perf_counter() - t0
     _timed(jax_generate, flags.warmup)
-    jax_times, jax_cpu = _timed(jax_generate, flags.steps)
 
     torch_ids = torch.from_numpy(ids)
     hf_kwargs = dict(
@@ -608,7 +608,14 @@ def run_generate(argv: list[str]) -> dict:
             torch_model.generate(**hf_kwargs, max_new_tokens=max_new_tokens)
 
     hf_generate(2)  # first-call setup outside the timing, as for jaxrl's compile
-    hf_times, hf_cpu = _timed(hf_generate, flags.steps)
+    # Alternate the two sides call by call so both see the same load on this shared machine.
+    jax_times, jax_cpu, hf_times, hf_cpu, loads = [], [], [], [], []
+    for _ in range(flags.steps):
+        for fn, wall, cpu in ((jax_generate, jax_times, jax_cpu), (hf_generate, hf_times, hf_cpu)):
+            (w,), (c,) = _timed(fn, 1)
+            wall.append(w)
+            cpu.append(c)
+        loads.append(os.getloadavg()[0])
     load_after = os.getloadavg()[0]
 
     step_s, hf_step_s = float(np.median(jax_times)), float(np.median(hf_times))
@@ -633,14 +640,17 @@ def run_generate(argv: list[str]) -> dict:
         "mfu": mfu,
         "step_s_all": jax_times,
         "cpu_s": float(np.median(jax_cpu)),
+        "cpu_s_all": jax_cpu,
         "transformers_step_s": hf_step_s,
         "transformers_step_s_all": hf_times,
         "transformers_cpu_s": float(np.median(hf_cpu)),
+        "transformers_cpu_s_all": hf_cpu,
         "transformers_tokens_per_sec": tokens / hf_step_s,
         "speedup_vs_transformers": hf_step_s / step_s,
         "cpu_time_ratio_vs_transformers": float(np.median(hf_cpu) / np.median(jax_cpu)),
         "torch_threads": torch.get_num_threads(),
         "load_avg_before_after": [load_before, load_after],
+        "load_avg_per_round": loads,
         "cpu_count": os.cpu_count(),
         "batch": batch,
         "prompt_len": prompt_len,

@@ -753,6 +753,10 @@ class DPOConfig(_with_foreign("_DPOForeign", config_fields.DPO)):
     # Same log-probs as the two-row layout; fewer tokens when prompts are long.
     prefix_sharing: bool = False
     pad_token: str | None = None  # TRL: overrides the tokenizer's pad token
+    # TRL < 1.0 (dropped in 1.0): at each evaluation, sample completions of a random eval batch
+    # from the policy and from the reference model; logged as the W&B table `game_log` (columns
+    # Prompt / Policy / Ref Model) and always as JSON lines in `output_dir/game_log.jsonl`.
+    generate_during_eval: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -490,6 +490,10 @@ class Trainer(TrainLoop):
             batch["example_mask"] = np.asarray(real[lo : lo + per_host], np.float32)
             yield {k: v[None] for k, v in batch.items()}
 
+    def _before_evaluation(self, dataset: Any) -> None:
+        """Host-side work an algorithm does at each evaluation before the metric pass (DPO's
+        `generate_during_eval`); none by default."""
+
     def evaluate(
         self,
         eval_dataset: Any = None,
@@ -507,6 +511,7 @@ class Trainer(TrainLoop):
         )
         if ds is None:
             raise ValueError("evaluate() needs an eval_dataset.")
+        self._before_evaluation(ds)
         metrics, _ = self._evaluation_loop(
             ds, metric_key_prefix, ignore_keys, self.compute_metrics is not None
         )
@@ -651,18 +656,38 @@ class Trainer(TrainLoop):
         `per_device_eval_batch_size` x data-parallel devices, special tokens skipped (TRL's
         `_generate_completions`)."""
         tok = self.processing_class
+        ids = [tok(p)["input_ids"] for p in prompts]
         config = self.generation_config(generation_config)
+        return self.sample_texts(ids, config, params=params, batch_size=batch_size)
+
+    def sample_texts(
+        self,
+        prompt_ids: list[list[int]],
+        config: Any,
+        *,
+        params: Any = None,
+        sampler: Any = None,
+        batch_size: int | None = None,
+        seed: int | None = None,
+    ) -> list[str]:
+        """Decoded completions (special tokens skipped) of tokenized prompts, sampled with a
+        `jaxrl.generation.GenerationConfig` by `sampler` (default: the policy's) from `params`
+        (default: the current policy). Chunk i of `batch_size` prompts uses seed `seed + i *
+        batch_size` (default seed: `args.seed`)."""
+        tok = self.processing_class
         batch_size = batch_size or self.args.per_device_eval_batch_size * self.dp
         params = self.current_params() if params is None else params
+        sampler = sampler or self.sampler()
+        seed = self.args.seed if seed is None else seed
         out: list[str] = []
-        for start in range(0, len(prompts), batch_size):
-            chunk = prompts[start : start + batch_size]
-            ids = [tok(p)["input_ids"] for p in chunk]
+        for start in range(0, len(prompt_ids), batch_size):
+            ids = list(prompt_ids[start : start + batch_size])
+            n_real = len(ids)
             # A short final chunk is filled with copies so every call has the same batch shape.
-            ids += [ids[-1]] * (batch_size - len(ids))
-            sample = self.sampler()(params, ids, config, seed=self.args.seed + start)
+            ids += [ids[-1]] * (batch_size - n_real)
+            sample = sampler(params, ids, config, seed=seed + start)
             tokens, mask = jax.device_get((sample.completion_ids_BN, sample.completion_mask_BN))
-            for row in range(len(chunk)):
+            for row in range(n_real):
                 kept = [int(t) for t, m in zip(tokens[row], mask[row], strict=True) if m]
                 out.append(tok.decode(kept, skip_special_tokens=True))
         return out

@@ -152,7 +152,10 @@ class DPOTrainer(Trainer):
         if self.is_peft:
             self._validate_peft(args, ref_model)
         self._explicit_ref = None
-        if ref_model is not None and not args.precompute_ref_log_probs:
+        # With precomputed reference log-probs the reference is loaded only to sample from it.
+        if ref_model is not None and (
+            not args.precompute_ref_log_probs or args.generate_during_eval
+        ):
             self._explicit_ref = self._load_model(ref_model, task="causal_lm")
         if args.prefix_sharing:
             for m in (self.model, self._explicit_ref):
@@ -390,6 +393,86 @@ class DPOTrainer(Trainer):
 
         return predict
 
+    # ----------------------------------------------------------------- generate_during_eval
+    def _before_evaluation(self, dataset: datasets.Dataset) -> None:
+        if self.args.generate_during_eval:
+            self.log_game(dataset)
+
+    def log_game(self, dataset: datasets.Dataset) -> list[dict]:
+        """TRL < 1.0's `generate_during_eval`: sample one random eval batch of prompts
+        (`per_device_eval_batch_size` x data-parallel devices, fewer if the dataset is smaller)
+        from the policy and from the reference, and log them.
+
+        As TRL: `do_sample=True` with the model's generation config otherwise, `max_length` tokens
+        in total (new tokens = `max_length` - the batch's longest prompt; with `max_length=None`,
+        `max_completion_length`, else 20 new tokens), special tokens skipped. Both models get the
+        same prompts and seed. Rows go to the W&B table `game_log` (Prompt, Policy, Ref Model)
+        when wandb is active and always to `output_dir/game_log.jsonl`; returns them.
+        """
+        a, step = self.args, self.state.global_step
+        k = min(a.per_device_eval_batch_size * self.dp, len(dataset))
+        picked = np.random.default_rng(a.seed + step).choice(len(dataset), k, replace=False)
+        prompt_ids = [list(dataset[int(i)]["prompt_input_ids"]) for i in picked]
+        longest = max(map(len, prompt_ids))
+        if a.max_length is not None:
+            budget = a.max_length - longest
+        else:
+            budget = a.max_completion_length or 20
+        config = self.generation_config(None, do_sample=True, max_new_tokens=max(budget, 1))
+        seed = a.seed + step
+        policy = self.sample_texts(prompt_ids, config, seed=seed)
+        sampler, params, context = self._game_reference()
+        with context:
+            ref = self.sample_texts(prompt_ids, config, params=params, sampler=sampler, seed=seed)
+        tok = self.processing_class
+        prompts = [tok.decode(ids, skip_special_tokens=True) for ids in prompt_ids]
+        rows = [
+            {"step": step, "prompt": p, "policy": pol, "ref_model": r}
+            for p, pol, r in zip(prompts, policy, ref, strict=True)
+        ]
+        if not self.state.is_world_process_zero:
+            return rows
+        os.makedirs(a.output_dir, exist_ok=True)
+        with open(os.path.join(a.output_dir, "game_log.jsonl"), "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        if "wandb" in a.report_to or "all" in a.report_to:
+            import wandb
+
+            if wandb.run is not None:
+                data = [[r["prompt"], r["policy"], r["ref_model"]] for r in rows]
+                table = wandb.Table(columns=["Prompt", "Policy", "Ref Model"], data=data)
+                wandb.log({"game_log": table})
+        return rows
+
+    def _game_reference(self) -> tuple[Any, Any, Any]:
+        """(sampler, params, context to sample in) of the reference model for `log_game`."""
+        from jaxrl.generation import Sampler
+
+        samplers = self.__dict__.setdefault("_game_samplers", {})
+        state = self.train_state
+        if self._ref_is_base:  # LoRA: the base with the adapter disabled (at trace time)
+            adapter = state.params
+            if "ref_saved" in state.frozen:
+                adapter = nnx.merge_state(adapter, state.frozen["ref_saved"])
+            if "base" not in samplers:
+                samplers["base"] = Sampler(self.graphdef, mesh=self.mesh, rules=self.rules)
+            params = nnx.merge_state(adapter, state.frozen["base"])
+            return samplers["base"], params, lora.disable_adapter()
+        if state.ref_params is not None:  # the frozen copy or the explicit ref_model
+            if self._ref_graphdef is None:
+                return self.sampler(), state.ref_params, contextlib.nullcontext()
+            if "ref" not in samplers:
+                samplers["ref"] = Sampler(self._ref_graphdef, mesh=self.mesh, rules=self.rules)
+            return samplers["ref"], state.ref_params, contextlib.nullcontext()
+        if self._explicit_ref is not None:  # precomputed log-probs of an explicit ref_model
+            if "explicit" not in samplers:
+                samplers["explicit"] = Sampler(self._explicit_ref, mesh=self.mesh, rules=self.rules)
+            params = nnx.state(self._explicit_ref)
+            return samplers["explicit"], params, contextlib.nullcontext()
+        # reference_free, or precomputed log-probs of the initial policy: no reference is held,
+        # and TRL then samples the policy itself (its null_ref_context is a no-op without PEFT).
+        return self.sampler(), self.current_params(), contextlib.nullcontext()
+
     # ----------------------------------------------------------------- precompute
     def _cache_key(self, dataset: datasets.Dataset) -> str:
         h = hashlib.sha256()
@@ -412,7 +495,10 @@ class DPOTrainer(Trainer):
     def _precompute_all(self):
         """One pass of the reference model over the data; results cached on disk."""
         ref = self._ref_model_arg if self._ref_model_arg is not None else None
-        ref_model = self._load_model(ref, task="causal_lm") if ref is not None else self.model
+        if self._explicit_ref is not None:
+            ref_model = self._explicit_ref
+        else:
+            ref_model = self._load_model(ref, task="causal_lm") if ref is not None else self.model
         graphdef, params = nnx.split(ref_model)
         chunk = self.args.logprob_chunk_size
         # LoRA without a ref_model: the reference is the base with the adapter disabled.

@@ -11,7 +11,7 @@ import transformers
 from flax import nnx
 
 from jaxrl import models
-from jaxrl.generation import GenerationConfig, Sampler
+from jaxrl.generation import GenerationConfig, Sampler, sample_categorical
 from tests.generation.conftest import PAD, ragged_prompts
 
 N_NEW = 8
@@ -161,3 +161,20 @@ def test_bad_inputs_raise_clear_errors(sampler):
         GenerationConfig(do_sample=True, temperature=0.0)
     with pytest.raises(ValueError, match="top_p"):
         GenerationConfig(top_p=0.0)
+
+
+def test_categorical_draws_follow_the_softmax():
+    """The two-level inverse-CDF draw has softmax(logits)'s frequencies (each token's count within
+    5 binomial sigmas over 20000 draws) and never draws a token of zero probability, with a
+    vocabulary that is not a multiple of the block."""
+    vocab, rows, calls = 150, 40, 500
+    logits_V = jax.random.normal(jax.random.key(0), (vocab,)) * 2.0
+    logits_V = logits_V.at[::7].set(-jnp.inf)
+    probs_V = np.asarray(jax.nn.softmax(logits_V))
+    keys = jax.random.split(jax.random.key(1), calls)
+    draws = jax.vmap(lambda k: sample_categorical(k, jnp.tile(logits_V, (rows, 1))))(keys)
+    counts_V = np.bincount(np.asarray(draws).reshape(-1), minlength=vocab)
+    n = rows * calls
+    assert counts_V.sum() == n and counts_V[::7].sum() == 0
+    sigma_V = np.sqrt(n * probs_V * (1 - probs_V))
+    assert np.all(np.abs(counts_V - n * probs_V) <= 5 * sigma_V + 1)

@@ -168,3 +168,47 @@ def test_weave_missing_is_a_clear_error(tmp_path, hf_model_dir, tokenizer, pref_
     trainer = dpo_trainer(tmp_path, hf_model_dir, tokenizer, pref_data)
     with pytest.raises(ImportError, match="pip install"):
         WeaveCallback(trainer, project_name="p")
+
+
+def test_dpo_generate_during_eval_game_log(tmp_path, hf_model_dir, tokenizer, pref_data):
+    """TRL < 1.0's `generate_during_eval`: at the evaluation of step 1, a random eval batch is
+    sampled from the policy and from the frozen reference; with `top_k=1` in the model's
+    generation config, sampling is greedy, so both columns equal transformers' greedy `generate`
+    of the exported policy and of the initial model, with `max_length` tokens in total."""
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(hf_model_dir, model_dir)
+    (model_dir / "generation_config.json").write_text(json.dumps({"top_k": 1}))
+    args = base_args(tmp_path, max_steps=1, learning_rate=3e-2, per_device_eval_batch_size=4)
+    trainer = DPOTrainer(
+        str(model_dir),
+        args=DPOConfig(**args, max_length=12, eval_strategy="steps", generate_during_eval=True),
+        train_dataset=pref_data[0],
+        eval_dataset=pref_data[1],
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "game_log.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and {r["step"] for r in rows} == {1}
+    prompts = [r["prompt"] for r in rows]
+    assert set(prompts) <= set(pref_data[1]["prompt"]) and len(set(prompts)) == 4
+    budget = 12 - max(len(tokenizer(p)["input_ids"]) for p in prompts)
+    export = trainer.save_model(str(tmp_path / "export"))
+    assert [r["policy"] for r in rows] == hf_greedy(export, tokenizer, prompts, budget)
+    assert [r["ref_model"] for r in rows] == hf_greedy(hf_model_dir, tokenizer, prompts, budget)
+    assert any(r["policy"] != r["ref_model"] for r in rows)  # the two columns are two models
+
+    logged = []
+    fake = types.ModuleType("wandb")
+    fake.run = object()
+    fake.Table = lambda columns, data: (columns, data)
+    fake.log = logged.append
+    trainer.args.report_to = ["wandb"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "wandb", fake)
+        again = trainer.log_game(trainer.eval_dataset)
+    (entry,) = logged
+    columns, data = entry["game_log"]
+    assert columns == ["Prompt", "Policy", "Ref Model"]
+    assert data == [[r["prompt"], r["policy"], r["ref_model"]] for r in again]
