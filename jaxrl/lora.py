@@ -635,15 +635,15 @@ def save_peft_adapter(
         layer_names = hf_module_names(layer_path, model_config)
         names += layer_names
         lead = _lead(layer.kernel)
-        a_layers = _layer_slices(hf._gather(layer.lora_a.get_value()), lead)
-        b_layers = _layer_slices(hf._gather(layer.lora_b.get_value()), lead)
+        a_layers = _layer_slices(parallel.to_host(layer.lora_a.get_value()), lead)
+        b_layers = _layer_slices(parallel.to_host(layer.lora_b.get_value()), lead)
         for name, a, b in zip(layer_names, a_layers, b_layers, strict=True):
             # ours: A [in..., r], B [r, out...]; PEFT: lora_A.weight [r, in], lora_B.weight [out, r]
             tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a.reshape(-1, config.r).T
             tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b.reshape(config.r, -1).T
     saved_state = nnx.state(model, SavedParam)
     for entry in hf._entries(saved_state, model_config):
-        value = hf._gather(entry.variable.get_value())
+        value = parallel.to_host(entry.variable.get_value())
         for key, x in zip(entry.keys(), _layer_slices(value, int(entry.stacked)), strict=True):
             tensors[PEFT_PREFIX + key] = hf._ours_to_hf(x, entry.path, entry.hf_shape, model_config)
     if jax.process_index() != 0:
