@@ -172,3 +172,92 @@ def test_online_lora_rejections(tmp_path, tokenizer, hf_model_dir):
             beta=0.04,
             sync_ref_model=True,
         )
+
+
+def _ppo(model_dir, tmp_path, **kw):
+    from jaxrl.trainers.ppo import PPOTrainer
+    from jaxrl.trainers.ppo_config import PPOConfig
+
+    config = PPOConfig(
+        batch_size=4,
+        mini_batch_size=2,
+        ppo_epochs=2,
+        learning_rate=1e-2,
+        seed=0,
+        output_dir=str(tmp_path),
+        disable_tqdm=True,
+        response_length=4,
+        save_strategy="no",
+    )
+    return PPOTrainer(config, model_dir, **kw)
+
+
+def test_ppo_lora_trains_adapter_and_value_head_against_the_base(tmp_path, tokenizer, hf_model_dir):
+    import torch
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    trainer = _ppo(hf_model_dir, tmp_path, peft_config=NONZERO)
+    state = trainer.train_state
+    assert trainer.is_peft_model and trainer.ref_model is None
+    assert set(state.frozen) == {"base"}  # no reference copy of the weights
+    n_adapter = lora.trainable_parameters(trainer.model.pretrained_model)[0]
+    n_head = _size(nnx.state(trainer.model.v_head))
+    assert _size(state.params) == n_adapter + n_head
+    # Adam: two moments per trained param (+ a few scalars), nothing for the base.
+    assert 2 * (n_adapter + n_head) <= _size(state.opt_state) <= 2 * (n_adapter + n_head) + 16
+    base0, trained0 = _host(state.frozen["base"]), _host(state.params)
+
+    queries = [np.asarray(tokenizer(p)["input_ids"]) for p in ["1+2=", "3+4=", "5+6=", "7+8="]]
+    responses = trainer.generate(queries, return_prompt=False, do_sample=True, max_new_tokens=4)
+    stats = trainer.step(queries, responses, [np.float32(s) for s in (1.0, 0.0, 2.0, -1.0)])
+    # The reference log-probs are the base model's (adapter disabled) ...
+    base = models.from_pretrained(hf_model_dir)
+    inputs = trainer.prepare_model_inputs(queries, responses)
+    want = jax.jit(lambda ids, m: _lm_logprobs(base, ids, m))(
+        inputs["input_ids"], inputs["attention_mask"]
+    )
+    mask = np.asarray(stats["objective/ref_logprobs"]) != 0
+    np.testing.assert_allclose(
+        np.asarray(stats["objective/ref_logprobs"])[mask], np.asarray(want)[mask], atol=2e-5
+    )
+    # ... and differ from the policy's with the non-zero adapter.
+    assert stats["objective/kl"] > 1e-3
+    state = trainer.train_state
+    assert _leaves_equal(state.frozen["base"], base0)
+    changed = [
+        not np.array_equal(a, b)
+        for a, b in zip(
+            jax.tree.leaves(_host(state.params)), jax.tree.leaves(trained0), strict=True
+        )
+    ]
+    assert all(changed)  # every adapter matrix and the value head moved
+
+    ours = np.asarray(trainer.model.pretrained_model(IDS, np.ones_like(IDS)), np.float32)
+    out = str(tmp_path / "adapter")
+    trainer.save_pretrained(out)
+    np.testing.assert_allclose(ours, _peft_logits(hf_model_dir, out), atol=2e-4, rtol=1e-4)
+    head = load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(head) == ["v_head.summary.bias", "v_head.summary.weight"]
+    kernel = np.asarray(trainer.model.v_head.summary.kernel[...])
+    np.testing.assert_allclose(head["v_head.summary.weight"], kernel.reshape(1, -1))
+    merged = str(tmp_path / "merged")
+    trainer.save_pretrained(merged, merged=True)
+    plain = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = plain(torch.from_numpy(IDS.astype(np.int64))).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=1e-4)
+
+
+def _lm_logprobs(model, ids_BL, mask_BL):
+    from jaxrl.core.logprobs import token_logprobs
+
+    h_BLD = model.hidden_states(ids_BL, mask_BL)
+    return token_logprobs(h_BLD[:, :-1], model.unembed_weight(), ids_BL[:, 1:], chunk_size=128)
+
+
+def test_ppo_lora_rejections(tmp_path, hf_model_dir):
+    with pytest.raises(ValueError, match="num_shared_layers"):
+        _ppo(hf_model_dir, tmp_path, peft_config=NONZERO, num_shared_layers=1)
+    with pytest.raises(ValueError, match="needs peft_config"):
+        _ppo(hf_model_dir, tmp_path, quantization_config="nf4")
