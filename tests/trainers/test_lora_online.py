@@ -261,3 +261,30 @@ def test_ppo_lora_rejections(tmp_path, hf_model_dir):
         _ppo(hf_model_dir, tmp_path, peft_config=NONZERO, num_shared_layers=1)
     with pytest.raises(ValueError, match="needs peft_config"):
         _ppo(hf_model_dir, tmp_path, quantization_config="nf4")
+
+
+def test_ppo_qlora_from_trl_v072_loader_arguments(tmp_path, tokenizer, hf_model_dir):
+    from peft import LoraConfig
+
+    from jaxrl.models.hf import AutoModelForCausalLMWithValueHead
+
+    # TRL v0.7.2's PEFT PPO: the adapter and the 4-bit base come with the value-head model.
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(
+        hf_model_dir,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        load_in_4bit=True,
+    )
+    trainer = _ppo(model, tmp_path, tokenizer=tokenizer)
+    assert trainer.is_peft_model and trainer.config.is_peft_model
+    leaves = jax.tree.leaves(
+        trainer.train_state.frozen["base"], is_leaf=lambda x: isinstance(x, quant.QuantizedArray)
+    )
+    assert any(isinstance(x, quant.NF4Array) for x in leaves)
+    queries = [np.asarray(tokenizer(p)["input_ids"]) for p in ["1+2=", "3+4=", "5+6=", "7+8="]]
+    responses = [np.asarray(tokenizer(r)["input_ids"]) for r in ["3", "7", "11", "15"]]
+    stats = trainer.step(queries, responses, [np.float32(s) for s in (1.0, 0.0, 2.0, -1.0)])
+    # B starts at zero: the policy is the base at the rollout, so the KL to the base is zero.
+    assert stats["objective/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert np.isfinite(stats["ppo/loss/total"])
+    with pytest.raises(ValueError, match="need peft_config"):
+        AutoModelForCausalLMWithValueHead.from_pretrained(hf_model_dir, load_in_8bit=True)
