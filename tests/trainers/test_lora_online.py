@@ -151,13 +151,21 @@ def test_rloo_qlora_kl_is_against_the_base(tmp_path, tokenizer, hf_model_dir):
 
 def test_grpo_with_a_loaded_adapter_keeps_it_as_the_reference(tmp_path, tokenizer, hf_model_dir):
     model = models.from_pretrained(hf_model_dir)
-    lora.apply_lora(model, NONZERO, nnx.Rngs(0))
+    lora.apply_lora(model, NONZERO, nnx.Rngs(0))  # as lora.load_peft_adapter leaves it
     trainer = _online(GRPOTrainer, GRPOConfig, model, tokenizer, tmp_path, beta=0.04)
-    trainer.train()
+    trainer._ensure_state()
+    # TRL's "ref" adapter: an adapter-sized frozen copy, not a copy of the model.
     assert set(trainer.train_state.frozen) == {"base", "ref_adapter"}
-    # Step 1 is on-policy and the reference is base + the adapter as loaded: KL is zero.
-    (log,) = train_logs(trainer)
-    assert log["kl"] == pytest.approx(0.0, abs=1e-6)
+    ones = np.ones_like(IDS)
+    batch = {"input_ids": IDS, "attention_mask": ones, "completion_mask": ones[:, 4:]}
+    ref = jax.jit(trainer.reference_logps)(trainer.train_state, batch)
+
+    def logps(m):
+        return jax.jit(lambda b: completion_logprobs(m, b, temperature=1.0, chunk_size=128))(batch)
+
+    np.testing.assert_allclose(ref, logps(trainer.current_model()), atol=1e-6)
+    base = logps(models.from_pretrained(hf_model_dir))
+    assert np.max(np.abs(np.asarray(ref) - np.asarray(base))) > 1e-2
 
 
 def test_online_lora_rejections(tmp_path, tokenizer, hf_model_dir):
