@@ -125,6 +125,35 @@ def disable_adapter() -> Iterator[None]:
         _DISABLED.reset(token)
 
 
+class _WithoutAdapter:
+    """Proxy returned by `without_adapter`."""
+
+    def __init__(self, model: nnx.Module):
+        self._model = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with disable_adapter():
+            return self._model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._model, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with disable_adapter():
+                return attr(*args, **kwargs)
+
+        return call
+
+
+def without_adapter(model: nnx.Module) -> Any:
+    """`model` seen through `disable_adapter()`: each of its method calls (`hidden_states`,
+    `unembed_weight`, ...) runs the frozen base alone. For code that receives a model object and
+    calls it later, e.g. a reference model handed to a shared forward function."""
+    return _WithoutAdapter(model)
+
+
 # ---------------------------------------------------------------- config
 
 

@@ -494,19 +494,41 @@ class AutoModelForCausalLMWithValueHead:
         v_head_init_strategy: str | None = None,
         v_head_initializer_range: float = 0.2,
         seed: int = 0,
+        peft_config: Any = None,
+        load_in_8bit: bool = False,
+        load_in_4bit: bool = False,
         **load_kwargs: Any,
     ) -> CausalLMWithValueHead:
+        """TRL v0.7.2's PEFT options: `peft_config` puts LoRA adapters on the LM (the value
+        head stays a full layer); `load_in_8bit` / `load_in_4bit` store its frozen base as int8
+        / NF4 (QLoRA; only together with `peft_config`)."""
         head = dict(
             summary_dropout_prob=summary_dropout_prob,
             v_head_init_strategy=v_head_init_strategy,
             v_head_initializer_range=v_head_initializer_range,
         )
-        return from_pretrained(
+        if load_in_8bit and load_in_4bit:
+            raise ValueError("Set at most one of load_in_8bit and load_in_4bit.")
+        if (load_in_8bit or load_in_4bit) and peft_config is None:
+            raise ValueError(
+                "load_in_8bit / load_in_4bit need peft_config: a quantized base cannot be trained "
+                "in full, only LoRA adapters on top of it (QLoRA)."
+            )
+        model = from_pretrained(
             path_or_hub_id,
             task="causal_lm_with_value_head",
             value_head_kwargs={**head, "seed": seed},
             **load_kwargs,
         )
+        if peft_config is not None:
+            from jaxrl import lora
+
+            if not isinstance(peft_config, lora.LoraConfig):
+                peft_config = lora.LoraConfig.from_peft(peft_config)
+            lora.apply_lora(model.pretrained_model, peft_config, nnx.Rngs(seed))
+            if load_in_8bit or load_in_4bit:
+                lora.quantize_base(model.pretrained_model, "int8" if load_in_8bit else "nf4")
+        return model
 
     @staticmethod
     def from_config(

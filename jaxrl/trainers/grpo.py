@@ -64,7 +64,7 @@ class GRPOTrainer(OnPolicyTrainer):
         )
 
         def loss_fn(params, state, mb, rng, extras) -> tuple[jax.Array, Any]:
-            model = self.apply_model(params)
+            model = self.apply_model(params, state)
             logps_BC, stats = completion_logprobs(
                 model, mb, temperature=a.temperature, chunk_size=chunk, with_stats=True
             )

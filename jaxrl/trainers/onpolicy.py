@@ -18,6 +18,15 @@ the sampler's own when a generation batch spans several optimizer steps with
 `num_iterations == 1`; with `num_iterations > 1` one jitted forward recomputes them, as TRL; when
 generation and update are aligned (the default) the update is on-policy and needs none. A
 subclass supplies `_advantages` (per algorithm) and `_loss_fn`. No algorithm math here.
+
+LoRA (`peft_config=`, optionally over a `quantization_config` base; TRL's semantics): the train
+state holds the adapter (the optimizer sees nothing else) and the frozen base. The reference is
+the base with the adapter disabled (no second copy of the weights), or, for a model that came
+with a trained adapter, base + a frozen copy of that adapter (TRL's "ref" adapter). The sampler
+generates through the adapter forward (`x W + s x A B` per adapted layer) rather than from a
+merged copy: merging would materialise a full-precision copy of every adapted kernel per
+generation (of the quantized QLoRA base too), and on the tiny CPU model the two are equally fast
+(`examples/lora_sampler_timing.py`).
 """
 
 from __future__ import annotations
@@ -33,10 +42,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl import parallel
+from jaxrl import lora, parallel
 from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.config import ConfigError
@@ -148,12 +158,23 @@ class OnPolicyTrainer(Trainer):
         reward_processing_classes: Any = None,
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple[optax.GradientTransformation | None, Callable | None] = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
     ):
         args = args if args is not None else self.config_class(output_dir="trainer_output")
         if not isinstance(args, self.config_class):
             raise TypeError(f"args must be a {self.config_class.__name__}, got {type(args)}.")
+        # TRL: a model that arrives with a trained adapter keeps a frozen copy of it as the
+        # reference; a fresh adapter (peft_config) uses the base with the adapter disabled.
+        self._ref_is_initial_adapter = getattr(model, "lora_config", None) is not None
         callbacks = list(callbacks or [])
         if args.sync_ref_model:
+            if peft_config is not None or self._ref_is_initial_adapter:
+                raise ValueError(
+                    "sync_ref_model=True is not supported with LoRA (peft_config), as in TRL: the "
+                    "reference is the base model without the adapter, there is no reference "
+                    "model to synchronise. Use sync_ref_model=False, or full fine-tuning."
+                )
             callbacks.append(SyncRefModelCallback())
         super().__init__(
             model,
@@ -163,6 +184,8 @@ class OnPolicyTrainer(Trainer):
             processing_class=processing_class,
             callbacks=callbacks,
             optimizers=optimizers,
+            peft_config=peft_config,
+            quantization_config=quantization_config,
         )
         a = self.args
         self.reward_funcs = self._load_reward_funcs(reward_funcs, reward_processing_classes)
@@ -322,13 +345,49 @@ class OnPolicyTrainer(Trainer):
     def _frozen_params(self, params: Any) -> dict[str, Any]:
         if not self._needs_ref():
             return {}  # beta == 0: no reference model at all, as TRL
-        return {"ref": jax.tree.map(jnp.copy, params)}
+        if not self.is_peft:
+            return {"ref": jax.tree.map(jnp.copy, params)}
+        if self._ref_is_initial_adapter:
+            # An adapter-sized copy: the reference is base + the adapter as it was loaded.
+            return {"ref_adapter": jax.tree.map(jnp.copy, params)}
+        # No second copy of the weights: the reference is the frozen base with the adapter
+        # disabled. modules_to_save params are trained in full, so their initial values are
+        # kept (PEFT's disable_adapter() runs the original modules).
+        saved = nnx.filter_state(params, lora.SavedParam)
+        has_saved = bool(jax.tree.leaves(saved))
+        return {"ref_saved": jax.tree.map(jnp.copy, saved)} if has_saved else {}
+
+    def reference_logps(self, state, batch: dict[str, jax.Array]) -> jax.Array:
+        """Completion log-probs `[B, C]` of `batch` under the reference (a pure function of the
+        train state, jitted by the trainer): the frozen copy, or with LoRA the base without the
+        adapter (or, for a model that came with an adapter, base + that adapter as loaded)."""
+        a = self.args
+
+        def logps(model):
+            return completion_logprobs(
+                model, batch, temperature=a.temperature, chunk_size=a.logprob_chunk_size
+            )
+
+        if not self.is_peft:
+            return logps(self.apply_model(state.frozen["ref"]))
+        if self._ref_is_initial_adapter:
+            return logps(self.apply_model(state.frozen["ref_adapter"], state))
+        adapter = state.params
+        if "ref_saved" in state.frozen:
+            adapter = nnx.merge_state(adapter, state.frozen["ref_saved"])
+        with lora.disable_adapter():  # read when the model is traced: the call must be inside
+            return logps(self.apply_model(adapter, state))
 
     def _compile(self, state) -> None:
         a = self.args
         state_sh = self._state_shardings(state)
         repl = NamedSharding(self.mesh, P())
-        step = make_train_step(self._loss_fn(), self.tx, self.schedule, self._state_updates())
+        step = make_train_step(
+            self._with_lora_dropout(self._loss_fn()),
+            self.tx,
+            self.schedule,
+            self._state_updates(),
+        )
         spg = self.steps_per_generation
 
         def update(state, buffer, slices_A):
@@ -351,6 +410,7 @@ class OnPolicyTrainer(Trainer):
             return completion_logprobs(model, batch, temperature=a.temperature, chunk_size=chunk)
 
         self._jit_logps = jax.jit(logps)
+        self._jit_ref_logps = jax.jit(self.reference_logps)
         self.sampler = Sampler(
             self.graphdef, mesh=self.mesh, rules=self.rules, prompt_buckets=self._prompt_buckets()
         )
@@ -407,7 +467,10 @@ class OnPolicyTrainer(Trainer):
         state = self.train_state
         seed = jax.random.fold_in(jax.random.key(a.seed), plan.generation)
         self._reward_log = {}
-        s = self._sample(state.params, plan.examples, G, self.generation_config, seed)
+        # With LoRA the sampler runs base + adapter through the adapter forward (no merged copy
+        # of the weights; see OnPolicyTrainer's module doc).
+        policy = self.current_params()
+        s = self._sample(policy, plan.examples, G, self.generation_config, seed)
         out = s["out"]
         completion_mask_NC = out.completion_mask_BN
         if a.mask_truncated_completions:
@@ -420,12 +483,12 @@ class OnPolicyTrainer(Trainer):
         }
         if self._needs_old_logps() or self._kl_in_reward():
             if a.num_iterations > 1:
-                old = self._jit_logps(state.params, rollout)
+                old = self._jit_logps(policy, rollout)
             else:  # the sampler's log-probs are the sampling policy's (same temperature)
                 old = out.logprobs_BN
             rollout["old_logps"] = old
         if self._needs_ref():
-            rollout["ref_logps"] = self._jit_logps(state.frozen["ref"], rollout)
+            rollout["ref_logps"] = self._jit_ref_logps(state, rollout)
         advantages_N, metrics = self._advantages(s["rewards_NK"], rollout)
         rollout["advantages"] = advantages_N
         if not self._needs_old_logps():
@@ -491,12 +554,13 @@ class OnPolicyTrainer(Trainer):
         sampled: list[dict] = []
         greedy_rewards = []
         rows = [ds[i] for i in range(len(ds))]
+        policy = self.current_params()
         for b, start in enumerate(range(0, len(rows), per_batch)):
             examples = rows[start : start + per_batch]
             seed = jax.random.fold_in(jax.random.key(a.seed + 1), b)
-            s = self._sample(self.train_state.params, examples, G, self.generation_config, seed)
+            s = self._sample(policy, examples, G, self.generation_config, seed)
             sampled.append(s)
-            g = self._sample(self.train_state.params, examples, 1, greedy, seed)
+            g = self._sample(policy, examples, 1, greedy, seed)
             greedy_rewards.append(g["rewards_NK"])
         rewards_NK = np.concatenate([s["rewards_NK"] for s in sampled])
         metrics = self._reward_summary(rewards_NK, G)

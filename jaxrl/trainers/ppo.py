@@ -18,6 +18,15 @@ Differences from TRL v0.7.2, all deliberate:
 - `generate` returns NumPy int arrays (TRL: torch tensors) and samples with jaxrl's KV-cache
   `Sampler` from the current policy params.
 
+LoRA (`peft_config=`, optionally over a `quantization_config` base; TRL v0.7.2 with a PEFT
+policy): the adapter goes on the LM, the value head stays a full trainable layer, and the train
+state's params (all the optimizer sees) are the adapter plus the value head; the base is frozen.
+Without `ref_model` the reference is the policy's LM with the adapter disabled (TRL's
+`optional_peft_ctx`), so there is no second copy of the weights; `generate` samples through the
+adapter forward. `save_pretrained` writes TRL's PEFT layout: the adapter in PEFT's format plus
+the value head alone in `model.safetensors`; `merged=True` writes the full value-head model. LoRA
+dropout never fires, as in TRL v0.7.2 (its PPO forwards run in eval mode).
+
 jaxrl addition: `train()` runs the common PPO loop (TRL's examples: for each batch of prompts,
 generate, score, `step()`) on `TrainLoop`, so it logs to `output_dir/metrics.jsonl` with TRL's
 stat names, checkpoints and resumes exactly (train state, KL controller, score moments and the
@@ -26,6 +35,7 @@ NumPy generator of the minibatch permutations) and saves on SIGTERM.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import warnings
@@ -39,6 +49,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxrl import lora
 from jaxrl.core import rl
 from jaxrl.core.logprobs import token_logprobs
 from jaxrl.core.onpolicy import (
@@ -232,6 +243,8 @@ class PPOTrainer(TrainLoop):
         lr_scheduler: Callable[[jax.Array], jax.Array] | None = None,
         reward: Callable | str | os.PathLike | None = None,
         callbacks: list | None = None,
+        peft_config: Any = None,
+        quantization_config: Any = None,
     ):
         if not isinstance(config, PPOConfig):
             raise ValueError(f"config must be a PPOConfig, got {type(config)}")
@@ -245,14 +258,23 @@ class PPOTrainer(TrainLoop):
         config.global_backward_batch_size = config.backward_batch_size * config.world_size
         config.global_batch_size = config.batch_size * config.world_size
         config.is_encoder_decoder = False
-        config.is_peft_model = False
         self.is_encoder_decoder = False
-        self.is_peft_model = False
 
-        model_path = str(model) if isinstance(model, str | os.PathLike) else None
+        self.model_path = str(model) if isinstance(model, str | os.PathLike) else None
         policy = self._load_policy(model)
-        self.tokenizer = self._load_tokenizer(tokenizer, model_path)
-        ref_lm = self._reference(policy, ref_model, num_shared_layers)
+        self._setup_peft(policy, peft_config, quantization_config)
+        config.is_peft_model = self.is_peft_model
+        self.tokenizer = self._load_tokenizer(tokenizer, self.model_path)
+        # LoRA without ref_model: the reference is the policy's LM with the adapter disabled.
+        self._ref_is_base = self.is_peft_model and ref_model is None
+        if self._ref_is_base and num_shared_layers is not None:
+            raise ValueError(
+                "num_shared_layers freezes layers of a full reference copy; with LoRA the "
+                "reference is the frozen base itself (TRL ignores the option here). Drop it."
+            )
+        ref_lm = (
+            None if self._ref_is_base else self._reference(policy, ref_model, num_shared_layers)
+        )
 
         self.dataset = dataset
         self.data_collator = data_collator
@@ -273,10 +295,29 @@ class PPOTrainer(TrainLoop):
             else rl.fixed_kl_controller(config.init_kl_coef)
         )
         self.lr_scheduler = lr_scheduler
-        self.graphdef, params = nnx.split(policy)
-        self.ref_graphdef, ref_params = nnx.split(ref_lm)
-        if ref_lm is policy.pretrained_model:  # frozen copy: the policy's buffers are donated
-            ref_params = jax.tree.map(jnp.copy, ref_params)
+        self.lm_graphdef = nnx.graphdef(policy.pretrained_model)
+        if self.is_peft_model:
+            # Trained: the adapter and the value head; frozen: the base.
+            self.graphdef, params, base = nnx.split(
+                policy, nnx.Any(lora.ADAPTER, nnx.PathContains("v_head")), ...
+            )
+            frozen = {"base": base}
+        else:
+            self.graphdef, params = nnx.split(policy)
+        if self._ref_is_base:
+            self.ref_graphdef = self.lm_graphdef
+            # modules_to_save params are trained in full: the reference keeps their initial
+            # values (PEFT's disable_adapter() runs the original modules).
+            saved = nnx.filter_state(params, lora.SavedParam)
+            if jax.tree.leaves(saved):
+                frozen["ref_saved"] = jax.tree.map(jnp.copy, saved)
+        else:
+            self.ref_graphdef, ref_params = nnx.split(ref_lm)
+            if ref_lm is policy.pretrained_model:  # frozen copy: the policy's buffers are donated
+                ref_params = jax.tree.map(jnp.copy, ref_params)
+            if not self.is_peft_model:
+                frozen = {}
+            frozen["ref"] = ref_params
         shared = num_shared_layers if ref_model is None else None
         self.tx = self._make_tx(optimizer, params, shared, policy.config)
         extras = {
@@ -287,10 +328,8 @@ class PPOTrainer(TrainLoop):
             "numpy_rng": jnp.asarray(_numpy_rng_state()),
         }
         self.train_state = jax.jit(
-            lambda p, r, e: TrainState.create(
-                p, self.tx, seed=config.seed, frozen={"ref": r}, extras=e
-            )
-        )(params, ref_params, extras)
+            lambda p, f, e: TrainState.create(p, self.tx, seed=config.seed, frozen=f, extras=e)
+        )(params, frozen, extras)
         if lr_scheduler is not None and not _learning_rate_hyperparams(self.train_state.opt_state):
             raise ValueError(
                 "lr_scheduler needs an optimizer with an injectable learning rate: build it as "
@@ -300,9 +339,12 @@ class PPOTrainer(TrainLoop):
         self.current_step = 0
         self.log_history: list[dict] = []
         self.processing_class = self.tokenizer
-        self.lm_graphdef = nnx.graphdef(policy.pretrained_model)
         self._sampler = Sampler(self.lm_graphdef)
-        self._ref_sampler = Sampler(self.ref_graphdef)
+        self._ref_sampler = (
+            _AdapterOffSampler(self.lm_graphdef)
+            if self._ref_is_base
+            else Sampler(self.ref_graphdef)
+        )
         self._generate_calls = 0
         self.reward = self._build_reward(reward)
 
@@ -317,6 +359,42 @@ class PPOTrainer(TrainLoop):
             f"(value head keys optional), got {type(model).__name__}. Load one with "
             "jaxrl.AutoModelForCausalLMWithValueHead.from_pretrained(...)."
         )
+
+    def _setup_peft(
+        self, policy: CausalLMWithValueHead, peft_config: Any, quantization_config: Any
+    ) -> None:
+        """LoRA on the policy's LM (TRL v0.7.2: `AutoModelForCausalLMWithValueHead` with a
+        `peft_config`), optionally over a quantized base (QLoRA). An LM that already carries
+        adapters (`lora.load_peft_adapter`) trains them as is."""
+        from jaxrl.trainers.base import _quantization_scheme
+
+        lm = policy.pretrained_model
+        scheme = _quantization_scheme(quantization_config)
+        if peft_config is not None:
+            if getattr(lm, "lora_config", None) is not None:
+                raise ValueError(
+                    "The model already has LoRA adapters and peft_config was given too; merge the "
+                    "adapters first (lora.merge_lora) or drop peft_config."
+                )
+            cfg = peft_config
+            if not isinstance(cfg, lora.LoraConfig):
+                cfg = lora.LoraConfig.from_peft(peft_config)
+            if cfg.task_type not in (None, "CAUSAL_LM"):
+                raise ValueError(
+                    f"peft_config.task_type={cfg.task_type!r} does not fit PPOTrainer (a causal "
+                    "LM with a value head); use 'CAUSAL_LM'."
+                )
+            cfg = dataclasses.replace(cfg, task_type="CAUSAL_LM")
+            lora.apply_lora(lm, cfg, nnx.Rngs(self.config.seed))
+        self.lora_config = getattr(lm, "lora_config", None)
+        self.is_peft_model = self.lora_config is not None
+        if scheme is not None:
+            if not self.is_peft_model:
+                raise ValueError(
+                    "quantization_config needs peft_config: a quantized base cannot be trained in "
+                    "full, only LoRA adapters on top of it (QLoRA)."
+                )
+            lora.quantize_base(lm, scheme)
 
     def _load_tokenizer(self, tokenizer: Any, model_path: str | None) -> Any:
         if tokenizer is None:
@@ -376,7 +454,12 @@ class PPOTrainer(TrainLoop):
     def _compile(self) -> None:
         c = self.config
         apply_policy = lambda p: nnx.merge(self.graphdef, p)  # noqa: E731
-        apply_ref = lambda p: nnx.merge(self.ref_graphdef, p)  # noqa: E731
+        if self._ref_is_base:
+            # The rollout's ref params are the policy's LM params (adapter included), run with
+            # every adapter branch skipped.
+            apply_ref = lambda p: lora.without_adapter(nnx.merge(self.ref_graphdef, p))  # noqa: E731
+        else:
+            apply_ref = lambda p: nnx.merge(self.ref_graphdef, p)  # noqa: E731
         forward = make_rollout_forward(apply_policy, apply_ref, kl_kind=c.kl_penalty)
         fbs = c.mini_batch_size
 
@@ -416,6 +499,14 @@ class PPOTrainer(TrainLoop):
             vf_coef=c.vf_coef,
             ratio_threshold=c.ratio_threshold,
         )
+        if self.is_peft_model:
+            full_loss = loss_fn
+
+            def loss_fn(params, state, mb, rng, extras):
+                # Gradients reach only `params` (adapter + value head); the base is a constant.
+                full = nnx.merge_state(params, state.frozen["base"])
+                return full_loss(full, state, mb, rng, extras)
+
         update = make_ppo_update(
             loss_fn,
             self.tx,
@@ -436,15 +527,36 @@ class PPOTrainer(TrainLoop):
         self._jit_optimise = jax.jit(optimise, donate_argnums=0)
 
     # ------------------------------------------------------------------ public API
+    def _policy_params(self) -> Any:
+        """The whole policy's state (with LoRA: adapter + value head and the frozen base)."""
+        state = self.train_state
+        if self.is_peft_model:
+            return nnx.merge_state(state.params, state.frozen["base"])
+        return state.params
+
+    def _ref_params(self) -> Any:
+        """The reference LM's params: the frozen copy, or with LoRA and no `ref_model` the
+        policy's LM params (run with the adapter disabled; initial modules_to_save values)."""
+        state = self.train_state
+        if not self._ref_is_base:
+            return state.frozen["ref"]
+        params = self._policy_params()
+        if "ref_saved" in state.frozen:
+            params = nnx.merge_state(params, state.frozen["ref_saved"])
+        return params["pretrained_model"]
+
     @property
     def model(self) -> CausalLMWithValueHead:
         """The policy bound to the current params (rebuilt after each step: the state is
         donated, so do not keep it across `step()` calls)."""
-        return nnx.merge(self.graphdef, self.train_state.params)
+        return nnx.merge(self.graphdef, self._policy_params())
 
     @property
     def ref_model(self) -> Any:
-        """The frozen reference LM."""
+        """The frozen reference LM; None with LoRA and no `ref_model` (as TRL: the reference is
+        the policy's LM with the adapter disabled)."""
+        if self._ref_is_base:
+            return None
         return nnx.merge(self.ref_graphdef, self.train_state.frozen["ref"])
 
     @property
@@ -569,7 +681,7 @@ class PPOTrainer(TrainLoop):
         )
         state = self.train_state
         fwd = self._jit_rollout(
-            state.params, state.frozen["ref"], inputs["input_ids"], inputs["attention_mask"]
+            self._policy_params(), self._ref_params(), inputs["input_ids"], inputs["attention_mask"]
         )
         jax.block_until_ready(fwd)
         timing["time/ppo/forward_pass"] = time.time() - t
@@ -891,9 +1003,10 @@ class PPOTrainer(TrainLoop):
         """Completions of `queries` from the current policy (or the reference) params, without
         padding: each ends at its first EOS (kept) or after `max_new_tokens`."""
         if ref:
-            out = self._ref_sampler(self.train_state.frozen["ref"], queries, gen, seed=key)
+            out = self._ref_sampler(self._ref_params(), queries, gen, seed=key)
         else:
-            params = self.train_state.params["pretrained_model"]
+            # With LoRA: base + adapter through the adapter forward (no merged copy).
+            params = self._policy_params()["pretrained_model"]
             out = self._sampler(params, queries, gen, seed=key)
         ids_BN, mask_BN = jax.device_get((out.completion_ids_BN, out.completion_mask_BN))
         return [ids_BN[i, : int(mask_BN[i].sum())].astype(np.int64) for i in range(len(queries))]
@@ -1096,15 +1209,30 @@ class PPOTrainer(TrainLoop):
         keys = np.asarray(self.train_state.extras["numpy_rng"]).astype(np.uint32)
         np.random.set_state(("MT19937", keys[:-1], int(keys[-1])))
 
-    def save_model(self, output_dir: str | None = None) -> str:
-        """Save the policy in TRL's value-head layout (default `output_dir/final`)."""
+    def save_model(self, output_dir: str | None = None, merged: bool = False) -> str:
+        """Save the policy in TRL's value-head layout (default `output_dir/final`); with LoRA
+        the adapter + value head, or with `merged=True` the full model (adapter folded in)."""
         out = output_dir or os.path.join(self.config.output_dir, "final")
-        self.save_pretrained(out)
+        self.save_pretrained(out, merged=merged)
         return out
 
-    def save_pretrained(self, save_directory: str | Path) -> None:
-        """Policy (LM + value head, TRL's layout), tokenizer and model card."""
-        save_pretrained(self.model, save_directory)
+    def save_pretrained(self, save_directory: str | Path, merged: bool = False) -> None:
+        """Policy, tokenizer and model card. Full weights: LM + value head (TRL's layout). With
+        LoRA, as TRL's PEFT value-head model: `adapter_config.json` +
+        `adapter_model.safetensors` (PEFT's format, `peft.PeftModel.from_pretrained` loads it)
+        and `model.safetensors` holding only `v_head.summary.*`; `merged=True`: the full
+        value-head model with the adapter folded in (PEFT's `merge_and_unload`)."""
+        if merged and not self.is_peft_model:
+            raise ValueError("merged=True merges LoRA adapters; this model has none.")
+        policy = self.model
+        if merged:
+            policy.pretrained_model = lora.merge_lora(policy.pretrained_model)
+            save_pretrained(policy, save_directory)
+        elif self.is_peft_model:
+            lora.save_peft_adapter(policy.pretrained_model, save_directory, self.model_path)
+            _save_value_head(policy, Path(save_directory))
+        else:
+            save_pretrained(policy, save_directory)
         if jax.process_index() == 0:
             self.tokenizer.save_pretrained(str(save_directory))
             self.create_model_card(str(save_directory))
@@ -1122,6 +1250,37 @@ class PPOTrainer(TrainLoop):
         card = MODEL_CARD_TEMPLATE.format(model_name=model_name, model_id=model_id)
         with open(os.path.join(path, "README.md"), "w", encoding="utf-8") as f:
             f.write(card)
+
+
+class _AdapterOffSampler(Sampler):
+    """A sampler whose traced model skips every LoRA branch: the reference of a LoRA policy
+    (the context variable is read when the model is traced, so it wraps the traced functions)."""
+
+    def _prefill_fn(self, *args: Any) -> Any:
+        with lora.disable_adapter():
+            return super()._prefill_fn(*args)
+
+    def _decode_fn(self, *args: Any) -> Any:
+        with lora.disable_adapter():
+            return super()._decode_fn(*args)
+
+
+def _save_value_head(policy: CausalLMWithValueHead, path: Path) -> None:
+    """`model.safetensors` with only TRL's `v_head.summary.*` keys (TRL saves a PEFT value-head
+    model's head beside the adapter and reads it back from there)."""
+    from jaxrl.models import hf
+    from jaxrl.models.weights_io import write_safetensors
+
+    state = nnx.state(policy, nnx.PathContains("v_head"))
+    tensors = {}
+    for entry in hf._entries(state, policy.config):
+        value = jax.device_get(entry.variable.get_value())
+        (key,) = entry.keys()
+        tensors[key] = hf._ours_to_hf(np.asarray(value), entry.path, entry.hf_shape, policy.config)
+    if jax.process_index() != 0:
+        return
+    specs = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
+    write_safetensors(path / "model.safetensors", specs, tensors.__getitem__, {"format": "pt"})
 
 
 def _numpy_rng_state() -> np.ndarray:

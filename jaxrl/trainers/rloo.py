@@ -65,7 +65,7 @@ class RLOOTrainer(OnPolicyTrainer):
         chunk = a.logprob_chunk_size
 
         def loss_fn(params, state, mb, rng, extras) -> tuple[jax.Array, Any]:
-            model = self.apply_model(params)
+            model = self.apply_model(params, state)
             logps_BC, stats = completion_logprobs(
                 model, mb, temperature=a.temperature, chunk_size=chunk, with_stats=True
             )
