@@ -86,7 +86,7 @@ PEFT_FIELDS = (
 )
 
 
-def peft_options(script: Any, algo: str) -> tuple[Any, str | None]:
+def peft_options(script: Any) -> tuple[Any, str | None]:
     """`(peft_config, quantization_config)` for the trainer from the PEFT flags, built as TRL's
     `get_peft_config` / `get_quantization_config` build them from a `ModelConfig`."""
     from jaxrl import scripting
@@ -97,11 +97,6 @@ def peft_options(script: Any, algo: str) -> tuple[Any, str | None]:
     changed = sorted(k for k in PEFT_FIELDS if values[k] != defaults[k])
     if not changed:
         return None, None
-    if algo not in ("sft", "reward", "dpo"):
-        raise ConfigError(
-            f"{changed} set for --algo {algo}: LoRA/QLoRA is implemented for sft, reward and dpo "
-            "only. Remove the flags or pick one of those algorithms."
-        )
     if values["bnb_4bit_quant_storage"] is not None:
         raise ConfigError(
             "bnb_4bit_quant_storage is a bitsandbytes storage dtype (for FSDP of packed 4-bit "
@@ -192,7 +187,7 @@ def build_trainer(argv: list[str]) -> Any:
     args, script = parse_config(
         CONFIGS[algo], yaml_path=_recipe_yaml(algo, rest), cli_args=_without_config(rest)
     )
-    peft_config, quantization_config = peft_options(script, algo)
+    peft_config, quantization_config = peft_options(script)
     # Fail on an unusable output_dir before loading any data or model.
     run_dir.check_output_dir(
         args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir
@@ -261,7 +256,7 @@ def build_ppo_trainer(rest: list[str]) -> Any:
     args, script = parse_config(
         PPOConfig, yaml_path=_recipe_yaml("ppo", rest), cli_args=_without_config(rest)
     )
-    peft_options(script, "ppo")  # rejects LoRA flags (not implemented for PPO)
+    peft_config, quantization_config = peft_options(script)
     run_dir.check_output_dir(
         args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir
     )
@@ -286,7 +281,15 @@ def build_ppo_trainer(rest: list[str]) -> Any:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tok_path)
-    return PPOTrainer(args, model, tokenizer=tokenizer, dataset=dataset, reward=reward)
+    return PPOTrainer(
+        args,
+        model,
+        tokenizer=tokenizer,
+        dataset=dataset,
+        reward=reward,
+        peft_config=peft_config,
+        quantization_config=quantization_config,
+    )
 
 
 def build_online_trainer(algo: str, rest: list[str]) -> Any:
@@ -309,7 +312,7 @@ def build_online_trainer(algo: str, rest: list[str]) -> Any:
     args, script = parse_config(
         config_cls, yaml_path=_recipe_yaml(algo, rest), cli_args=_without_config(rest)
     )
-    peft_options(script, algo)  # rejects LoRA flags (not implemented on-policy)
+    peft_config, quantization_config = peft_options(script)
     run_dir.check_output_dir(
         args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir
     )
@@ -338,6 +341,8 @@ def build_online_trainer(algo: str, rest: list[str]) -> Any:
         train_dataset=train_ds,
         eval_dataset=eval_ds,
         processing_class=tokenizer,
+        quantization_config=quantization_config,
+        peft_config=peft_config,
     )
 
 

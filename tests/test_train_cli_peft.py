@@ -88,6 +88,19 @@ def test_cli_peft_flags_that_would_do_nothing_are_refused(tmp_path, data, capsys
     assert message in capsys.readouterr().err
 
 
-def test_cli_peft_flags_rejected_on_policy(tmp_path, capsys):
-    assert main(["--algo", "grpo", "--use_peft", "true", "--output_dir", str(tmp_path)]) == 2
-    assert "sft, reward and dpo" in capsys.readouterr().err
+def test_cli_lora_on_policy_trains_adapters_and_exports_peft(tmp_path, caplog):
+    # GRPO with --use_peft on the embedded task: one small update, the PEFT adapter exported.
+    out = tmp_path / "grpo"
+    flags = ["--algo", "grpo", "--output_dir", str(out), "--max_steps", "1"]
+    flags += ["--eval_strategy", "no", "--eval_on_start", "false", "--save_strategy", "no"]
+    flags += ["--per_device_train_batch_size", "1", "--num_generations", "2"]
+    flags += ["--generation_batch_size", "16", "--max_completion_length", "4"]
+    flags += ["--mesh_data", "-1", "--mesh_fsdp", "1", "--disable_tqdm", "true"]
+    flags += ["--use_peft", "true", "--lora_r", "2", "--lora_target_modules", "q_proj"]
+    with caplog.at_level(logging.INFO, logger="jaxrl"):
+        assert main(flags) == 0
+    hidden, layers = 128, 4
+    want = layers * 2 * (hidden + hidden)  # q_proj: A [2, 128] and B [128, 2] per layer
+    assert f"LoRA: trainable params {want} ||" in caplog.text
+    assert (out / "final" / "adapter_config.json").is_file()
+    assert not (out / "final" / "model.safetensors").exists()
