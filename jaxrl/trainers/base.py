@@ -632,7 +632,7 @@ class Trainer(TrainLoop):
         if getattr(self, "_sampler", None) is None:
             from jaxrl.generation import Sampler
 
-            graphdef = self.graphdef if self.train_state is not None else nnx.graphdef(self.model)
+            graphdef = self.graphdef if self.train_state is not None else nnx.graphdef(self._model)
             self._sampler = Sampler(graphdef, mesh=self.mesh, rules=self.rules)
         return self._sampler
 
@@ -643,7 +643,7 @@ class Trainer(TrainLoop):
             if self.is_peft:
                 return nnx.merge_state(self.train_state.params, self.train_state.frozen["base"])
             return self.train_state.params
-        return nnx.state(self.model)
+        return nnx.state(self._model)
 
     def generate_completions(
         self,
@@ -693,10 +693,23 @@ class Trainer(TrainLoop):
         return out
 
     # ----------------------------------------------------------------- export
+    @property
+    def model(self):
+        """HF's `trainer.model`: the loaded model before training, afterwards the policy bound to
+        the current params (a view of the train state: read it between steps, as after
+        `train()`; the next step donates those arrays)."""
+        if getattr(self, "train_state", None) is None:
+            return self._model
+        return self.current_model()
+
+    @model.setter
+    def model(self, value):
+        self._model = value
+
     def current_model(self):
         """The policy as an nnx model bound to the current params."""
         if self.train_state is None:
-            return self.model
+            return self._model
         return nnx.merge(self.graphdef, self.current_params())
 
     def save_model(self, output_dir: str | None = None, merged: bool = False):

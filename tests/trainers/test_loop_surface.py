@@ -92,6 +92,16 @@ def test_save_strategy_best_and_load_best_model_at_end(tmp_path, tokenizer, sft_
     assert Checkpointer(tmp_path / "checkpoints").all_steps() == [1]
     # The best params are the current ones: what evaluate() and save_model() see.
     assert trainer.evaluate()["eval_loss"] == pytest.approx(evals[1], rel=1e-6)
+    # HF's `trainer.model` after train(): the model with those params (the one exported).
+    from jaxrl import models
+
+    trainer.save_model(str(tmp_path / "export"))
+    exported = models.from_pretrained(tmp_path / "export")
+    ids = np.arange(12, dtype=np.int32).reshape(2, 6) % 60
+    mask = np.ones_like(ids)
+    np.testing.assert_allclose(
+        np.asarray(trainer.model(ids, mask)), np.asarray(exported(ids, mask)), atol=1e-5
+    )
 
 
 def test_save_only_model_best_checkpoint_survives_rotation(tmp_path, tokenizer, sft_data):
