@@ -301,7 +301,6 @@ class TrainingConfig(_ForeignTrainingFields):
         )
         self._validate_best_model()
         self._validate_hub()
-        self._check_loop_pending()
         _check(
             self.remove_unused_columns or self._keeps_unused_columns,
             "`remove_unused_columns=False` would change nothing here: this trainer tokenizes each "
@@ -431,15 +430,6 @@ class TrainingConfig(_ForeignTrainingFields):
     # Whether this config's trainer reads dataset columns besides those it tokenizes (the
     # on-policy trainers pass them to reward functions), so `remove_unused_columns` matters.
     _keeps_unused_columns: typing.ClassVar[bool] = False
-
-    def _check_loop_pending(self) -> None:
-        _check(
-            not (self.push_to_hub and self.hub_strategy != "end"),
-            f"`hub_strategy={self.hub_strategy!r}`: accepted by the config, but jaxrl's training "
-            "loop does not push at each save yet, so it is refused rather than ignored. With "
-            "`push_to_hub`, set `hub_strategy='end'`: the final model is pushed by "
-            "`trainer.push_to_hub()`.",
-        )
 
     def _validate_hub(self) -> None:
         _check_choice("hub_strategy", self.hub_strategy, HUB_STRATEGIES)

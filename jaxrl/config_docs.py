@@ -35,9 +35,10 @@ MAPPED = {
     "do_predict": "accepted; HF's Trainer does not read it either",
     "trust_remote_code": "only false: jaxrl runs its own model code",
     "pad_to_multiple_of": "rounds the run's one static length up; TRL's 'auto' is not used",
-    "push_to_hub": "`trainer.push_to_hub()` uploads the final model (TRL scripts); pushes at "
-    "each save wait for the loop (`hub_strategy='end'` until then)",
-    "hub_strategy": "'end' (other strategies wait for the loop)",
+    "push_to_hub": "`trainer.push_to_hub()` uploads the final model (TRL scripts); each save "
+    "uploads as `hub_strategy` says",
+    "hub_strategy": "HF's four; uploads are synchronous (HF's run in the background) and the "
+    "checkpoint folders hold orbax checkpoints",
     "remove_unused_columns": "SFT/reward/DPO: always true (each example is tokenized into the "
     "model's inputs and no custom collator exists, so False is rejected); GRPO/RLOO: False passes "
     "the extra columns to reward functions",

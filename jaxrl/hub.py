@@ -8,7 +8,6 @@ each `hub_strategy`. It never touches arrays.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 
@@ -39,35 +38,21 @@ def checkpoint_path_in_repo(hub_strategy: str, step: int) -> str | None:
     return None
 
 
-def _model_card(repo_id: str, card: dict[str, Any]) -> str:
-    tags = ["jaxrl", "trl", *(card.get("tags") or [])]
-    lines = ["---", "library_name: transformers", "tags:", *[f"- {t}" for t in tags]]
-    dataset = card.get("dataset_name")
-    if dataset:
-        lines += ["datasets:", f"- {dataset}"]
-    lines += ["---", "", f"# {repo_id}", "", "Trained with jaxrl (TRL for JAX)."]
-    return "\n".join(lines) + "\n"
-
-
 def push_folder(
     args: Any,
     folder: str,
     commit_message: str | None = "End of training",
     *,
     path_in_repo: str | None = None,
-    card: dict[str, Any] | None = None,
 ) -> str:
-    """Create `args.hub_model_id` if needed and upload `folder`; returns the commit URL."""
+    """Create `args.hub_model_id` if needed and upload `folder` (its model card, README.md, is
+    written by the trainer); returns the commit URL."""
     from huggingface_hub import HfApi
 
     if not args.hub_model_id:
         raise ValueError("push_to_hub needs `hub_model_id` (or `push_to_hub=True`, which sets it).")
     api = HfApi(token=args.hub_token)
     repo = api.create_repo(args.hub_model_id, private=args.hub_private_repo, exist_ok=True)
-    readme = os.path.join(folder, "README.md")
-    if card is not None and not os.path.exists(readme):
-        with open(readme, "w") as f:
-            f.write(_model_card(repo.repo_id, card))
     info = api.upload_folder(
         repo_id=repo.repo_id,
         folder_path=folder,

@@ -818,7 +818,34 @@ class Trainer(TrainLoop):
         self.create_model_card(**{k: kwargs[k] for k in card_keys if k in kwargs})
         if not self.is_world_process_zero():
             return None
-        return push_folder(self.args, self.args.output_dir, commit_message, card=kwargs)
+        return push_folder(self.args, self.args.output_dir, commit_message)
+
+    def _save_checkpoint(self):
+        super()._save_checkpoint()
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(self.state.global_step)
+
+    def _push_from_checkpoint(self, step: int) -> None:
+        """HF's `hub_strategy` at a save: "every_save" uploads the model (saved to `output_dir`),
+        "checkpoint" also the checkpoint as `last-checkpoint/`, "all_checkpoints" each one as
+        `checkpoint-STEP/`; "end" uploads nothing until `push_to_hub()`. Synchronous (HF pushes
+        in the background), after the checkpoint's async write has finished."""
+        from jaxrl import hub
+
+        a = self.args
+        if not hub.pushes_on_save(a.hub_strategy):
+            return
+        self.save_model(a.output_dir)  # a collective on multi-host: every process joins
+        target = hub.checkpoint_path_in_repo(a.hub_strategy, step)
+        if target is not None:
+            self._checkpointer().wait_until_finished()
+        if not self.is_world_process_zero():
+            return
+        message = f"Training in progress, step {step}"
+        hub.push_folder(a, a.output_dir, message)
+        if target is not None:
+            folder = str(self._checkpointer().step_dir(step))
+            hub.push_folder(a, folder, message, path_in_repo=target)
 
     def end(self) -> None:
         """Finish at the end of a script (HF `Trainer.end`): wait for checkpoint writes."""

@@ -3,6 +3,7 @@
 `save_total_limit` sparing the best step), `save_only_model` and HF's checkpoint paths for
 `resume_from_checkpoint`."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax.numpy as jnp
@@ -156,3 +157,55 @@ def test_resume_from_checkpoint_accepts_hf_paths(tmp_path):
         loop._resolve_resume(str(run / "checkpoints" / "7"))
     with pytest.raises(ValueError, match="no checkpoint there"):
         loop._resolve_resume(str(tmp_path / "missing"))
+
+
+class _FakeHub:
+    """huggingface_hub.HfApi without a network: records what would be uploaded."""
+
+    uploads: list = []
+
+    def __init__(self, token=None):
+        pass
+
+    def create_repo(self, repo_id, private=None, exist_ok=False):
+        return SimpleNamespace(repo_id=repo_id)
+
+    def upload_folder(self, **kw):
+        files = sorted(p.name for p in Path(kw["folder_path"]).iterdir())
+        _FakeHub.uploads.append((kw["path_in_repo"], kw["commit_message"], files))
+        return SimpleNamespace(commit_url="https://hub/commit")
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint", "all_checkpoints"])
+def test_hub_strategy_uploads_at_each_save(tmp_path, tokenizer, sft_data, monkeypatch, strategy):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", _FakeHub)
+    _FakeHub.uploads = []
+    trainer = make(
+        tmp_path, tokenizer, sft_data, max_steps=2, save_strategy="steps", save_steps=1,
+        push_to_hub=True, hub_model_id="me/run", hub_strategy=strategy,
+    )  # fmt: skip
+    trainer.train()
+    paths = [u[0] for u in _FakeHub.uploads]
+    checkpoint = {
+        "checkpoint": ["last-checkpoint"] * 2,
+        "all_checkpoints": ["checkpoint-1", "checkpoint-2"],
+    }[strategy]
+    # Per save: the model in output_dir (HF's every_save part), then the checkpoint folder.
+    assert paths == [None, checkpoint[0], None, checkpoint[1]]
+    assert [u[1] for u in _FakeHub.uploads] == ["Training in progress, step 1"] * 2 + [
+        "Training in progress, step 2"
+    ] * 2
+    model_files = _FakeHub.uploads[2][2]
+    assert {"model.safetensors", "config.json", "README.md"} <= set(model_files)
+    # The uploaded model is the model after step 2.
+    from jaxrl import models
+
+    ids = np.arange(12, dtype=np.int32).reshape(2, 6) % 16
+    mask = np.ones_like(ids)
+    np.testing.assert_allclose(
+        np.asarray(models.from_pretrained(tmp_path)(ids, mask)),
+        np.asarray(trainer.model(ids, mask)),
+        atol=1e-5,
+    )
