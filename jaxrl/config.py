@@ -821,7 +821,30 @@ CONFIGS: dict[str, type[TrainingConfig]] = {
 
 
 @dataclass
-class ScriptArguments:
+class PeftArguments:
+    """TRL `ModelConfig`'s PEFT / bitsandbytes fields (same names and defaults), shared by the
+    CLI's `ScriptArguments` and `jaxrl.scripting.ModelConfig`; both build the trainer's LoRA with
+    `scripting.get_peft_config` / `get_quantization_config`."""
+
+    use_peft: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_target_modules: list[str] | None = None
+    lora_target_parameters: list[str] | None = None
+    lora_modules_to_save: list[str] | None = None
+    lora_task_type: str | None = "CAUSAL_LM"
+    use_rslora: bool = False
+    use_dora: bool = False
+    load_in_8bit: bool = False
+    load_in_4bit: bool = False
+    bnb_4bit_quant_type: str = "nf4"
+    use_bnb_nested_quant: bool = False
+    bnb_4bit_quant_storage: str | None = None
+
+
+@dataclass
+class ScriptArguments(PeftArguments):
     """Script-level flags of `python -m jaxrl.train` (TRL `ScriptArguments` / `ModelConfig` names)."""
 
     algo: str | None = None
@@ -832,24 +855,8 @@ class ScriptArguments:
     dataset_config: str | None = None
     dataset_train_split: str = "train"
     dataset_test_split: str = "test"
-    # TRL `ModelConfig`'s PEFT / bitsandbytes fields (same names and defaults; `jaxrl.train` builds
-    # them with `scripting.get_peft_config` / `get_quantization_config`). lora_task_type None:
-    # the trainer's own (CAUSAL_LM, or SEQ_CLS for reward).
-    use_peft: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    lora_target_modules: list[str] | None = None
-    lora_target_parameters: list[str] | None = None
-    lora_modules_to_save: list[str] | None = None
+    # lora_task_type None: the trainer's own (CAUSAL_LM, or SEQ_CLS for reward).
     lora_task_type: str | None = None
-    use_rslora: bool = False
-    use_dora: bool = False
-    load_in_8bit: bool = False
-    load_in_4bit: bool = False
-    bnb_4bit_quant_type: str = "nf4"
-    use_bnb_nested_quant: bool = False
-    bnb_4bit_quant_storage: str | None = None
 
 
 _TRUE = ("true", "1", "yes", "on")

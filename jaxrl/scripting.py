@@ -26,6 +26,7 @@ from jaxrl.config import (
     ATTN_IMPLEMENTATIONS,
     DTYPES,
     ConfigError,
+    PeftArguments,
     coerce,
     field_types,
     kinds_of_keys,
@@ -62,31 +63,16 @@ class ScriptArguments:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(PeftArguments):
     """TRL `ModelConfig`. The model path, dtype and attention implementation reach the trainer
-    through `model_init_kwargs` (as TRL's scripts pass them); PEFT and bitsandbytes fields are
-    parsed and rejected when set until LoRA is integrated."""
+    through `model_init_kwargs` (as TRL's scripts pass them); the PEFT and bitsandbytes fields
+    (`PeftArguments`) through `get_peft_config` / `get_quantization_config`."""
 
     model_name_or_path: str | None = None
     model_revision: str = "main"  # only "main": give a local path for another revision
     dtype: str | None = "float32"  # -> param_dtype ("float32", "bfloat16", "float16")
     attn_implementation: str | None = None  # eager/sdpa/flash_attention_* -> XLA attention
     trust_remote_code: bool = False  # only False: jaxrl never runs a checkpoint's own code
-    use_peft: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    lora_target_modules: list[str] | None = None
-    lora_target_parameters: list[str] | None = None
-    lora_modules_to_save: list[str] | None = None
-    lora_task_type: str = "CAUSAL_LM"
-    use_rslora: bool = False
-    use_dora: bool = False
-    load_in_8bit: bool = False
-    load_in_4bit: bool = False
-    bnb_4bit_quant_type: str = "nf4"
-    use_bnb_nested_quant: bool = False
-    bnb_4bit_quant_storage: str | None = None
 
     def __post_init__(self) -> None:
         if self.trust_remote_code:

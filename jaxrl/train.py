@@ -10,6 +10,7 @@ input one paragraph on stderr and status 2.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from jaxrl.config import PeftArguments
 
 ALGOS = ("sft", "reward", "dpo", "ppo", "grpo", "rloo")
 ONLINE_ALGOS = ("grpo", "rloo")
@@ -67,23 +70,7 @@ def chosen_task_compute_metrics(pred) -> dict[str, float]:
 
 
 # `python -m jaxrl.train`'s TRL `ModelConfig` PEFT / bitsandbytes flags.
-PEFT_FIELDS = (
-    "use_peft",
-    "lora_r",
-    "lora_alpha",
-    "lora_dropout",
-    "lora_target_modules",
-    "lora_target_parameters",
-    "lora_modules_to_save",
-    "lora_task_type",
-    "use_rslora",
-    "use_dora",
-    "load_in_8bit",
-    "load_in_4bit",
-    "bnb_4bit_quant_type",
-    "use_bnb_nested_quant",
-    "bnb_4bit_quant_storage",
-)
+PEFT_FIELDS = tuple(f.name for f in dataclasses.fields(PeftArguments))
 
 
 def peft_options(script: Any) -> tuple[Any, str | None]:
