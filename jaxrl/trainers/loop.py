@@ -176,10 +176,19 @@ class TrainLoop:
             "log_window": self._log_window,
             "tokens_seen": self._tokens_seen,
             "config": self.args.to_dict(),
+            "host_state": self._host_state(),
         }
         tree = {"train_state": self.train_state, "callbacks": self._callback_states()}
         self._checkpointer().save(self.state.global_step, tree, meta)
         self._event("on_save")
+
+    def _host_state(self) -> dict:
+        """JSON-serialisable host-side state the next iterations depend on (e.g. DDPO's
+        per-prompt reward buffers), saved in the checkpoint's metadata; {} by default."""
+        return {}
+
+    def _load_host_state(self, state: dict) -> None:
+        """Restore what `_host_state` saved (called on resume, after the train state)."""
 
     def _callback_states(self) -> dict:
         out = {}
@@ -263,6 +272,7 @@ class TrainLoop:
                 setattr(self.state, k, v)
         self._log_window = meta.get("log_window", [])
         self._tokens_seen = meta.get("tokens_seen", 0)
+        self._load_host_state(meta.get("host_state", {}))
         logger.info("Resumed from step %d", self.state.global_step)
 
     # ----------------------------------------------------------------- metrics
