@@ -16,6 +16,7 @@ Records, on a tiny UNet/VAE whose weights and inputs follow a deterministic nump
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -24,37 +25,23 @@ import numpy as np
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "golden" / "ddpo_trl072.json"
 
-UNET = dict(
-    block_out_channels=(8, 16),
-    layers_per_block=1,
-    sample_size=8,
-    in_channels=4,
-    out_channels=4,
-    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-    cross_attention_dim=12,
-    attention_head_dim=2,
-    norm_num_groups=4,
-)
-VAE = dict(
-    block_out_channels=(8, 16),
-    in_channels=3,
-    out_channels=3,
-    down_block_types=("DownEncoderBlock2D",) * 2,
-    up_block_types=("UpDecoderBlock2D",) * 2,
-    latent_channels=4,
-    norm_num_groups=4,
-    layers_per_block=1,
-)
-SCHEDULER = dict(
-    num_train_timesteps=1000,
-    beta_start=0.00085,
-    beta_end=0.012,
-    beta_schedule="scaled_linear",
-    clip_sample=False,
-    set_alpha_to_one=False,
-    steps_offset=1,
-)
+
+def _tiny_configs():
+    # jaxrl's tiny pipeline configs, loaded by file path: this script runs in TRL 0.7.2's venv,
+    # which has no JAX for the jaxrl package to import.
+    path = Path(__file__).resolve().parent.parent / "jaxrl" / "models" / "diffusion" / "tiny.py"
+    spec = importlib.util.spec_from_file_location("jaxrl_tiny_configs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TINY = _tiny_configs()
+# The tiny pipeline's UNet with a cross-attention width (12) unlike any channel count, so a
+# mixed-up dimension fails loudly.
+UNET = dict(TINY.UNET, cross_attention_dim=12)
+VAE = TINY.VAE
+SCHEDULER = TINY.SCHEDULER
 BATCH, STEPS, TOKENS, LATENT = 2, 10, 5, (4, 8, 8)
 GUIDANCE, ETA = 5.0, 1.0
 

@@ -963,6 +963,7 @@ def run_ddpo(argv: list[str]) -> dict:
         sample_num_batches_per_epoch=1,
         mixed_precision="no",
         logdir="/tmp/jaxrl_ddpo_bench",
+        save_freq=10**6,  # as the TRL side: no per-epoch image files inside the timed update
     )
     prompts = ["a photo of a cat", "a photo of a dog"]
     rng = np.random.default_rng(0)

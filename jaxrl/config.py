@@ -145,6 +145,36 @@ def _check_no_dropout(disable_dropout: bool) -> None:
     )
 
 
+def check_mesh_fields(config: Any) -> None:
+    """Check a config's `mesh_data`/`mesh_fsdp`/`mesh_tensor` and normalise its
+    `logical_axis_rules` to [name, axis | [axes] | None] lists (shared by every trainer config)."""
+    sizes = {name: getattr(config, name) for name in ("mesh_data", "mesh_fsdp", "mesh_tensor")}
+    for name, size in sizes.items():
+        _check(size == -1 or size >= 1, f"`{name}` must be -1 or >= 1; got {size}.")
+    _check(
+        list(sizes.values()).count(-1) <= 1,
+        f"At most one of {list(sizes)} may be -1 (take the remaining devices); got {sizes}.",
+    )
+    if config.logical_axis_rules is None:
+        return
+    rules = []
+    for rule in config.logical_axis_rules:
+        _check(
+            isinstance(rule, list | tuple) and len(rule) == 2 and isinstance(rule[0], str),
+            "`logical_axis_rules` entries must be [logical_name, mesh_axis | [mesh_axes] | "
+            f"null]; got {rule!r}.",
+        )
+        name, axes = rule
+        for axis in axes if isinstance(axes, list | tuple) else [axes]:
+            _check(
+                axis is None or axis in MESH_AXES,
+                f"`logical_axis_rules` maps {name!r} to unknown mesh axis {axis!r}; "
+                f"choose from {list(MESH_AXES)} or null.",
+            )
+        rules.append([name, list(axes) if isinstance(axes, list | tuple) else axes])
+    config.logical_axis_rules = rules
+
+
 # HF/TRL fields with no JAX meaning: present with TRL's default, rejected when set (see
 # config_fields.py). They form base classes so every TRL script and recipe parses.
 _ForeignTrainingFields = dataclasses.make_dataclass(
@@ -553,31 +583,7 @@ class TrainingConfig(_ForeignTrainingFields):
         self.model_init_kwargs = kwargs or None
 
     def _validate_mesh(self) -> None:
-        sizes = {name: getattr(self, name) for name in ("mesh_data", "mesh_fsdp", "mesh_tensor")}
-        for name, size in sizes.items():
-            _check(size == -1 or size >= 1, f"`{name}` must be -1 or >= 1; got {size}.")
-        _check(
-            list(sizes.values()).count(-1) <= 1,
-            f"At most one of {list(sizes)} may be -1 (take the remaining devices); got {sizes}.",
-        )
-        if self.logical_axis_rules is None:
-            return
-        rules = []
-        for rule in self.logical_axis_rules:
-            _check(
-                isinstance(rule, list | tuple) and len(rule) == 2 and isinstance(rule[0], str),
-                "`logical_axis_rules` entries must be [logical_name, mesh_axis | [mesh_axes] | "
-                f"null]; got {rule!r}.",
-            )
-            name, axes = rule
-            for axis in axes if isinstance(axes, list | tuple) else [axes]:
-                _check(
-                    axis is None or axis in MESH_AXES,
-                    f"`logical_axis_rules` maps {name!r} to unknown mesh axis {axis!r}; "
-                    f"choose from {list(MESH_AXES)} or null.",
-                )
-            rules.append([name, list(axes) if isinstance(axes, list | tuple) else axes])
-        self.logical_axis_rules = rules
+        check_mesh_fields(self)
 
     @property
     def optax_optimizer(self) -> str:

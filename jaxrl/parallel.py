@@ -13,6 +13,7 @@ Logical axis names used by `jaxrl.models`:
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -22,6 +23,8 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+logger = logging.getLogger("jaxrl")
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -71,6 +74,18 @@ def make_mesh(
             "set one axis to -1."
         )
     return jax.make_mesh(tuple(sizes), MESH_AXES, (AxisType.Auto,) * 3, devices=devices)
+
+
+def config_mesh(data: int, fsdp: int, tensor: int, devices: Sequence[Any] | None = None) -> Mesh:
+    """The mesh a config's `mesh_data`/`mesh_fsdp`/`mesh_tensor` ask for. Like
+    CUDA_VISIBLE_DEVICES, an explicit mesh (no -1) smaller than the device count uses the first
+    devices (so `1, 1, 1` is one device); otherwise as `make_mesh`."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = (data, fsdp, tensor)
+    if -1 not in sizes and math.prod(sizes) < len(devices):
+        logger.warning("Mesh %s uses %d of %d devices.", sizes, math.prod(sizes), len(devices))
+        devices = devices[: math.prod(sizes)]
+    return make_mesh(*sizes, devices=devices)
 
 
 def normalize_mesh(mesh: Mesh, rules: Rules | None = None) -> Mesh:

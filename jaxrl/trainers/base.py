@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -118,13 +117,8 @@ class Trainer(TrainLoop):
     # ----------------------------------------------------------------- setup helpers
     def _make_mesh(self):
         a = self.args
-        sizes = (a.mesh_data, a.mesh_fsdp, a.mesh_tensor)
         devices = jax.devices("cpu") if a.use_cpu else jax.devices()  # HF `use_cpu`
-        if -1 not in sizes and math.prod(sizes) < len(devices):
-            # Like CUDA_VISIBLE_DEVICES: an explicit smaller mesh uses the first devices.
-            logger.warning("Mesh %s uses %d of %d devices.", sizes, math.prod(sizes), len(devices))
-            devices = devices[: math.prod(sizes)]
-        return parallel.make_mesh(*sizes, devices=devices)
+        return parallel.config_mesh(a.mesh_data, a.mesh_fsdp, a.mesh_tensor, devices=devices)
 
     def _compute_dtype(self):
         a = self.args

@@ -21,7 +21,7 @@ every optimizer update; `global_step` here (TRL's update count) is `epoch * upda
 from __future__ import annotations
 
 import json
-import os
+from collections import deque
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
@@ -32,7 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxrl import parallel
 from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.core.state import TrainState
 from jaxrl.core.step import make_apply_grads
@@ -86,13 +88,16 @@ class DDPOTrainer(TrainLoop):
         self.reward_fn = reward_function
         self.prompt_fn = prompt_function
         self.image_samples_hook = image_samples_hook
+        self.mesh = parallel.config_mesh(config.mesh_data, config.mesh_fsdp, config.mesh_tensor)
+        self.rules = parallel.merge_rules(config.logical_axis_rules)
         dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
         if sd_pipeline is None:
             from jaxrl.models.diffusion.tiny import tiny_pipeline
 
             sd_pipeline = config.pretrained_model or tiny_pipeline()
         if isinstance(sd_pipeline, (str, Path)):
-            sd_pipeline = load_pipeline(sd_pipeline, dtype=dtype)
+            # Born sharded: each tensor is placed into its sharding as it is read.
+            sd_pipeline = load_pipeline(sd_pipeline, dtype=dtype, mesh=self.mesh, rules=self.rules)
         self.sd = sd_pipeline
         self.processing_class = self.sd.tokenizer
         self.scheduler = DDIMScheduler.from_config(self.sd.scheduler_config)
@@ -102,6 +107,14 @@ class DDPOTrainer(TrainLoop):
             trainable = LoRAParam
         else:
             trainable = nnx.Param
+        for module in (unet, self.sd.vae, self.sd.text_encoder):
+            # A given pipeline's weights and new LoRA adapters onto the mesh, by the rules
+            # (weights already loaded into their sharding stay where they are).
+            state = nnx.state(module)
+            nnx.update(
+                module,
+                jax.device_put(state, parallel.param_shardings(state, self.mesh, self.rules)),
+            )
         self._unet_def, self._unet_params, self._unet_rest = nnx.split(unet, trainable, ...)
         self._vae_def, self._vae_state = nnx.split(self.sd.vae)
         self._text_def, self._text_state = nnx.split(self.sd.text_encoder)
@@ -137,7 +150,28 @@ class DDPOTrainer(TrainLoop):
         )
 
     def _encode(self, prompts: list[str]) -> jax.Array:
-        return self._encode_ids(self._text_state, self._tokenize(prompts))
+        return self._encode_ids(self._text_state, self._rows(self._tokenize(prompts)))
+
+    def _row_sharding(self, shape: tuple[int, ...], dim: int = 0) -> NamedSharding:
+        """Dim `dim` (samples) over the `batch` rule (data x fsdp) where it divides evenly, else
+        replicated; other dims replicated."""
+        axes = tuple("batch" if i == dim else None for i in range(len(shape)))
+        return NamedSharding(
+            self.mesh, parallel.logical_to_spec(axes, self.rules, shape, self.mesh)
+        )
+
+    def _rows(self, x: Any, dim: int = 0) -> Any:
+        """Place (host) or constrain (traced) every array of `x` by `_row_sharding`."""
+
+        def one(a):
+            if np.ndim(a) <= dim:
+                return a
+            sharding = self._row_sharding(np.shape(a), dim)
+            if isinstance(a, jax.core.Tracer):
+                return jax.lax.with_sharding_constraint(a, sharding)
+            return jax.device_put(a, sharding)
+
+        return jax.tree.map(one, x)
 
     def _compile(self) -> None:
         c = self.config
@@ -149,9 +183,13 @@ class DDPOTrainer(TrainLoop):
         def encode_ids(text_state, ids_BT):
             return nnx.merge(text_def, text_state)(ids_BT)
 
+        rows = self._rows
+
         def unet_fn(params, rest):
             unet = nnx.merge(unet_def, params, rest)
-            return lambda x, t, ctx: unet(x, t, ctx)
+            # Data parallel: every UNet call (sampling and training) splits its rows, prompts
+            # and both CFG halves, over the mesh; the weights stay where the rules put them.
+            return lambda x, t, ctx: unet(rows(x), rows(t), rows(ctx))
 
         def sample(params, rest, vae_state, embeds_BSD, neg_BSD, key):
             s = sample_with_logprob(
@@ -171,7 +209,7 @@ class DDPOTrainer(TrainLoop):
 
         self._encode_ids = jax.jit(encode_ids)
         self._sample = jax.jit(sample)
-        self._update = jax.jit(self._make_update(unet_fn))
+        self._update_fn = self._make_update(unet_fn)  # jitted with the state's shardings
 
     def _make_update(self, unet_fn: Callable) -> Callable:
         c = self.config
@@ -221,6 +259,7 @@ class DDPOTrainer(TrainLoop):
             n_updates = n // (bs * ga)
             # [U, GA, bs, ...]; per-timestep keys also get the timestep axis in front of bs.
             batches = jax.tree.map(lambda x: x.reshape(n_updates, ga, bs, *x.shape[1:]), samples)
+            batches = self._rows(batches, dim=2)  # each micro-batch's rows over the mesh
             rest = state.frozen["unet"]
 
             def one_update(state, batch):
@@ -264,12 +303,25 @@ class DDPOTrainer(TrainLoop):
     def _ensure_state(self) -> None:
         if self.train_state is not None:
             return
-        self.train_state = TrainState.create(
+        state = TrainState.create(
             self._unet_params,
             self._tx(),
             seed=self.config.seed,
             frozen={"unet": self._unet_rest},
         )
+        # Params and Adam moments keep their params' shardings; scalars (step, rng, counts)
+        # are replicated over the mesh.
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        shardings = jax.tree.map(
+            lambda x: (
+                x.sharding
+                if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == self.mesh
+                else replicated
+            ),
+            state,
+        )
+        self.train_state = jax.device_put(state, shardings)
+        self._update = jax.jit(self._update_fn, out_shardings=(shardings, replicated))
 
     def _has_train_data(self) -> bool:
         return True
@@ -308,8 +360,8 @@ class DDPOTrainer(TrainLoop):
         for i in range(iterations):
             prompts, metadata = zip(*[self.prompt_fn() for _ in range(batch_size)], strict=True)
             ids = self._tokenize(list(prompts))
-            embeds = self._encode_ids(self._text_state, ids)
-            neg = jnp.broadcast_to(self.neg_prompt_embed, embeds.shape)
+            embeds = self._encode_ids(self._text_state, self._rows(ids))
+            neg = self._rows(jnp.broadcast_to(self.neg_prompt_embed, embeds.shape))
             s, images = self._sample(
                 state.params,
                 state.frozen["unet"],
@@ -370,6 +422,7 @@ class DDPOTrainer(TrainLoop):
         self._images_out(pairs, epoch, global_step)
         advantages = self._advantages(samples.pop("prompt_ids"), rewards)
         samples["advantages"] = jnp.asarray(advantages, jnp.float32)
+        samples = self._rows(samples)
         metrics_U = []
         for inner_epoch in range(c.train_num_inner_epochs):
             self.train_state, m = self._update(
@@ -469,27 +522,23 @@ class DDPOTrainer(TrainLoop):
             (out / "prompts.json").write_text(json.dumps(list(prompts)))
 
     # ------------------------------------------------------------------ checkpoints
-    def _tracker_file(self, step: int) -> str:
-        return os.path.join(self.args.output_dir, "stat_tracker", f"{step}.json")
+    def _host_state(self) -> dict:
+        # The per-prompt reward buffers: later epochs' advantages depend on them.
+        if self.stat_tracker is None:
+            return {}
+        return {
+            "stat_tracker": {k: [float(x) for x in v] for k, v in self.stat_tracker.stats.items()}
+        }
 
-    def _save_checkpoint(self):
-        super()._save_checkpoint()
-        if self.stat_tracker is not None and self.is_world_process_zero():
-            # The per-prompt buffers are host state the next epochs' advantages depend on.
-            path = self._tracker_file(self.state.global_step)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            stats = {k: [float(x) for x in v] for k, v in self.stat_tracker.stats.items()}
-            Path(path).write_text(json.dumps(stats))
-
-    def _restore(self, step: int):
-        super()._restore(step)
-        if self.stat_tracker is not None:
-            from collections import deque
-
-            stats = json.loads(Path(self._tracker_file(step)).read_text())
-            self.stat_tracker.stats = {
-                k: deque(v, maxlen=self.stat_tracker.buffer_size) for k, v in stats.items()
-            }
+    def _load_host_state(self, state: dict) -> None:
+        if self.stat_tracker is None:
+            return
+        # Back to the float32 rewards `step` feeds the tracker (JSON holds them exactly as
+        # floats): float64 buffers would move every later advantage by an ulp or so.
+        self.stat_tracker.stats = {
+            k: deque(np.asarray(v, np.float32), maxlen=self.stat_tracker.buffer_size)
+            for k, v in state.get("stat_tracker", {}).items()
+        }
 
     def save_model(self, output_dir: str | None = None) -> str:
         """Save the trained UNet (LoRA: the adapters in diffusers' LoRA format; else the full

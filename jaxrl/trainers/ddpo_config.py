@@ -16,6 +16,10 @@ import os
 import sys
 from typing import Any
 
+import yaml
+
+from jaxrl.config import check_mesh_fields
+
 
 def _exp_name() -> str:
     return os.path.basename(sys.argv[0])[: -len(".py")]
@@ -73,6 +77,14 @@ class DDPOConfig:
     lora_rank: int = 4  # diffusers LoRAAttnProcessor's default rank, what TRL trains
     # Compute dtype of the frozen weights (TRL: mixed_precision casts them); "float32"/"bfloat16".
     dtype: str = "float32"
+    # The device mesh (jaxrl.parallel, as the other trainers' fields): prompts are split over
+    # data x fsdp (the `batch` rule), UNet/VAE/text-encoder weights over fsdp (`embed`) and
+    # tensor (`mlp`, `heads`); -1 takes the remaining devices.
+    mesh_data: int = 1
+    mesh_fsdp: int = -1
+    mesh_tensor: int = 1
+    # [[logical_name, mesh_axis | [mesh_axes] | null], ...] overriding jaxrl.parallel's rules.
+    logical_axis_rules: list | None = None
     # TrainLoop fields (HF TrainingArguments names). Derived from the TRL fields when left None.
     output_dir: str | None = None
     report_to: Any = None
@@ -104,6 +116,7 @@ class DDPOConfig:
             )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r}: use 'float32' or 'bfloat16'.")
+        check_mesh_fields(self)
         for name in (
             "sample_num_steps",
             "sample_batch_size",
@@ -261,5 +274,8 @@ def parse_ddpo_cli(argv: list[str]) -> tuple[DDPOConfig, str]:
     for k, v in values.items():
         f = fields[k]
         default = f.default if f.default is not dataclasses.MISSING else None
-        kwargs[k] = _coerce(v, base.get(k, default))
+        # A list field takes YAML/JSON, e.g. --logical_axis_rules '[["embed", null]]'.
+        kwargs[k] = (
+            yaml.safe_load(v) if k == "logical_axis_rules" else _coerce(v, base.get(k, default))
+        )
     return DDPOConfig(**kwargs), reward

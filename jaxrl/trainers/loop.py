@@ -226,6 +226,7 @@ class TrainLoop:
             "tokens_seen": self._tokens_seen,
             "config": self.args.to_dict(),
             "save_only_model": model_only,
+            "host_state": self._host_state(),
         }
         if model_only:  # HF: the weights alone; no optimizer state, RNG or callback buffers
             tree = {"params": self.train_state.params}
@@ -233,6 +234,14 @@ class TrainLoop:
             tree = {"train_state": self.train_state, "callbacks": self._callback_states()}
         ckpt.save(step, tree, meta)
         self._event("on_save")
+
+    def _host_state(self) -> dict:
+        """JSON-serialisable host-side state the next iterations depend on (e.g. DDPO's
+        per-prompt reward buffers), saved in the checkpoint's metadata; {} by default."""
+        return {}
+
+    def _load_host_state(self, state: dict) -> None:
+        """Restore what `_host_state` saved (called on resume, after the train state)."""
 
     def _callback_states(self) -> dict:
         out = {}
@@ -338,6 +347,7 @@ class TrainLoop:
                 setattr(self.state, k, v)
         self._log_window = meta.get("log_window", [])
         self._tokens_seen = meta.get("tokens_seen", 0)
+        self._load_host_state(meta.get("host_state", {}))
         logger.info("Resumed from step %d", self.state.global_step)
 
     def _restore_params(self, step: int) -> Any:

@@ -16,6 +16,7 @@ import optax
 import pytest
 from flax import nnx
 
+from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.losses.ddpo import PerPromptStatTracker, ddpo_loss, normalize_rewards
 from jaxrl.models.diffusion import jpeg_compressibility
 from jaxrl.models.diffusion.ddim import transition_log_prob
@@ -215,16 +216,31 @@ def test_async_rewards_equal_sync(sd_path, tmp_path):
         np.testing.assert_allclose(float(m_async[k]), float(m_sync[k]), rtol=1e-6, err_msg=k)
 
 
-def _logged(tr):
-    return [
-        {k: v for k, v in entry.items() if k not in ("train_runtime",)}
-        for entry in tr.state.log_history
-        if "loss" in entry
-    ]
+class _Killed(Exception):
+    pass
+
+
+class _KillAfterSave(TrainerCallback):
+    """Dies right after the first checkpoint is written, as a preempted run would."""
+
+    def on_save(self, args, state, control, **kwargs):
+        raise _Killed
+
+
+def _metric_rows(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines if "train_runtime" not in x]
 
 
 def test_resume_is_exact_and_lora_trains_only_adapters(sd_path, tmp_path):
-    kw = dict(per_prompt_stat_tracking=True, per_prompt_stat_tracking_min_count=2)
+    """Killed after epoch 1 and resumed == uninterrupted, bit for bit (metrics.jsonl), with
+    per-prompt stat tracking (host state in the checkpoint) and async rewards."""
+    kw = dict(
+        num_epochs=3,
+        per_prompt_stat_tracking=True,
+        per_prompt_stat_tracking_min_count=2,
+        async_reward_computation=True,
+    )
     full = make(sd_path, tmp_path / "full", **kw)
     base0 = jax.tree.map(np.asarray, full._unet_rest)
     lora0 = jax.tree.map(np.asarray, full._unet_params)
@@ -238,27 +254,70 @@ def test_resume_is_exact_and_lora_trains_only_adapters(sd_path, tmp_path):
         lambda a, b: bool(np.array_equal(np.asarray(a), b)), full.train_state.frozen["unet"], base0
     )
     assert all(jax.tree.leaves(same))
-    # Kill after epoch 1 (a fresh process would do the same), resume from its checkpoint.
-    first = make(sd_path, tmp_path / "part", **{**kw, "num_epochs": 1})
-    first.train()
-    resumed = make(
-        sd_path,
-        tmp_path / "part",
-        **{**kw, "resume_from": str(tmp_path / "part" / "checkpoints" / "checkpoint-1")},
-    )
+    run = tmp_path / "part"
+    cfg = DDPOConfig(**{**SMALL, **kw, "logdir": str(run)})
+    with pytest.raises(_Killed):
+        DDPOTrainer(
+            cfg, jpeg_compressibility, cycling_prompts(), sd_path, None, [_KillAfterSave()]
+        ).train()
+    resumed = make(sd_path, run, **kw, resume_from=str(run / "checkpoints" / "checkpoint-1"))
     # The prompt function is user state: replay the one epoch of prompts already drawn.
     for _ in range(4):
         resumed.prompt_fn()
     resumed.train()
-    # The resumed run restores the saved log history and appends epoch 2.
-    want, got = _logged(full), [_logged(first)[0], _logged(resumed)[-1]]
-    assert len(want) == 2 and _logged(resumed)[-1]["step"] == 2
-    for w, g in zip(want, got, strict=True):
-        assert w.keys() == g.keys()
-        for k in w:
-            # Equal up to f32 rounding (~1e-5 relative seen in approx_kl): the resumed
-            # process compiles the update afresh.
-            np.testing.assert_allclose(g[k], w[k], rtol=1e-4, atol=1e-7, err_msg=k)
+    want, got = _metric_rows(tmp_path / "full"), _metric_rows(run)
+    assert [r["step"] for r in got] == [1, 2, 3]
+    assert got == want
+
+
+def brightness(images, prompts, metadata):
+    # A smooth reward: a JPEG's size can jump when one pixel rounds the other way, as it may
+    # when a different device layout sums in a different order.
+    return images.mean(axis=(1, 2, 3)), {}
+
+
+def test_mesh_equals_one_device(sd_path, tmp_path):
+    """One epoch data parallel over prompts and FSDP/tensor over the UNet on a (2, 2, 2) mesh
+    == the same epoch on one device: rewards and the update's metrics.
+
+    One optimizer update: a later update's log-prob ratios amplify ulp-level differences of
+    the summation order by 1/sigma^2 of the last DDIM steps, so they would compare chaos."""
+    kw = dict(
+        num_epochs=1,
+        use_lora=False,
+        train_batch_size=4,
+        # Adam's first step is sign(grad): near-zero grads would flip with the summation order.
+        train_adam_epsilon=1e-3,
+    )
+    one = make(sd_path, tmp_path / "one", brightness, mesh_fsdp=1, **kw)
+    mesh = make(
+        sd_path, tmp_path / "mesh", brightness, mesh_data=2, mesh_fsdp=2, mesh_tensor=2, **kw
+    )
+    assert one.mesh.size == 1 and dict(mesh.mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    mesh._ensure_state()
+    specs = [v.sharding.spec for v in jax.tree.leaves(mesh.train_state.params)]
+    assert any("fsdp" in s and "tensor" in s for s in specs)  # e.g. attention q/k/v kernels
+    params0 = [np.asarray(x) for x in jax.tree.leaves(mesh.train_state.params)]
+    update, seen = mesh._update, []
+
+    def spy(state, samples, key):
+        seen.append(samples["latents"].sharding.spec[0])
+        return update(state, samples, key)
+
+    mesh._update = spy
+    m_one, m_mesh = one.step(0, 0), mesh.step(0, 0)
+    assert seen == [("data", "fsdp")]  # 4 prompts per micro-batch, one per data x fsdp shard
+    np.testing.assert_allclose(mesh.last_rewards, one.last_rewards, rtol=1e-5)
+    for k in ("reward_mean", "reward_std", "loss", "approx_kl", "clipfrac"):
+        # atol: the first update's loss is -mean(advantages) ~ 0, a sum of O(1) terms.
+        np.testing.assert_allclose(
+            float(m_mesh[k]), float(m_one[k]), rtol=1e-4, atol=5e-5, err_msg=k
+        )
+    p_mesh = jax.tree.leaves(mesh.train_state.params)
+    moved = [not np.array_equal(np.asarray(b), a) for a, b in zip(params0, p_mesh, strict=True)]
+    assert np.mean(moved) > 0.5
+    # Known gap (see the DDPO issue): the updated params differ from one device's by up to
+    # ~2 * lr in a few elements (Adam sign flips), not yet explained; not asserted here.
 
 
 def test_full_finetune_trains_unet_params(sd_path, tmp_path):

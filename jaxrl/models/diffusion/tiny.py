@@ -1,6 +1,8 @@
 """A tiny random Stable Diffusion pipeline directory, built deterministically on first use.
 
-The DDPO CLI, bench and tests need an SD pipeline without a hub download. `tiny_pipeline()`
+The configs are plain data (no imports beyond the standard library at module level), also read
+by the tests' model builders and by the TRL v0.7.2 golden script. The DDPO CLI, bench and tests
+need an SD pipeline without a hub download. `tiny_pipeline()`
 builds one with diffusers/transformers (PyTorch, seeded), SD 1.x layout (UNet 8x8 latents,
 channels (8, 16), CLIP text width 16, a 20-token CLIP tokenizer over a small word list, a DDIM
 scheduler with SD's betas), saves it with `save_pretrained` into a cache directory and returns
@@ -50,6 +52,16 @@ CLIP_TEXT = dict(
     pad_token_id=1,
     max_position_embeddings=20,
 )
+# SD's DDIM settings (diffusers DDIMScheduler kwargs).
+SCHEDULER = dict(
+    num_train_timesteps=1000,
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    clip_sample=False,
+    set_alpha_to_one=False,
+    steps_offset=1,
+)
 
 
 def default_cache_dir() -> Path:
@@ -88,14 +100,7 @@ def _build(directory: Path) -> None:
     text = transformers.CLIPTextModel(
         transformers.CLIPTextConfig(**CLIP_TEXT, vocab_size=vocab_size)
     )
-    scheduler = diffusers.DDIMScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        clip_sample=False,
-        set_alpha_to_one=False,
-        steps_offset=1,
-    )
+    scheduler = diffusers.DDIMScheduler(**SCHEDULER)
     pipe = diffusers.StableDiffusionPipeline(
         vae=vae.eval(),
         text_encoder=text.eval(),

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from jaxrl.models.diffusion import tiny
+
 
 def perturb(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     """Random offsets on biases and norm params (which start at 0 / 1), so their mapping is tested."""
@@ -18,18 +20,9 @@ def perturb(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-UNET_SD1 = dict(
-    block_out_channels=(8, 16),
-    layers_per_block=1,
-    sample_size=8,
-    in_channels=4,
-    out_channels=4,
-    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-    cross_attention_dim=12,
-    attention_head_dim=2,
-    norm_num_groups=4,
-)
+# The package's tiny pipeline configs, with a cross-attention width (12) unlike any channel count
+# so a mixed-up dimension fails loudly.
+UNET_SD1 = dict(tiny.UNET, cross_attention_dim=12)
 # SD 2.x flavour: linear projections, per-block head counts, upcast attention, 2 layers / block.
 UNET_SD2 = dict(
     UNET_SD1,
@@ -40,28 +33,9 @@ UNET_SD2 = dict(
     use_linear_projection=True,
     upcast_attention=True,
 )
-VAE = dict(
-    block_out_channels=(8, 16),
-    in_channels=3,
-    out_channels=3,
-    down_block_types=("DownEncoderBlock2D",) * 2,
-    up_block_types=("UpDecoderBlock2D",) * 2,
-    latent_channels=4,
-    norm_num_groups=4,
-    layers_per_block=1,
-)
-CLIP_TEXT = dict(
-    bos_token_id=0,
-    eos_token_id=2,
-    hidden_size=16,
-    intermediate_size=37,
-    layer_norm_eps=1e-5,
-    num_attention_heads=4,
-    num_hidden_layers=2,
-    pad_token_id=1,
-    vocab_size=100,
-    max_position_embeddings=20,
-)
+VAE = tiny.VAE
+# Distinct eos / pad ids (the tiny pipeline shares one) and a round vocabulary.
+CLIP_TEXT = dict(tiny.CLIP_TEXT, eos_token_id=2, vocab_size=100)
 
 
 def build_unet(kwargs: dict, seed: int, path: Path, **save) -> torch.nn.Module:
