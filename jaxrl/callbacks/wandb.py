@@ -27,7 +27,7 @@ def rewrite_logs(logs: dict) -> dict:
 class WandbCallback(TrainerCallback):
     """Logs config and metrics to W&B; resumes the same run id after a restart."""
 
-    def __init__(self, project: str | None = None):
+    def __init__(self, project: str | None = None, init_kwargs: dict | None = None):
         try:
             import wandb
         except ImportError as error:
@@ -37,6 +37,9 @@ class WandbCallback(TrainerCallback):
             ) from error
         self._wandb = wandb
         self.project = project or os.environ.get("WANDB_PROJECT", "jaxrl")
+        # Extra `wandb.init` arguments (entity, tags, notes, ...), as accelerate's
+        # `init_trackers(init_kwargs={"wandb": {...}})` passes them; they override ours.
+        self.init_kwargs = dict(init_kwargs or {})
         self.run = None
 
     def on_train_begin(self, args, state: TrainerState, control: TrainerControl, **kwargs):
@@ -50,7 +53,7 @@ class WandbCallback(TrainerCallback):
         else:
             run_id = "".join(secrets.choice(_ID_CHARS) for _ in range(8))
             id_path.write_text(run_id + "\n")
-        self.run = self._wandb.init(
+        options = dict(
             project=self.project,
             name=args.run_name,
             id=run_id,
@@ -58,6 +61,7 @@ class WandbCallback(TrainerCallback):
             config=args.to_dict(),
             dir=os.environ.get("WANDB_DIR", str(output_dir)),
         )
+        self.run = self._wandb.init(**{**options, **self.init_kwargs})
         self.run.define_metric("train/global_step")
         self.run.define_metric("*", step_metric="train/global_step", step_sync=True)
 

@@ -530,6 +530,12 @@ class DDPOTrainer(TrainLoop):
             (out / "prompts.json").write_text(json.dumps(list(prompts)))
 
     # ------------------------------------------------------------------ checkpoints
+    def _wandb_options(self) -> dict:
+        # TRL: accelerate's init_trackers(project_name=tracker_project_name,
+        # init_kwargs=tracker_kwargs), whose "wandb" entry holds wandb.init's arguments.
+        kwargs = self.args.tracker_kwargs or {}
+        return {"project": self.args.tracker_project_name, "init_kwargs": kwargs.get("wandb")}
+
     def _host_state(self) -> dict:
         # The per-prompt reward buffers: later epochs' advantages depend on them.
         if self.stat_tracker is None:

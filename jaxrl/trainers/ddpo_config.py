@@ -114,6 +114,14 @@ class DDPOConfig:
                 "output_dir/metrics.jsonl, and log_with='wandb' also logs them (and images) to "
                 "Weights & Biases."
             )
+        if self.tracker_kwargs and (
+            self.log_with != "wandb" or set(self.tracker_kwargs) - {"wandb"}
+        ):
+            raise ValueError(
+                f"tracker_kwargs={self.tracker_kwargs!r}: as in TRL, a dict of init arguments per "
+                "tracker; jaxrl's only tracker is wandb, so use log_with='wandb' and "
+                "tracker_kwargs={'wandb': {...wandb.init arguments}}."
+            )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r}: use 'float32' or 'bfloat16'.")
         check_mesh_fields(self)

@@ -138,6 +138,10 @@ class TrainLoop:
         """Remove a callback (by instance or class), as HF's `Trainer.remove_callback`."""
         self.callback_handler.remove_callback(callback)
 
+    def _wandb_options(self) -> dict:
+        """`WandbCallback` arguments (project, init_kwargs) a trainer's config sets; none here."""
+        return {}
+
     def _reporting_callbacks(self) -> list[TrainerCallback]:
         cbs: list[TrainerCallback] = []
         report = self.args.report_to
@@ -145,7 +149,7 @@ class TrainLoop:
         if "wandb" in report or "all" in report:
             from jaxrl.callbacks.wandb import WandbCallback
 
-            cbs.append(WandbCallback())
+            cbs.append(WandbCallback(**self._wandb_options()))
         if "tensorboard" in report:
             from jaxrl.callbacks.tensorboard import TensorBoardCallback
 

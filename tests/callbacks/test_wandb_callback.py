@@ -37,3 +37,32 @@ def test_offline_run_id_is_persisted_and_reused(tmp_path, monkeypatch):
     saved_id = (tmp_path / "out" / "wandb_run_id.txt").read_text().strip()
     assert ids == [saved_id, saved_id]
     assert list((tmp_path / "out" / "wandb").glob(f"offline-run-*-{saved_id}"))
+
+
+def test_init_kwargs_reach_wandb_init_and_ddpo_maps_tracker_fields(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from types import SimpleNamespace
+
+    from jaxrl.trainers.ddpo import DDPOTrainer
+    from jaxrl.trainers.ddpo_config import DDPOConfig
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    # DDPO's TRL fields: tracker_project_name -> the project, tracker_kwargs["wandb"] -> init.
+    config = DDPOConfig(
+        logdir=str(tmp_path / "out"),
+        log_with="wandb",
+        tracker_project_name="ddpo-test",
+        tracker_kwargs={"wandb": {"tags": ["tiny"], "notes": "from tracker_kwargs"}},
+    )
+    options = DDPOTrainer._wandb_options(SimpleNamespace(args=config))
+    callback = WandbCallback(**options)
+    callback.on_train_begin(config, TrainerState(max_steps=1), TrainerControl())
+    assert callback.run.project == "ddpo-test"
+    assert tuple(callback.run.tags) == ("tiny",) and callback.run.notes == "from tracker_kwargs"
+    callback.on_train_end(config, TrainerState(max_steps=1), TrainerControl())
+    for bad in ({"tensorboard": {}}, {"wandb": {}}):
+        log_with = "wandb" if "tensorboard" in bad else None
+        with pytest.raises(ValueError, match="tracker_kwargs"):
+            DDPOConfig(logdir=str(tmp_path), log_with=log_with, tracker_kwargs=bad)
