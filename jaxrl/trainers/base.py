@@ -447,6 +447,8 @@ class Trainer(TrainLoop):
         # LoRA checkpoint holds the adapter and its optimizer state only.
         with self._without_base():
             super()._save_checkpoint()
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(self.state.global_step)
 
     def _restore(self, step: int):
         with self._without_base():
@@ -813,11 +815,6 @@ class Trainer(TrainLoop):
         if not self.is_world_process_zero():
             return None
         return push_folder(self.args, self.args.output_dir, commit_message)
-
-    def _save_checkpoint(self):
-        super()._save_checkpoint()
-        if self.args.push_to_hub:
-            self._push_from_checkpoint(self.state.global_step)
 
     def _push_from_checkpoint(self, step: int) -> None:
         """HF's `hub_strategy` at a save: "every_save" uploads the model (saved to `output_dir`),
