@@ -81,21 +81,31 @@ def peak_flops(device) -> float | None:
     return None
 
 
-def _split_bench_flags(argv: list[str]) -> tuple[dict, list[str]]:
-    opts = {"preset": None, "seq_len": 512, "steps": 10, "warmup": 2}
+def split_flags(
+    argv: list[str], types: dict[str, Any], defaults: dict[str, Any]
+) -> tuple[dict, list[str]]:
+    """Pull the bench's own `--flag value` / `--flag=value` options (`types`: flag -> parser) out
+    of `argv`; the rest goes on to the config parser."""
+    opts = dict(defaults)
     rest, i = [], 0
     while i < len(argv):
         flag = argv[i].split("=", 1)[0]
-        if flag in _BENCH_FLAGS:
+        if flag in types:
             if "=" in argv[i]:
                 value, i = argv[i].split("=", 1)[1], i + 1
             else:
                 value, i = argv[i + 1], i + 2
-            opts[flag[2:]] = _BENCH_FLAGS[flag](value)
+            opts[flag[2:]] = types[flag](value)
         else:
             rest.append(argv[i])
             i += 1
     return opts, rest
+
+
+def _split_bench_flags(argv: list[str]) -> tuple[dict, list[str]]:
+    return split_flags(
+        argv, _BENCH_FLAGS, {"preset": None, "seq_len": 512, "steps": 10, "warmup": 2}
+    )
 
 
 def _synthetic_examples(algo: str, n: int, seq_len: int, vocab: int, seed: int) -> list[dict]:

@@ -27,20 +27,9 @@ _FLAGS = {"--steps": int, "--warmup": int, "--rounds": int}
 
 
 def _split(argv: list[str]) -> tuple[dict, list[str]]:
-    opts = {"steps": 5, "warmup": 1, "rounds": 2}
-    rest, i = [], 0
-    while i < len(argv):
-        flag = argv[i].split("=", 1)[0]
-        if flag in _FLAGS:
-            if "=" in argv[i]:
-                value, i = argv[i].split("=", 1)[1], i + 1
-            else:
-                value, i = argv[i + 1], i + 2
-            opts[flag[2:]] = _FLAGS[flag](value)
-        else:
-            rest.append(argv[i])
-            i += 1
-    return opts, rest
+    from jaxrl.bench import split_flags
+
+    return split_flags(argv, _FLAGS, {"steps": 5, "warmup": 1, "rounds": 2})
 
 
 def _jaxrl_round(trainer, n: int) -> list[tuple[float, float]]:
