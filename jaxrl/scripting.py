@@ -98,6 +98,11 @@ class ModelConfig(PeftArguments):
                 f"`model_revision={self.model_revision!r}` is not supported: jaxrl loads a local "
                 "directory or the hub's main revision; download the revision and pass its path."
             )
+        if self.bnb_4bit_quant_storage is not None:
+            raise ConfigError(
+                "bnb_4bit_quant_storage is a bitsandbytes storage dtype (for FSDP of packed 4-bit "
+                "weights); jaxrl's NF4 base stores packed uint8 codes whatever the mesh. Remove it."
+            )
         # PEFT/quantization options jaxrl does not implement (DoRA, MoE target parameters, fp4,
         # nested quantization) fail here, at parse time, with the fix in the message.
         try:

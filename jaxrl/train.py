@@ -84,17 +84,11 @@ def peft_options(script: Any) -> tuple[Any, str | None]:
     changed = sorted(k for k in PEFT_FIELDS if values[k] != defaults[k])
     if not changed:
         return None, None
-    if values["bnb_4bit_quant_storage"] is not None:
-        raise ConfigError(
-            "bnb_4bit_quant_storage is a bitsandbytes storage dtype (for FSDP of packed 4-bit "
-            "weights); jaxrl's NF4 base stores packed uint8 codes whatever the mesh. Remove it."
-        )
     if not values["use_peft"] and not (values["load_in_4bit"] or values["load_in_8bit"]):
         raise ConfigError(
             f"{changed} configure LoRA, which is off: add --use_peft true (TRL's ModelConfig "
             "ignores them without it; jaxrl refuses options that would do nothing)."
         )
-    values.pop("bnb_4bit_quant_storage")
     model = scripting.ModelConfig(**values)  # validates (DoRA, fp4, ... are rejected)
     return scripting.get_peft_config(model), scripting.get_quantization_config(model)
 
