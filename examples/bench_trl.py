@@ -4,8 +4,9 @@
     python examples/bench_trl.py --algo {sft,dpo} --preset NAME --seq_len T [--batch 8] ...
 
 Trains the shipped embedded model (`jaxrl/assets/arith/sft_model`, an HF directory) on the
-embedded task data with TRL's `SFTTrainer` / `DPOTrainer` in f32 on this machine, times steps
-after a warm-up with a callback, and prints one JSON line shaped like `python -m jaxrl.bench`'s.
+embedded task data with TRL's `SFTTrainer` / `DPOTrainer` in f32 (`--bf16`: TRL's default
+autocast) on this machine's GPU if it has one, else its CPU, times steps after a warm-up with a
+callback (synchronising CUDA around each step), and prints one JSON line shaped like `python -m jaxrl.bench`'s.
 Compare with `python -m jaxrl.bench --algo ALGO --per_device_train_batch_size B`.
 With `--preset NAME --seq_len T` it trains a random-weight model of a `jaxrl.models.presets`
 shape on random tokens of exactly T per row (DPO: prompt T // 2, each completion the rest, the
@@ -18,6 +19,7 @@ import copy
 import json
 import resource
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -25,8 +27,14 @@ import trl
 from datasets import Dataset, load_dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 
+from jaxrl.bench import peak_flops
 from jaxrl.data import task
 from jaxrl.models import presets
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 class StepTimer(TrainerCallback):
@@ -34,9 +42,11 @@ class StepTimer(TrainerCallback):
         self.warmup, self.t0, self.times = warmup, None, []
 
     def on_step_begin(self, args, state, control, **kw):
+        _sync()
         self.t0 = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kw):
+        _sync()  # CUDA runs asynchronously: time the step's kernels, not their launch
         if state.global_step > self.warmup:
             self.times.append(time.perf_counter() - self.t0)
 
@@ -81,6 +91,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--preset", default=None, help="a jaxrl.models.presets shape (random weights)")
     p.add_argument("--seq_len", type=int, default=512, help="tokens per row with --preset")
+    p.add_argument("--bf16", action="store_true", help="TRL's default bf16 autocast (else f32)")
+    p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--attn_implementation", default="sdpa")
     opts = p.parse_args()
     torch.set_num_threads(opts.threads)
     tok = task.load_tokenizer()
@@ -95,6 +108,7 @@ def main() -> None:
     else:
         torch.manual_seed(0)
         config = presets.get_preset(opts.preset)
+        config._attn_implementation = opts.attn_implementation
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         rows = opts.batch * (opts.warmup + opts.steps)
         data = synthetic_dataset(opts.algo, rows, opts.seq_len, config.vocab_size, seed=0)
@@ -105,9 +119,9 @@ def main() -> None:
         max_steps=opts.warmup + opts.steps,
         logging_steps=10,
         report_to="none",
-        bf16=False,
-        use_cpu=True,
-        gradient_checkpointing=False,
+        bf16=opts.bf16,
+        use_cpu=not torch.cuda.is_available(),  # a GPU when there is one, as TRL would
+        gradient_checkpointing=opts.gradient_checkpointing,
         save_strategy="no",
         max_length=max_length,
         disable_tqdm=True,
@@ -142,6 +156,20 @@ def main() -> None:
     trainer.train()
     step_s = sum(timer.times) / len(timer.times)
     tps = sum(tokens[opts.warmup :]) / sum(timer.times)
+    mfu, peak_bytes, peak_src = (
+        None,
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "host_rss",
+    )
+    if torch.cuda.is_available():
+        peak_bytes, peak_src = int(torch.cuda.max_memory_allocated()), "device"
+        peak = peak_flops(SimpleNamespace(device_kind=torch.cuda.get_device_name()))
+        if opts.preset is not None and peak:
+            fpt = presets.flops_per_token(config, opts.seq_len)
+            if opts.algo == "dpo":  # the reference forward: a third of fwd+bwd
+                fpt *= 4 / 3
+            # tokens counts each DPO row as TRL runs it (prompt once per completion)
+            mfu = fpt * tps / peak
     print(
         json.dumps(
             {
@@ -153,11 +181,13 @@ def main() -> None:
                 "global_batch": opts.batch,
                 "threads": opts.threads,
                 "devices": 1,
-                "mfu": None,
+                "mfu": mfu,
+                "bf16": opts.bf16,
+                "device_kind": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                 "preset": opts.preset,
                 "seq_len": opts.seq_len if opts.preset else max_length,
-                "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                "peak_bytes_source": "host_rss",
+                "peak_bytes": peak_bytes,
+                "peak_bytes_source": peak_src,
             }
         )
     )

@@ -548,6 +548,10 @@ def _generate_flags(argv: list[str]) -> Any:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--torch_threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32",
+        help="weights and activations on both sides (transformers runs on CUDA when it can)",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -586,7 +590,9 @@ def run_generate(argv: list[str]) -> dict:
     torch_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
     with tempfile.TemporaryDirectory() as tmp:
         torch_model.save_pretrained(tmp)
-        model = models.from_pretrained(tmp)
+        model = models.from_pretrained(tmp, dtype=flags.dtype, param_dtype=flags.dtype)
+    torch_device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch_model = torch_model.to(torch_device, getattr(torch, flags.dtype))
     batch, prompt_len, n_new = flags.batch, flags.prompt_len, flags.max_new_tokens
     ids = np.random.default_rng(flags.seed).integers(3, hf_config.vocab_size, (batch, prompt_len))
     gen = GenerationConfig(max_new_tokens=n_new, do_sample=True, top_k=0, top_p=1.0)
@@ -602,7 +608,7 @@ def run_generate(argv: list[str]) -> dict:
     first_call_s = time.perf_counter() - t0
     _timed(jax_generate, flags.warmup)
 
-    torch_ids = torch.from_numpy(ids)
+    torch_ids = torch.from_numpy(ids).to(torch_device)
     hf_kwargs = dict(
         input_ids=torch_ids,
         attention_mask=torch.ones_like(torch_ids),
@@ -616,6 +622,8 @@ def run_generate(argv: list[str]) -> dict:
     def hf_generate(max_new_tokens: int = n_new) -> None:
         with torch.no_grad():
             torch_model.generate(**hf_kwargs, max_new_tokens=max_new_tokens)
+        if torch_device == "cuda":
+            torch.cuda.synchronize()
 
     hf_generate(2)  # first-call setup outside the timing, as for jaxrl's compile
     # Alternate the two sides call by call so both see the same load on this shared machine.
@@ -665,6 +673,8 @@ def run_generate(argv: list[str]) -> dict:
         "batch": batch,
         "prompt_len": prompt_len,
         "max_new_tokens": n_new,
+        "dtype": flags.dtype,
+        "transformers_device": torch_device,
         "tokens_per_step": tokens,
         "preset": flags.preset,
         "steps": flags.steps,
@@ -733,6 +743,9 @@ def compare_commands(
         raise ValueError(f"--compare trl runs {script}, which is missing (use a source checkout).")
     trl = [sys.executable, str(script), "--algo", algo, "--preset", preset]
     trl += ["--seq_len", str(seq_len), "--batch", str(batch), *common]
+    # Precision and rematerialisation follow the jaxrl flags on both sides (f32, none by default).
+    shared = split_flags(extra, {"--bf16": str, "--gradient_checkpointing": str}, {})[0]
+    trl += [f"--{name}" for name, value in shared.items() if value.lower() == "true"]
     if algo == "sft":
         return {"sft": (jaxrl + extra, trl)}
     # TRL's objective and layout: sigmoid loss only, prompt + completion rows per pair.
@@ -798,6 +811,8 @@ def compare(argv: list[str]) -> list[dict]:
                 "trl_peak_rss_bytes": rss["trl"],
                 "load_avg_1m": loads,
                 "reps": copts["reps"],
+                "jaxrl_runs": runs["jaxrl"],  # each child's own JSON (tokens/s, mfu, memory)
+                "trl_runs": runs["trl"],
             }
             print(
                 f"{label:20s} {point[0]} B={point[1]:<3d} T={point[2]:<5d} "

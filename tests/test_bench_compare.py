@@ -20,6 +20,16 @@ def test_dpo_runs_trls_objective_on_both_sides():
     assert trl_cmd[1].endswith("examples/bench_trl.py")
     assert trl_cmd[trl_cmd.index("--seq_len") + 1] == "512"
     assert trl_cmd[trl_cmd.index("--batch") + 1] == "8"
+    assert "--bf16" not in trl_cmd  # f32 on both sides unless asked
+
+
+def test_precision_flags_reach_both_sides():
+    extra = ["--bf16", "true", "--gradient_checkpointing=true"]
+    jaxrl_cmd, trl_cmd = bench.compare_commands("sft", ("qwen2.5-0.5b", 8, 1024), 5, 2, extra)[
+        "sft"
+    ]
+    assert jaxrl_cmd[-3:] == extra  # the later flags win over the f32 defaults
+    assert "--bf16" in trl_cmd and "--gradient_checkpointing" in trl_cmd
 
 
 def test_sweep_interleaves_sides_and_reports_ratio_and_rss(monkeypatch, capsys):
