@@ -8,7 +8,9 @@ peak_bytes, devices, mfu` (and more). Without `--preset` it benchmarks exactly w
 data of length T (no download needed). `--algo forward` times forward+backward of the LM loss
 only (no optimizer update).
 
-Bench flags: --preset NAME, --seq_len T, --steps N (default 10), --warmup N (default 2).
+Bench flags: --preset NAME, --seq_len T, --steps N (default 10), --warmup N (default 2),
+--profile_dir DIR (a `jax.profiler` trace of the timed steps, with a Perfetto JSON;
+`examples/trace_top.py DIR` sums its device ops).
 Everything else is a training-config flag, as for `jaxrl.train`.
 
 `--algo generate` times `jaxrl.generation.Sampler` against transformers `generate` (PyTorch on
@@ -70,7 +72,13 @@ PEAK_FLOPS = {
     "TPU v6 lite": 918e12,
     "TPU v6e": 918e12,
 }
-_BENCH_FLAGS = {"--preset": str, "--seq_len": int, "--steps": int, "--warmup": int}
+_BENCH_FLAGS = {
+    "--preset": str,
+    "--seq_len": int,
+    "--steps": int,
+    "--warmup": int,
+    "--profile_dir": str,  # a jax.profiler trace (and Perfetto JSON) of the timed steps
+}
 
 
 def peak_flops(device) -> float | None:
@@ -104,7 +112,9 @@ def split_flags(
 
 def _split_bench_flags(argv: list[str]) -> tuple[dict, list[str]]:
     return split_flags(
-        argv, _BENCH_FLAGS, {"preset": None, "seq_len": 512, "steps": 10, "warmup": 2}
+        argv,
+        _BENCH_FLAGS,
+        {"preset": None, "seq_len": 512, "steps": 10, "warmup": 2, "profile_dir": None},
     )
 
 
@@ -228,11 +238,16 @@ def run(argv: list[str]) -> dict:
     for _ in range(opts["warmup"]):
         state, out = step(state)
     jax.block_until_ready(out)
+    profile = opts["profile_dir"]
+    if profile:
+        jax.profiler.start_trace(profile, create_perfetto_trace=True)
     t0 = time.perf_counter()
     for _ in range(opts["steps"]):
         state, out = step(state)
     jax.block_until_ready(out)
     step_s = (time.perf_counter() - t0) / opts["steps"]
+    if profile:
+        jax.profiler.stop_trace()
     compile_s = max(first_call_s - step_s, 0.0)  # tracing + XLA compile of the first call
 
     # Tokens the model runs per step; `tokens` counts them as TRL does (a DPO prompt once per
