@@ -1,12 +1,14 @@
 """Per-token target log-probs from final hidden states, without a full f32 `[B, T, V]` tensor.
 
-The unembedding is applied chunk by chunk along T inside a `lax.scan`; each chunk is wrapped in
-`jax.checkpoint`, so the backward pass recomputes that chunk's logits instead of storing them.
-Peak logits memory is one `[B, chunk_size, V]` f32 block (forward and backward). This is the
+The unembedding is applied chunk by chunk along T inside a `lax.scan`, with a hand-written
+backward (`_fused_head`) that recomputes each chunk's logits instead of storing them. Peak
+logits memory is one `[B, chunk_size, V]` f32 block (forward and backward). This is the
 JAX counterpart of TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`), including its
 optional per-token statistics. The caller aligns targets (`shift_targets`): hidden state at
 position t scores token t + 1.
 """
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -23,24 +25,27 @@ def shift_targets(input_ids_BT: jax.Array, mask_BT: jax.Array) -> tuple[jax.Arra
     return targets_BT, shifted_mask_BT
 
 
-def _chunk_outputs(hidden_BCD, unembed_DV, targets_BC, temperature, logit_softcap, with_stats):
-    logits_BCV = jnp.einsum(
-        "bcd,dv->bcv", hidden_BCD, unembed_DV, preferred_element_type=jnp.float32
+def _logits(hidden_BCD, unembed_DV, temperature, logit_softcap):
+    """f32 logits of one chunk: (raw, final). The matmul takes its inputs in the unembedding's
+    dtype (bf16 under mixed precision, as torch autocast's lm_head does) and accumulates in f32."""
+    raw_BCV = jnp.einsum(
+        "bcd,dv->bcv",
+        hidden_BCD.astype(unembed_DV.dtype),
+        unembed_DV,
+        preferred_element_type=jnp.float32,
     )
+    logits_BCV = raw_BCV
     if logit_softcap is not None:
         # Gemma-style final-logit soft-capping, as in TRL's fused head (scale, softcap, temperature).
         logits_BCV = logit_softcap * jnp.tanh(logits_BCV / logit_softcap)
     if temperature != 1.0:
         logits_BCV = logits_BCV / temperature
-    log_z_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
-    target_logit_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
-    logps_BC = target_logit_BC - log_z_BC
-    if not with_stats:
-        return logps_BC, {}
-    logits_BCV = jax.lax.stop_gradient(logits_BCV)
-    log_z_BC = jax.lax.stop_gradient(log_z_BC)
+    return raw_BCV, logits_BCV
+
+
+def _chunk_stats(logits_BCV, log_z_BC, targets_BC):
     probs_BCV = jnp.exp(logits_BCV - log_z_BC[..., None])
-    stats = {
+    return {
         # First-index argmax, like TRL's `is_top1` (ties resolve to the lowest token id).
         "argmax": jnp.argmax(logits_BCV, axis=-1),
         "argmax_correct": jnp.argmax(logits_BCV, axis=-1) == targets_BC,
@@ -49,7 +54,73 @@ def _chunk_outputs(hidden_BCD, unembed_DV, targets_BC, temperature, logit_softca
         # log sum_v p_v^2, TRL's `log_sum_sq_probs` (WPO weights, `use_weighting=True`).
         "log_sum_sq_probs": jnp.log(jnp.sum(jnp.square(probs_BCV), axis=-1)),
     }
-    return logps_BC, stats
+
+
+# The fused head has its own VJP. Autodiff of the chunked scan would save nothing per chunk but
+# recompute it under `jax.checkpoint`, then run the two backward matmuls with the f32 logits
+# cotangent, i.e. as f32 (TF32) GEMMs at a fraction of the bf16 rate, and sum the weight
+# gradient chunk by chunk in the weight's dtype. Here the backward recomputes each chunk's logits
+# from the saved log-partition, forms the logits cotangent in f32 in one fused pass, casts it to
+# the unembedding's dtype (torch autocast's bf16 logits give the same cotangent dtype) and
+# accumulates the weight gradient across chunks in f32.
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused_head(hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_softcap, with_stats):
+    return _fused_head_fwd(
+        hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_softcap, with_stats
+    )[0]
+
+
+def _fused_head_fwd(hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_softcap, with_stats):
+    def step(_, xs):
+        hidden_BCD, targets_BC = xs
+        _, logits_BCV = _logits(hidden_BCD, unembed_DV, temperature, logit_softcap)
+        log_z_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+        target_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
+        stats = _chunk_stats(logits_BCV, log_z_BC, targets_BC) if with_stats else {}
+        return None, (target_BC - log_z_BC, stats, log_z_BC)
+
+    _, (logps_NBC, stats_NBC, log_z_NBC) = jax.lax.scan(step, None, (hidden_NBCD, targets_NBC))
+    return (logps_NBC, stats_NBC), (hidden_NBCD, unembed_DV, targets_NBC, log_z_NBC)
+
+
+def _fused_head_bwd(temperature, logit_softcap, with_stats, residuals, cotangents):
+    hidden_NBCD, unembed_DV, targets_NBC, log_z_NBC = residuals
+    g_NBC = cotangents[0].astype(jnp.float32)  # the statistics are under stop_gradient
+
+    def step(d_unembed_DV, xs):
+        hidden_BCD, targets_BC, log_z_BC, g_BC = xs
+        raw_BCV, logits_BCV = _logits(hidden_BCD, unembed_DV, temperature, logit_softcap)
+        probs_BCV = jnp.exp(logits_BCV - log_z_BC[..., None])
+        vocab_BCV = jax.lax.broadcasted_iota(targets_BC.dtype, logits_BCV.shape, 2)
+        # d log p(target) / d logits = onehot(target) - softmax
+        d_logits_BCV = g_BC[..., None] * (
+            jnp.where(vocab_BCV == targets_BC[..., None], 1.0, 0.0) - probs_BCV
+        )
+        if temperature != 1.0:
+            d_logits_BCV = d_logits_BCV / temperature
+        if logit_softcap is not None:
+            d_logits_BCV = d_logits_BCV * (1.0 - jnp.square(jnp.tanh(raw_BCV / logit_softcap)))
+        d_logits_BCV = d_logits_BCV.astype(unembed_DV.dtype)
+        d_hidden_BCD = jnp.einsum(
+            "bcv,dv->bcd", d_logits_BCV, unembed_DV, preferred_element_type=jnp.float32
+        )
+        d_unembed_DV = d_unembed_DV + jnp.einsum(
+            "bcd,bcv->dv",
+            hidden_BCD.astype(unembed_DV.dtype),
+            d_logits_BCV,
+            preferred_element_type=jnp.float32,
+        )
+        return d_unembed_DV, d_hidden_BCD.astype(hidden_BCD.dtype)
+
+    d_unembed_DV, d_hidden_NBCD = jax.lax.scan(
+        step,
+        jnp.zeros(unembed_DV.shape, jnp.float32),
+        (hidden_NBCD, targets_NBC, log_z_NBC, g_NBC),
+    )
+    return d_hidden_NBCD, d_unembed_DV.astype(unembed_DV.dtype), None
+
+
+_fused_head.defvjp(_fused_head_fwd, _fused_head_bwd)
 
 
 def token_logprobs(
@@ -93,16 +164,9 @@ def token_logprobs(
     hidden_NBCD = hidden_BTD.reshape(B, num_chunks, chunk, D).swapaxes(0, 1)
     targets_NBC = targets_BT.reshape(B, num_chunks, chunk).swapaxes(0, 1)
 
-    @jax.checkpoint
-    def body(hidden_BCD, targets_BC):
-        return _chunk_outputs(
-            hidden_BCD, unembed_DV, targets_BC, temperature, logit_softcap, with_stats
-        )
-
-    def step(carry, xs):
-        return carry, body(*xs)
-
-    _, (logps_NBC, stats_NBC) = jax.lax.scan(step, None, (hidden_NBCD, targets_NBC))
+    logps_NBC, stats_NBC = _fused_head(
+        hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_softcap, with_stats
+    )
 
     def unchunk(x_NBC):
         return x_NBC.swapaxes(0, 1).reshape(B, num_chunks * chunk)[:, :T]

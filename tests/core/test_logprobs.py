@@ -52,15 +52,27 @@ def test_values_and_stats_match_naive(inputs, chunk_size):
         np.testing.assert_allclose(stats[name], ref_stats[name], atol=1e-5, rtol=1e-5)
 
 
-def test_gradients_match_naive(inputs):
+@pytest.mark.parametrize(
+    ("temperature", "softcap", "with_stats"), [(1.0, None, False), (0.7, 3.0, True)]
+)
+def test_gradients_match_naive(inputs, temperature, softcap, with_stats):
+    """The fused head's own VJP (onehot - softmax, through temperature and soft-capping) equals
+    autodiff of the full-vocab computation; the statistics add no gradient."""
     hidden, unembed, targets = inputs
     weights = jax.random.normal(jax.random.key(5), (B, T))
 
     def chunked(h, w):
-        return jnp.sum(token_logprobs(h, w, targets, chunk_size=4) * weights)
+        out = token_logprobs(
+            h, w, targets, chunk_size=4, temperature=temperature, logit_softcap=softcap,
+            with_stats=with_stats,
+        )  # fmt: skip
+        logps, stats = out if with_stats else (out, {})
+        return jnp.sum(logps * weights) + sum(
+            jnp.sum(v) for k, v in stats.items() if k == "entropy"
+        )
 
     def full(h, w):
-        return jnp.sum(naive(h, w, targets)[0] * weights)
+        return jnp.sum(naive(h, w, targets, temperature, softcap)[0] * weights)
 
     g_chunked = jax.jit(jax.grad(chunked, argnums=(0, 1)))(hidden, unembed)
     g_full = jax.grad(full, argnums=(0, 1))(hidden, unembed)
@@ -158,7 +170,9 @@ def test_chunks_are_balanced(seq_len, chunk_size, num_chunks, chunk):
     jaxpr = jax.make_jaxpr(
         lambda h: token_logprobs(h, jnp.ones((D, V)), targets, chunk_size=chunk_size)
     )(hidden)
-    scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    # The scan sits inside the fused head's custom-VJP call.
+    (head,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name.startswith("custom_vjp")]
+    scans = [e for e in head.params["call_jaxpr"].jaxpr.eqns if e.primitive.name == "scan"]
     assert len(scans) == 1
     assert scans[0].params["length"] == num_chunks
     hidden_chunks = [v.aval.shape for v in scans[0].invars if v.aval.shape[-1:] == (D,)]
