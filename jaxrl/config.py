@@ -272,7 +272,9 @@ class TrainingConfig(_ForeignTrainingFields):
     mesh_tensor: int = 1
     # jaxrl: [[logical_name, mesh_axis | [mesh_axes] | null], ...]; None -> the model's defaults.
     logical_axis_rules: list | None = None
-    scan_layers: bool = True
+    # None -> False on GPU (unrolled layers: ~20% faster, ~25% less memory on an H100, see
+    # BENCHMARKS.md), True elsewhere (lax.scan: a program whose size does not grow with depth).
+    scan_layers: bool | None = None
     remat_policy: str | None = None  # None -> "full" if gradient_checkpointing else "none"
     logprob_chunk_size: int = 128
     # TRL's `pad_to_multiple_of`: the run's one static batch length (the longest example) is

@@ -83,6 +83,8 @@ class Trainer(TrainLoop):
             # with f32 accumulation).
             raise ValueError("fp16=True needs a GPU; on CPU use bf16=True or full precision.")
         self.mesh = self._make_mesh()
+        if a.scan_layers is None:  # the backend's faster layout (config.py says why)
+            a.scan_layers = jax.default_backend() != "gpu"
         self.rules = parallel.merge_rules(a.logical_axis_rules)
         self.compute_dtype = self._compute_dtype()
         self.model_path = model if isinstance(model, str) else None

@@ -191,6 +191,19 @@ def test_bf16_compute_over_f32_params(tmp_path, tokenizer, sft_data):
     assert dtypes == {np.dtype("float32")}  # master params stay f32
 
 
+@pytest.mark.parametrize(("backend", "scanned"), [("cpu", True), ("gpu", False)])
+def test_scan_layers_default_follows_the_backend(
+    tmp_path, tokenizer, sft_data, monkeypatch, backend, scanned
+):
+    """scan_layers=None: unrolled layers on GPU (faster there, BENCHMARKS.md), a scan elsewhere;
+    an explicit value wins."""
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    trainer = make(tmp_path, tokenizer, sft_data[0])
+    assert trainer.args.scan_layers is scanned and trainer.model.config.scan_layers is scanned
+    explicit = make(tmp_path / "explicit", tokenizer, sft_data[0], scan_layers=not scanned)
+    assert explicit.model.config.scan_layers is (not scanned)
+
+
 def test_fp16_on_cpu_is_a_clear_error(tmp_path, tokenizer, sft_data):
     with pytest.raises(ValueError, match="fp16=True needs a GPU"):
         make(tmp_path, tokenizer, sft_data[0], fp16=True, bf16=False)
