@@ -104,10 +104,12 @@ def _fused_head_bwd(temperature, logit_softcap, with_stats, residuals, cotangent
         d_hidden_BCD = jnp.einsum(
             "bcv,dv->bcd", d_logits_BCV, unembed_DV, preferred_element_type=jnp.float32
         )
-        d_unembed_DV = d_unembed_DV + jnp.einsum(
-            "bcd,bcv->dv",
-            hidden_BCD.astype(unembed_DV.dtype),
-            d_logits_BCV,
+        # As a 2-D [D, M] @ [M, V] with an explicit transpose: XLA:CPU runs a dot that contracts
+        # the rows of both operands as a slow generic dot (GPU folds the transpose into the GEMM).
+        d, v = unembed_DV.shape
+        d_unembed_DV = d_unembed_DV + jnp.dot(
+            hidden_BCD.astype(unembed_DV.dtype).reshape(-1, d).T,
+            d_logits_BCV.reshape(-1, v),
             preferred_element_type=jnp.float32,
         )
         return d_unembed_DV, d_hidden_BCD.astype(hidden_BCD.dtype)
