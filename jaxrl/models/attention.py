@@ -7,6 +7,11 @@ scores as autodiff residuals.
   probabilities from them. Runs on every backend; the default on CPU.
 - cuDNN flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`): the default on
   GPU where its constraints hold (bf16/fp16, head_dim a multiple of 8 and <= 128).
+- Splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`, the Pallas TPU kernel
+  MaxText uses): the default on TPU whenever the key visibility is causality + padding / packed
+  segments (+ a static sliding window), which it takes as segment ids. Explicit masks (DPO
+  prefix trees) fall back to blockwise there. Off TPU it runs in Pallas' interpret mode (slow;
+  tests only).
 - XLA's reference attention (`implementation="xla"`): materialises the scores; kept as the
   parity reference and for `attention_impl="xla"`.
 
@@ -22,11 +27,24 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
-IMPLS = ("blockwise", "cudnn", "xla")
+IMPLS = ("blockwise", "cudnn", "splash", "xla")
+
+
+class AttentionMask(NamedTuple):
+    """Key visibility as the models build it: the dense `[B, 1, T, S]` mask, plus the `[B, T]`
+    segment ids it was made from when visibility is exactly "same segment" (padding = 0, packed
+    documents 1, 2, ...), which a kernel taking segment ids (splash) uses instead; None when an
+    explicit mask (a DPO prefix tree) is part of it."""
+
+    dense_B1TS: jax.Array
+    segments_BT: jax.Array | None = None
+
 
 # Largest query/key block of the blockwise kernel. Blocks are balanced (`block_size`), so a
 # 129-token sequence runs as two 65-token blocks, not two 128-token ones.
@@ -41,11 +59,14 @@ def block_size(seq_len: int, max_block: int = MAX_BLOCK) -> int:
     return size if size <= 8 else -(-size // 8) * 8
 
 
-def resolve_impl(requested: str | None, q_BTNH: jax.Array) -> str:
-    """The kernel for `ModelConfig.attention_impl`: None picks cuDNN on GPU where it applies
-    (bf16/fp16, head_dim a multiple of 8 up to 128), blockwise elsewhere."""
+def resolve_impl(requested: str | None, q_BTNH: jax.Array, segments_known: bool = True) -> str:
+    """The kernel for `ModelConfig.attention_impl`: None picks splash on TPU when the mask is
+    segment ids (`segments_known`), cuDNN on GPU where it applies (bf16/fp16, head_dim a multiple
+    of 8 up to 128), blockwise elsewhere."""
     if requested is not None:
         return requested
+    if jax.default_backend() == "tpu" and segments_known:
+        return "splash"
     head_dim = q_BTNH.shape[-1]
     if (
         jax.default_backend() == "gpu"
@@ -61,13 +82,31 @@ def attend(
     q_BTNH: jax.Array,
     k_BSKH: jax.Array,
     v_BSKH: jax.Array,
-    mask_B1TS: jax.Array | None,
+    mask: jax.Array | AttentionMask | None,
     window: int | None,
     impl: str | None,
+    mesh: Mesh | None = None,
+    rules: Any = None,
 ) -> jax.Array:
-    """Causal GQA self-attention with the kernel `impl` (see `resolve_impl`); `window` is a static
-    sliding window (HF semantics: key j is kept for query i when j > i - window) or None."""
-    impl = resolve_impl(impl, q_BTNH)
+    """Causal GQA self-attention with the kernel `impl` (see `resolve_impl`); `mask` is a dense
+    `[B, 1, T, S]` visibility mask or an `AttentionMask`; `window` is a static sliding window (HF
+    semantics: key j is kept for query i when j > i - window) or None. `mesh`/`rules` let the
+    splash kernel run per shard (batch and heads as the model shards them)."""
+    if isinstance(mask, AttentionMask):
+        mask_B1TS, segments_BT = mask.dense_B1TS, mask.segments_BT
+    else:
+        mask_B1TS, segments_BT = mask, None
+    impl = resolve_impl(impl, q_BTNH, segments_known=mask_B1TS is None or segments_BT is not None)
+    if impl == "splash":
+        if mask_B1TS is not None and segments_BT is None:
+            raise ValueError(
+                "attention_impl='splash' takes padding and packing masks (segment ids); this "
+                "batch has an explicit mask (e.g. DPO prefix sharing): use 'blockwise' or leave "
+                "attention_impl unset."
+            )
+        return splash_attention(
+            q_BTNH, k_BSKH, v_BSKH, segments_BT, window=window, mesh=mesh, rules=rules
+        )
     if impl == "blockwise":
         return blockwise_attention(q_BTNH, k_BSKH, v_BSKH, mask_B1TS, window=window)
     return jax.nn.dot_product_attention(
@@ -80,6 +119,114 @@ def attend(
         local_window_size=None if window is None else (window - 1, 0),
         implementation=impl,
     )
+
+
+# ---------------------------------------------------------------- splash (Pallas, TPU)
+
+
+def _splash_block(seq_len: int) -> int:
+    """The kernel's block length: the largest of 512, 256, 128 dividing the (128-padded) length."""
+    return next(b for b in (512, 256, 128) if seq_len % b == 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(seq_len: int, num_heads: int, window: int | None, interpret: bool):
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as kernel_lib,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_mask as mask_lib,
+    )
+
+    shape = (seq_len, seq_len)
+    head_mask = (
+        mask_lib.CausalMask(shape)
+        if window is None
+        else mask_lib.LocalMask(shape, window_size=(window - 1, 0), offset=0)
+    )
+    b = _splash_block(seq_len)
+    sizes = kernel_lib.BlockSizes(
+        block_q=b, block_kv=b, block_kv_compute=b,
+        block_q_dkv=b, block_kv_dkv=b, block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b,
+    )  # fmt: skip
+    return kernel_lib.make_splash_mha(
+        mask_lib.MultiHeadMask([head_mask] * num_heads),
+        head_shards=1,
+        q_seq_shards=1,
+        block_sizes=sizes,
+        interpret=interpret,
+    ), kernel_lib.SegmentIds
+
+
+def splash_attention(
+    q_BTNH: jax.Array,
+    k_BSKH: jax.Array,
+    v_BSKH: jax.Array,
+    segments_BT: jax.Array | None = None,
+    *,
+    window: int | None = None,
+    mesh: Mesh | None = None,
+    rules: Any = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Causal GQA attention with the Pallas splash kernel: `softmax(q k^T / sqrt(H)) v` where
+    query i sees key j when j <= i, j > i - window (if set) and both share a segment id.
+
+    Lengths are padded to a multiple of 128 with a segment id no real token has. Under a mesh the
+    kernel runs per shard (`shard_map`: batch and heads split as the model's rules split them,
+    so no gather). `interpret` defaults to True off TPU (Pallas' interpreter, for tests).
+    """
+    from jaxrl.parallel import logical_to_spec
+
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    if k_BSKH.shape[1] != T:
+        raise ValueError(
+            f"splash_attention is self-attention: q has {T} positions, k {k_BSKH.shape[1]}."
+        )
+    if N % K:
+        raise ValueError(f"{N} query heads are not a multiple of {K} key/value heads.")
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    padded = -(-T // 128) * 128
+    if padded != T or segments_BT is not None:
+        real_BT = jnp.zeros((B, T), jnp.int32) if segments_BT is None else segments_BT
+        segments_BT = jnp.pad(
+            real_BT.astype(jnp.int32), ((0, 0), (0, padded - T)), constant_values=-1
+        )
+    pad = ((0, 0), (0, padded - T), (0, 0), (0, 0))
+    # Scale in f32, then back to the input dtype (the kernel takes pre-scaled queries).
+    q = (q_BTNH.astype(jnp.float32) * (1.0 / math.sqrt(H))).astype(q_BTNH.dtype)
+    q_BNTH = jnp.pad(q, pad).transpose(0, 2, 1, 3)
+    k_BKTH = jnp.pad(k_BSKH, pad).transpose(0, 2, 1, 3)
+    v_BKTH = jnp.pad(v_BSKH, pad).transpose(0, 2, 1, 3)
+
+    def local(q_BNTH, k_BKTH, v_BKTH, segments_BT):
+        kernel, segment_ids = _splash_kernel(padded, q_BNTH.shape[1], window, interpret)
+        if segments_BT is None:
+            return jax.vmap(kernel)(q_BNTH, k_BKTH, v_BKTH)
+        ids = segment_ids(q=segments_BT, kv=segments_BT)
+        return jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=ids))(
+            q_BNTH, k_BKTH, v_BKTH, ids
+        )
+
+    if mesh is not None and mesh.size > 1:
+        heads = logical_to_spec(("batch", "heads"), rules, (B, N), mesh)
+        kv_heads = logical_to_spec(("batch", "kv_heads"), rules, (B, K), mesh)
+        if heads[1] != kv_heads[1]:  # K/V heads do not split like the query heads: keep whole
+            heads = kv_heads = PartitionSpec(heads[0], None)
+        qkv_spec = PartitionSpec(heads[0], heads[1], None, None)
+        kv_spec = PartitionSpec(kv_heads[0], kv_heads[1], None, None)
+        seg_spec = None if segments_BT is None else PartitionSpec(heads[0], None)
+        local = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(qkv_spec, kv_spec, kv_spec, seg_spec),
+            out_specs=qkv_spec,
+            check_vma=False,
+        )
+    out_BNTH = local(q_BNTH, k_BKTH, v_BKTH, segments_BT)
+    return out_BNTH.transpose(0, 2, 1, 3)[:, :T]
 
 
 def blockwise_attention(

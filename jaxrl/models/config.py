@@ -17,7 +17,7 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
 ROPE_TYPES = ("default", "llama3", "linear")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
-ATTENTION_IMPLS = (None, "blockwise", "xla", "cudnn")
+ATTENTION_IMPLS = (None, "blockwise", "xla", "cudnn", "splash")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +54,9 @@ class ModelConfig:
     param_dtype: Any = jnp.float32
     scan_layers: bool = False
     remat_policy: str = "none"
-    # None: the best kernel for the backend (cuDNN on GPU where it applies, else "blockwise");
-    # "blockwise", "xla" (reference, materialises scores) or "cudnn" (GPU, bf16/fp16) force one.
+    # None: the best kernel for the backend (splash on TPU for padding/packing masks, cuDNN on
+    # GPU where it applies, else "blockwise"); "blockwise", "xla" (reference, materialises
+    # scores), "cudnn" (GPU, bf16/fp16) or "splash" (TPU; interpreted elsewhere) force one.
     attention_impl: str | None = None
     # Mesh and rules the params were placed with: activations are constrained to be
     # batch-sharded on it (so FSDP gathers weights rather than resharding activations).

@@ -21,7 +21,7 @@ from jaxrl.models.layers import (
     LayerNorm,
     activation,
     apply_layers,
-    attention_mask_BTS,
+    attention_masks,
     default_positions,
     dot_product_attention,
     make_layers,
@@ -128,7 +128,7 @@ class GPT2Model(nnx.Module):
         if positions is None:
             positions = default_positions(attention_mask, segment_ids, input_ids_BT.shape[1])
         h_BTD = self.wte(input_ids_BT) + self.wpe(positions)
-        mask_B1TS = attention_mask_BTS(attention_mask, segment_ids)
+        mask_B1TS = attention_masks(attention_mask, segment_ids)
         h_BTD = apply_layers(self.h, h_BTD, (mask_B1TS,), self.config)
         return self.ln_f(h_BTD)
 

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxrl.core.quant import QuantizedArray
-from jaxrl.models.attention import attend
+from jaxrl.models.attention import AttentionMask, attend
 from jaxrl.models.config import ModelConfig
 from jaxrl.parallel import logical_to_spec
 
@@ -350,11 +350,27 @@ def attention_mask_BTS(
     return mask_B1TS if explicit_B1TS is None else mask_B1TS & explicit_B1TS
 
 
+def attention_masks(
+    attention_mask: jax.Array | None, segment_ids_BT: jax.Array | None
+) -> AttentionMask | None:
+    """`attention_mask_BTS`'s dense mask, plus the segment ids it came from when visibility is
+    exactly "same segment" (no explicit mask), for kernels that take segment ids (splash)."""
+    dense_B1TS = attention_mask_BTS(attention_mask, segment_ids_BT)
+    if dense_B1TS is None:
+        return None
+    if attention_mask is not None and attention_mask.ndim != 2:
+        return AttentionMask(dense_B1TS)  # an explicit mask: dense only
+    segments_BT = segment_ids_BT if segment_ids_BT is not None else attention_mask
+    if segment_ids_BT is not None and attention_mask is not None:
+        segments_BT = jnp.where(attention_mask.astype(bool), segment_ids_BT, 0)
+    return AttentionMask(dense_B1TS, segments_BT.astype(jnp.int32))
+
+
 def dot_product_attention(
     q_BTNH: jax.Array,
     k_BSKH: jax.Array,
     v_BSKH: jax.Array,
-    mask_B1TS: jax.Array | None,
+    mask_B1TS: jax.Array | AttentionMask | None,
     sliding: bool | jax.Array,
     config: ModelConfig,
 ) -> jax.Array:
@@ -374,8 +390,13 @@ def dot_product_attention(
         idx = jnp.arange(seq_len)
         in_window_TS = idx[None, :] > idx[:, None] - window
         window_TS = in_window_TS | ~sliding
+        if isinstance(mask_B1TS, AttentionMask):  # a traced window is not a segment mask
+            mask_B1TS = mask_B1TS.dense_B1TS
         mask_B1TS = window_TS[None, None] if mask_B1TS is None else mask_B1TS & window_TS
-    return attend(q_BTNH, k_BSKH, v_BSKH, mask_B1TS, static_window, config.attention_impl)
+    return attend(
+        q_BTNH, k_BSKH, v_BSKH, mask_B1TS, static_window, config.attention_impl,
+        mesh=config.mesh, rules=config.rules,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------- layer stack

@@ -21,7 +21,7 @@ from jaxrl.models.layers import (
     activation,
     apply_layers,
     apply_rope,
-    attention_mask_BTS,
+    attention_masks,
     default_positions,
     dot_product_attention,
     make_layers,
@@ -143,7 +143,7 @@ class LlamaModel(nnx.Module):
         if positions is None:
             positions = default_positions(attention_mask, segment_ids, seq_len)
         cos_BTH, sin_BTH = rope_tables(positions, self.config)
-        mask_B1TS = attention_mask_BTS(attention_mask, segment_ids)
+        mask_B1TS = attention_masks(attention_mask, segment_ids)
         h_BTD = self.embed_tokens(input_ids_BT)
         h_BTD = apply_layers(self.layers, h_BTD, (cos_BTH, sin_BTH, mask_B1TS), self.config)
         return self.norm(h_BTD)
