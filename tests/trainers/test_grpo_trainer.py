@@ -223,3 +223,23 @@ def test_config_validation():
     )
     with pytest.raises(ConfigError, match="divisible by num_generations"):
         GRPOConfig(per_device_train_batch_size=6).resolve_generation_batch(1)
+
+
+@pytest.mark.slow
+def test_learns_a_learnable_reward(hf_model_dir, tokenizer, tmp_path):
+    """The update moves the policy toward higher reward: on a random tiny model rewarded for '1'
+    characters, the mean reward of the last 4 of 12 steps clearly exceeds the first 4's (TRL 1.16's
+    GRPOTrainer on the same model and settings: 0.07-0.09 -> 0.15-0.23; a flipped advantage sign
+    drives it to 0)."""
+
+    def ones(prompts, completions, **kw):
+        return [c.count("1") / 4.0 for c in completions]
+
+    trainer, _ = make(
+        hf_model_dir, tokenizer, tmp_path, reward=ones, train=prompt_rows(64),
+        per_device_train_batch_size=32, num_generations=8, max_steps=12, learning_rate=3e-3,
+    )  # fmt: skip
+    trainer.train()
+    rewards = [r["reward"] for r in train_logs(trainer) if "reward" in r]
+    assert len(rewards) == 12
+    assert np.mean(rewards[-4:]) > np.mean(rewards[:4]) + 0.04, rewards
