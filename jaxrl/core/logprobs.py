@@ -23,10 +23,19 @@ def shift_targets(input_ids_BT: jax.Array, mask_BT: jax.Array) -> tuple[jax.Arra
     return targets_BT, shifted_mask_BT
 
 
-def _chunk_outputs(hidden_BCD, unembed_DV, targets_BC, temperature, logit_softcap, with_stats):
-    logits_BCV = jnp.einsum(
-        "bcd,dv->bcv", hidden_BCD, unembed_DV, preferred_element_type=jnp.float32
+def unembed_logits(hidden_BTD: jax.Array, unembed_DV: jax.Array) -> jax.Array:
+    """f32 logits `hidden @ unembed` as an LM head in the unembedding's dtype makes them: hidden
+    cast to that dtype, the f32 accumulation rounded to it, then upcast for the softmax. A bf16
+    head gives bf16-rounded logits, as torch autocast's lm_head and TRL's fused LM head tiles
+    do; an f32 head gives plain f32 logits."""
+    logits_BTV = jnp.dot(
+        hidden_BTD.astype(unembed_DV.dtype), unembed_DV, preferred_element_type=jnp.float32
     )
+    return logits_BTV.astype(unembed_DV.dtype).astype(jnp.float32)
+
+
+def _chunk_outputs(hidden_BCD, unembed_DV, targets_BC, temperature, logit_softcap, with_stats):
+    logits_BCV = unembed_logits(hidden_BCD, unembed_DV)
     if logit_softcap is not None:
         # Gemma-style final-logit soft-capping, as in TRL's fused head (scale, softcap, temperature).
         logits_BCV = logit_softcap * jnp.tanh(logits_BCV / logit_softcap)
@@ -64,7 +73,8 @@ def token_logprobs(
 ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
     """`log softmax(hidden @ unembed / temperature)[target]` as f32 `[B, T]`, chunked over T.
 
-    Logits accumulate in f32 (`preferred_element_type`) whatever the input dtypes. T need not be
+    Logits are formed as `unembed_logits` does (rounded to the unembedding's dtype), and the
+    softmax is f32 whatever the input dtypes. T need not be
     a multiple of `chunk_size`: it runs as ceil(T / chunk_size) equal chunks of at most
     `chunk_size`, padded by less than one position per chunk. With `with_stats=True` also returns
     `[B, T]` statistics under `stop_gradient`: `argmax` (token ids), `argmax_correct` (bool), `entropy` (nats),
