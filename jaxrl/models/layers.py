@@ -236,8 +236,8 @@ class Embed(nnx.Module):
         return jnp.take(param_value(self.embedding), ids, axis=0).astype(self.dtype)
 
 
-# Activations compute in f32 and round once to the input dtype, as torch's bf16 elementwise
-# kernels do (XLA would otherwise round the bf16 sigmoid inside silu on its own).
+# Activations that are one torch kernel compute in f32 and round once to the input dtype, as
+# torch's bf16 kernels do (XLA would otherwise round the bf16 sigmoid inside silu on its own).
 
 
 def silu(x: jax.Array) -> jax.Array:
@@ -249,8 +249,14 @@ def gelu_exact(x: jax.Array) -> jax.Array:
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:
-    """HF `gelu_new` / `gelu_pytorch_tanh`: the tanh approximation."""
+    """HF `gelu_pytorch_tanh`: torch's tanh-approximate gelu kernel."""
     return jax.nn.gelu(x.astype(jnp.float32), approximate=True).astype(x.dtype)
+
+
+def gelu_new(x: jax.Array) -> jax.Array:
+    """HF `gelu_new` (GPT-2): the tanh approximation written as elementwise ops, each rounded to
+    x's dtype as in HF's `NewGELUActivation` (jax's formula has the same op order)."""
+    return jax.nn.gelu(x, approximate=True)
 
 
 # Module-level functions (not lambdas) keep graphdefs equal and hashable across model instances.
@@ -259,9 +265,9 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "swish": silu,
     "relu": jax.nn.relu,
     "gelu": gelu_exact,
-    "gelu_new": gelu_tanh,
+    "gelu_new": gelu_new,
     "gelu_pytorch_tanh": gelu_tanh,
-    "gelu_fast": gelu_tanh,
+    "gelu_fast": gelu_new,
 }
 
 
