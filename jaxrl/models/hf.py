@@ -321,6 +321,9 @@ def from_pretrained(
 ) -> Model:
     """Load an HF checkpoint directory (or Hub id) into a sharded jaxrl model.
 
+    `dtype="bfloat16"` over f32 params is torch autocast (bf16 matmuls, f32 residual stream);
+    `residual_dtype` overrides the residual dtype (see `config_from_hf`).
+
     For `task="sequence_classification"` from a causal-LM checkpoint the score head is freshly
     initialised (as transformers does), with `num_labels` (default 1). For
     `task="causal_lm_with_value_head"` the value head is read from TRL's `v_head.summary.*` keys
