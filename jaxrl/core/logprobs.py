@@ -28,10 +28,35 @@ def unembed_logits(hidden_BTD: jax.Array, unembed_DV: jax.Array) -> jax.Array:
     cast to that dtype, the f32 accumulation rounded to it, then upcast for the softmax. A bf16
     head gives bf16-rounded logits, as torch autocast's lm_head and TRL's fused LM head tiles
     do; an f32 head gives plain f32 logits."""
-    logits_BTV = jnp.dot(
-        hidden_BTD.astype(unembed_DV.dtype), unembed_DV, preferred_element_type=jnp.float32
-    )
-    return logits_BTV.astype(unembed_DV.dtype).astype(jnp.float32)
+    if unembed_DV.dtype == jnp.float32:
+        return jnp.dot(hidden_BTD, unembed_DV, preferred_element_type=jnp.float32)
+    return _rounded_logits(hidden_BTD, unembed_DV)
+
+
+@jax.custom_vjp
+def _rounded_logits(hidden_BTD, unembed_DV):
+    return _rounded_logits_fwd(hidden_BTD, unembed_DV)[0]
+
+
+def _rounded_logits_fwd(hidden_BTD, unembed_DV):
+    h_BTD = hidden_BTD.astype(unembed_DV.dtype)
+    logits_BTV = jnp.dot(h_BTD, unembed_DV, preferred_element_type=jnp.float32)
+    # A 0-d array carries hidden's dtype to the backward (dtypes are not valid residuals).
+    res = (h_BTD, unembed_DV, jnp.zeros((), hidden_BTD.dtype))
+    return logits_BTV.astype(unembed_DV.dtype).astype(jnp.float32), res
+
+
+def _rounded_logits_bwd(res, g_BTV):
+    # TRL's fused head: the logits gradient is rounded to the head's dtype, then the hidden
+    # gradient accumulates in f32 and reaches the (f32) hidden states unrounded.
+    h_BTD, unembed_DV, hidden_like = res
+    g_BTV = g_BTV.astype(unembed_DV.dtype)
+    dh_BTD = jnp.einsum("...v,dv->...d", g_BTV, unembed_DV, preferred_element_type=jnp.float32)
+    dw_DV = jnp.einsum("...d,...v->dv", h_BTD, g_BTV, preferred_element_type=jnp.float32)
+    return dh_BTD.astype(hidden_like.dtype), dw_DV.astype(unembed_DV.dtype)
+
+
+_rounded_logits.defvjp(_rounded_logits_fwd, _rounded_logits_bwd)
 
 
 def _chunk_outputs(hidden_BCD, unembed_DV, targets_BC, temperature, logit_softcap, with_stats):

@@ -101,6 +101,11 @@ def test_bf16_head_rounds_logits_like_autocast(inputs):
     assert grads[0].dtype == jnp.float32 and grads[1].dtype == jnp.bfloat16
     for a, b in zip(grads, ref_grads, strict=True):
         np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=0.1, rtol=0.05)
+    # As TRL's fused head: the logits gradient is rounded to bf16, the hidden gradient is not.
+    onehot = jax.nn.one_hot(targets, V)
+    g16 = (onehot - jnp.exp(rounded)).astype(jnp.bfloat16).astype(jnp.float32)
+    dh = jnp.einsum("btv,dv->btd", g16, w16.astype(jnp.float32))
+    np.testing.assert_allclose(grads[0], dh, atol=1e-5, rtol=1e-5)
 
 
 def test_never_materialises_full_f32_logits():
