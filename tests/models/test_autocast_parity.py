@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from jaxrl.models import from_pretrained
+from jaxrl.models import config_from_hf, from_pretrained
 from tests.models.conftest import padded_batch, torch_logits
 
 
@@ -45,8 +45,7 @@ def test_bf16_logits_match_torch_autocast(family, hf_causal):
 def test_residual_dtype_follows_torch_promotion(hf_causal):
     """f32 params + bf16 matmuls keep the residual stream f32 (autocast); bf16 params run all in
     bf16 (a bf16-loaded HF model); `residual_dtype` overrides."""
-    path = hf_causal("llama").path
-    ids, right, _ = padded_batch()
+    hf_config = transformers.AutoConfig.from_pretrained(hf_causal("llama").path)
     cases = [
         (dict(dtype=jnp.bfloat16), jnp.float32),
         (dict(param_dtype=jnp.bfloat16), jnp.bfloat16),
@@ -54,7 +53,8 @@ def test_residual_dtype_follows_torch_promotion(hf_causal):
         ({}, jnp.float32),
     ]
     for dtypes, residual in cases:
-        model = from_pretrained(path, **dtypes)
-        assert model.config.residual_dtype == residual
-        h = model.hidden_states(jnp.asarray(ids), jnp.asarray(right))
-        assert h.dtype == residual, (dtypes, h.dtype)
+        assert config_from_hf(hf_config, **dtypes).residual_dtype == residual, dtypes
+    model = from_pretrained(hf_causal("llama").path, dtype=jnp.bfloat16)
+    ids, right, _ = padded_batch()
+    hidden = jax.jit(lambda i, m: model.hidden_states(i, m))(jnp.asarray(ids), jnp.asarray(right))
+    assert hidden.dtype == jnp.float32
