@@ -594,7 +594,8 @@ class TrainingConfig(_ForeignTrainingFields):
 
     @property
     def compute_dtype(self) -> str:
-        """Activation/matmul dtype implied by bf16/fp16 (params stay in `param_dtype`)."""
+        """Matmul dtype implied by bf16/fp16 (autocast: params stay in `param_dtype`, the residual
+        stream in the wider of the two)."""
         return "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
 
     def get_warmup_steps(self, num_training_steps: int) -> int:

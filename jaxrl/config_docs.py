@@ -16,7 +16,7 @@ from jaxrl import config, scripting
 MAPPED = {
     "optim": "HF names map to optax: `adamw_torch*`/`adamw` -> adamw, `sgd`, `adagrad`, "
     "`rmsprop`, `adafactor`, `lion`/`lion_32bit`; 8-bit/paged optimizers are rejected",
-    "bf16": "compute (activation/matmul) dtype bfloat16; params stay in `param_dtype`",
+    "bf16": "torch autocast: bf16 matmuls, f32 residual stream and norms, params in `param_dtype`",
     "fp16": "compute dtype float16 with a dynamic loss scale (GPU only)",
     "gradient_checkpointing": "`jax.checkpoint` per layer; `remat_policy` picks what is saved",
     "activation_checkpointing": "HF v5 name of `gradient_checkpointing` (wins when set)",

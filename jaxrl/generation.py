@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxrl.core.logprobs import unembed_logits
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.kv_cache import Cache, CacheView, cache_shardings, init_cache
 from jaxrl.models.layers import default_positions
@@ -427,7 +428,7 @@ class Sampler:
         view = CacheView(jnp.zeros((), jnp.int32), key_mask_BS, prefill=True)
         h_BPD, cache = model.cached_hidden_states(prompt_ids_BP, positions_BP, cache, view)
         # Left padding: every row's last prompt token sits in the last slot.
-        logits_BV = jnp.dot(h_BPD[:, -1], model.unembed_weight())
+        logits_BV = unembed_logits(h_BPD[:, -1], model.unembed_weight())
         if group_size > 1:
             # One prefill per prompt; its cache rows serve the whole group (rows i*G .. i*G+G-1).
             batch *= group_size
@@ -476,7 +477,8 @@ class Sampler:
             h_B1D, cache = model.cached_hidden_states(
                 last_B1, s.positions_B[:, None], s.cache, view
             )
-            tokens_B, logprobs_B = choose_tokens(h_B1D[:, 0] @ unembed_DV, s.rng, s.step, config)
+            logits_BV = unembed_logits(h_B1D[:, 0], unembed_DV)
+            tokens_B, logprobs_B = choose_tokens(logits_BV, s.rng, s.step, config)
             tokens_B = jnp.where(s.done_B, config.pad_id, tokens_B)
             logprobs_B = jnp.where(s.done_B, 0.0, logprobs_B)
             return s.replace(

@@ -84,13 +84,14 @@ def _jaxrl_losses(algo: str, model: Path, data: Path, out: Path, *flags: str) ->
     return [r["loss"] for r in rows if "loss" in r]
 
 
-# TRL's default precision is bf16 (torch autocast on CPU), which rounds differently from jaxrl's
-# bf16 compute (torch keeps the residual stream in f32 under autocast); in f32 the two agree to
-# float rounding. So: defaults within bf16 noise, and f32 (`bf16=False` on both) within 2e-3.
+# TRL's default precision is bf16: torch autocast (on CPU here), which jaxrl's bf16 follows (f32
+# residual stream, bf16 matmuls and logits). Measured max gaps over the 5 steps: SFT 1.3e-3,
+# reward 1.3e-3, DPO 4e-4 (bf16 gradients round differently); in f32 (`bf16=False` on both)
+# under 1e-6.
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["sft", "reward", "dpo"])
-@pytest.mark.parametrize(("precision", "atol"), [("default", 6e-3), ("f32", 2e-3)])
-def test_cli_defaults_reproduce_trl_losses(tmp_path, algo, precision, atol):
+@pytest.mark.parametrize("precision", ["default", "f32"])
+def test_cli_defaults_reproduce_trl_losses(tmp_path, algo, precision):
     data = _dataset(tmp_path, "sft" if algo == "sft" else "dpo")
     model = _reward_model(tmp_path) if algo == "reward" else MODEL
     f32 = precision == "f32"
@@ -98,5 +99,5 @@ def test_cli_defaults_reproduce_trl_losses(tmp_path, algo, precision, atol):
     flags = ("--bf16", "false") if f32 else ()
     ours = _jaxrl_losses(algo, model, data, tmp_path / "jaxrl", *flags)
     assert len(ours) == len(theirs) == STEPS
-    np.testing.assert_allclose(ours, theirs, atol=atol, rtol=0)
+    np.testing.assert_allclose(ours, theirs, atol=2e-3, rtol=0)
     assert theirs[-1] < theirs[0]  # the five steps do train

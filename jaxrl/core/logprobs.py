@@ -1,7 +1,8 @@
 """Per-token target log-probs from final hidden states, without a full f32 `[B, T, V]` tensor.
 
 The unembedding is applied chunk by chunk along T inside a `lax.scan`, with a hand-written
-backward (`_fused_head`) that recomputes each chunk's logits instead of storing them. Peak
+backward (`_fused_head`; under mixed precision it follows TRL's fused head: bf16-rounded logits,
+a bf16 logits gradient, f32 hidden-state gradient) that recomputes each chunk's logits instead of storing them. Peak
 logits memory is one `[B, chunk_size, V]` f32 block (forward and backward). This is the
 JAX counterpart of TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`), including its
 optional per-token statistics. The caller aligns targets (`shift_targets`): hidden state at
@@ -25,15 +26,54 @@ def shift_targets(input_ids_BT: jax.Array, mask_BT: jax.Array) -> tuple[jax.Arra
     return targets_BT, shifted_mask_BT
 
 
+def unembed_logits(hidden_BTD: jax.Array, unembed_DV: jax.Array) -> jax.Array:
+    """f32 logits `hidden @ unembed` as an LM head in the unembedding's dtype makes them: hidden
+    cast to that dtype, the f32 accumulation rounded to it, then upcast for the softmax. A bf16
+    head gives bf16-rounded logits, as torch autocast's lm_head and TRL's fused LM head tiles
+    do; an f32 head gives plain f32 logits."""
+    if unembed_DV.dtype == jnp.float32:
+        return jnp.dot(hidden_BTD, unembed_DV, preferred_element_type=jnp.float32)
+    return _rounded_logits(hidden_BTD, unembed_DV)
+
+
+@jax.custom_vjp
+def _rounded_logits(hidden_BTD, unembed_DV):
+    return _rounded_logits_fwd(hidden_BTD, unembed_DV)[0]
+
+
+def _rounded_logits_fwd(hidden_BTD, unembed_DV):
+    h_BTD = hidden_BTD.astype(unembed_DV.dtype)
+    logits_BTV = jnp.dot(h_BTD, unembed_DV, preferred_element_type=jnp.float32)
+    # A 0-d array carries hidden's dtype to the backward (dtypes are not valid residuals).
+    res = (h_BTD, unembed_DV, jnp.zeros((), hidden_BTD.dtype))
+    return logits_BTV.astype(unembed_DV.dtype).astype(jnp.float32), res
+
+
+def _rounded_logits_bwd(res, g_BTV):
+    # TRL's fused head: the logits gradient is rounded to the head's dtype, then the hidden
+    # gradient accumulates in f32 and reaches the (f32) hidden states unrounded.
+    h_BTD, unembed_DV, hidden_like = res
+    g_BTV = g_BTV.astype(unembed_DV.dtype)
+    dh_BTD = jnp.einsum("...v,dv->...d", g_BTV, unembed_DV, preferred_element_type=jnp.float32)
+    dw_DV = jnp.einsum("...d,...v->dv", h_BTD, g_BTV, preferred_element_type=jnp.float32)
+    return dh_BTD.astype(hidden_like.dtype), dw_DV.astype(unembed_DV.dtype)
+
+
+_rounded_logits.defvjp(_rounded_logits_fwd, _rounded_logits_bwd)
+
+
 def _logits(hidden_BCD, unembed_DV, temperature, logit_softcap):
     """f32 logits of one chunk: (raw, final). The matmul takes its inputs in the unembedding's
-    dtype (bf16 under mixed precision, as torch autocast's lm_head does) and accumulates in f32."""
+    dtype (bf16 under mixed precision, as torch autocast's lm_head does), accumulates in f32 and
+    is rounded to that dtype (as `unembed_logits`), then upcast for the softmax."""
     raw_BCV = jnp.einsum(
         "bcd,dv->bcv",
         hidden_BCD.astype(unembed_DV.dtype),
         unembed_DV,
         preferred_element_type=jnp.float32,
     )
+    if unembed_DV.dtype != jnp.float32:
+        raw_BCV = raw_BCV.astype(unembed_DV.dtype).astype(jnp.float32)
     logits_BCV = raw_BCV
     if logit_softcap is not None:
         # Gemma-style final-logit soft-capping, as in TRL's fused head (scale, softcap, temperature).

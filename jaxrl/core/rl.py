@@ -15,6 +15,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxrl.core.logprobs import unembed_logits
+
 KL_PENALTIES = ("kl", "abs", "mse", "full")
 _WHITEN_EPS = 1e-8  # TRL's rsqrt(var + 1e-8)
 
@@ -140,13 +142,8 @@ def full_kl_from_hidden(
 
     def body(_, xs):
         h, h_ref = xs
-        lp = jax.nn.log_softmax(
-            jnp.einsum("bcd,dv->bcv", h, unembed_DV, preferred_element_type=jnp.float32), -1
-        )
-        ref_lp = jax.nn.log_softmax(
-            jnp.einsum("bcd,dv->bcv", h_ref, ref_unembed_DV, preferred_element_type=jnp.float32),
-            -1,
-        )
+        lp = jax.nn.log_softmax(unembed_logits(h, unembed_DV), -1)
+        ref_lp = jax.nn.log_softmax(unembed_logits(h_ref, ref_unembed_DV), -1)
         return None, kl_penalty(lp, ref_lp, "full")
 
     _, kl_NBC = jax.lax.scan(body, None, (chunks(hidden_BTD), chunks(ref_hidden_BTD)))

@@ -50,8 +50,13 @@ class ModelConfig:
     sliding_window: int | None = None
     # One flag per layer: does that layer use `sliding_window`?
     sliding_layers: tuple[bool, ...] = ()
+    # Mixed precision follows torch autocast: `dtype` is the matmul dtype (Dense inputs and
+    # outputs, attention, logits), `residual_dtype` that of the embeddings, the residual stream
+    # and the norms. Under autocast (f32 params, bf16 matmuls) HF models keep the residual
+    # stream in f32; residual_dtype == dtype gives all-bf16 activations instead.
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    residual_dtype: Any = jnp.float32
     scan_layers: bool = False
     remat_policy: str = "none"
     # None: the best kernel for the backend (splash on TPU for padding/packing masks, cuDNN on
@@ -179,13 +184,20 @@ def config_from_hf(
     *,
     dtype: Any = None,
     param_dtype: Any = None,
+    residual_dtype: Any = None,
     scan_layers: bool = False,
     remat_policy: str = "none",
     attention_impl: str | None = None,
     mesh: Any = None,
     rules: Any = None,
 ) -> ModelConfig:
-    """Our `ModelConfig` from a transformers config; clear error for unsupported families."""
+    """Our `ModelConfig` from a transformers config; clear error for unsupported families.
+
+    `dtype` (default: `param_dtype`) is the matmul dtype. `residual_dtype` defaults to the wider
+    of `param_dtype` and `dtype`, torch autocast's semantics: f32 params with bf16 matmuls keep
+    the residual stream, norms and embeddings in f32; bf16 params run everything in bf16. Pass
+    `residual_dtype=dtype` for all-bf16 activations over f32 params (less activation memory,
+    not what PyTorch/TRL compute)."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -194,10 +206,12 @@ def config_from_hf(
         )
     fields = _gpt2(hf_config) if model_type == "gpt2" else _llama_family(hf_config)
     param_dtype = jnp.dtype(param_dtype or jnp.float32)
+    dtype = jnp.dtype(dtype or param_dtype)
     return ModelConfig(
         **fields,
-        dtype=jnp.dtype(dtype or param_dtype),
+        dtype=dtype,
         param_dtype=param_dtype,
+        residual_dtype=jnp.dtype(residual_dtype or jnp.promote_types(param_dtype, dtype)),
         scan_layers=scan_layers,
         remat_policy=remat_policy,
         attention_impl=attention_impl,

@@ -194,4 +194,5 @@ class GPT2ForCausalLM(nnx.Module):
         segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         h_BTD = self.hidden_states(input_ids_BT, attention_mask, positions, segment_ids)
-        return jnp.dot(h_BTD, self.unembed_weight())
+        # The LM head is a compute-dtype matmul (bf16 logits under autocast).
+        return jnp.dot(h_BTD.astype(self.config.dtype), self.unembed_weight())

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.core.logprobs import token_logprobs
+from jaxrl.core.logprobs import token_logprobs, unembed_logits
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.gpt2 import GPT2ForCausalLM, GPT2Model
 from jaxrl.models.layers import Dense, param_value
@@ -215,9 +215,7 @@ class CausalLMWithValueHead(nnx.Module):
         dropout_rng: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         h_BTD = self.hidden_states(input_ids_BT, attention_mask, positions)
-        logits_BTV = jnp.einsum(
-            "btd,dv->btv", h_BTD, self.unembed_weight(), preferred_element_type=jnp.float32
-        )
+        logits_BTV = unembed_logits(h_BTD, self.unembed_weight())
         return logits_BTV, self.v_head(h_BTD, dropout_rng)
 
     def token_logprobs_and_values(

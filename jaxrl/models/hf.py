@@ -119,6 +119,7 @@ def from_config(
     seed: int = 0,
     dtype: Any = None,
     param_dtype: Any = None,
+    residual_dtype: Any = None,
     mesh: Mesh | None = None,
     rules: parallel.Rules | None = None,
     scan_layers: bool = False,
@@ -136,6 +137,7 @@ def from_config(
         _prepare_hf_config(hf_config, task, labels),
         dtype=dtype,
         param_dtype=param_dtype,
+        residual_dtype=residual_dtype,
         scan_layers=scan_layers,
         remat_policy=remat_policy,
         attention_impl=attention_impl,
@@ -307,6 +309,7 @@ def from_pretrained(
     *,
     dtype: Any = None,
     param_dtype: Any = None,
+    residual_dtype: Any = None,
     mesh: Mesh | None = None,
     rules: parallel.Rules | None = None,
     scan_layers: bool = False,
@@ -317,6 +320,9 @@ def from_pretrained(
     value_head_kwargs: dict[str, Any] | None = None,
 ) -> Model:
     """Load an HF checkpoint directory (or Hub id) into a sharded jaxrl model.
+
+    `dtype="bfloat16"` over f32 params is torch autocast (bf16 matmuls, f32 residual stream);
+    `residual_dtype` overrides the residual dtype (see `config_from_hf`).
 
     For `task="sequence_classification"` from a causal-LM checkpoint the score head is freshly
     initialised (as transformers does), with `num_labels` (default 1). For
@@ -345,6 +351,7 @@ def from_pretrained(
         _prepare_hf_config(hf_config, task, labels),
         dtype=dtype,
         param_dtype=param_dtype,
+        residual_dtype=residual_dtype,
         scan_layers=scan_layers,
         remat_policy=remat_policy,
         attention_impl=attention_impl,

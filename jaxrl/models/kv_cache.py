@@ -101,7 +101,9 @@ def cached_attention(
     sliding: bool | jax.Array,
     config: ModelConfig,
 ) -> tuple[jax.Array, KVCache]:
-    """Write the new keys/values at `view.index`, then attend (causal, GQA, sliding window)."""
+    """Write the new keys/values at `view.index`, then attend (causal, GQA, sliding window).
+    Attention runs in the compute dtype (the cache's), as `dot_product_attention`."""
+    q_BTNH = q_BTNH.astype(config.dtype)
     k_BKSH = jax.lax.dynamic_update_slice_in_dim(
         cache.k, k_BTKH.swapaxes(1, 2).astype(cache.k.dtype), view.index, axis=2
     )

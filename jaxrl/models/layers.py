@@ -97,40 +97,52 @@ class Dense(nnx.Module):
         kernel = param_value(self.kernel, self.dtype)
         n_batch = x.ndim - self.n_in
         x = x.astype(self.dtype)
+        # With a bias, the product stays f32 until the bias is added, then is rounded once to the
+        # compute dtype: torch's addmm (nn.Linear / Conv1D under autocast) rounds only its result.
+        acc_dtype = self.dtype if self.bias is None else jnp.promote_types(self.dtype, jnp.float32)
         if jax.default_backend() == "cpu":
             # As [M, in] @ [in, out] with a backward of standard-layout matmuls (`matmul_2d`).
             out_shape = kernel.shape[self.n_in :]
             y = matmul_2d(
                 x.reshape(math.prod(x.shape[:n_batch]), -1),
                 kernel.reshape(math.prod(kernel.shape[: self.n_in]), -1),
+                acc_dtype,
             ).reshape(*x.shape[:n_batch], *out_shape)
         else:
             in_dims = tuple(range(n_batch, x.ndim))
-            y = jax.lax.dot_general(x, kernel, ((in_dims, tuple(range(self.n_in))), ((), ())))
+            y = jax.lax.dot_general(
+                x,
+                kernel,
+                ((in_dims, tuple(range(self.n_in))), ((), ())),
+                preferred_element_type=acc_dtype,
+            )
         if self.bias is not None:
-            y = y + param_value(self.bias, self.dtype)
+            y = (y + param_value(self.bias, self.dtype)).astype(self.dtype)
         return y
 
 
-@jax.custom_vjp
-def matmul_2d(x_MI: jax.Array, w_IO: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def matmul_2d(x_MI: jax.Array, w_IO: jax.Array, out_dtype: Any) -> jax.Array:
     """`x @ w` whose backward runs as two matmuls in standard [M, K] @ [K, N] layout.
 
     Autodiff's weight gradient `x^T @ dy` contracts the rows of both operands; XLA:CPU runs that
     as a generic dot (~3x slower per FLOP than its fused matmuls here) after transposing copies
     of the activation gradients. Transposing x once and keeping it transposed (the
     optimization barrier stops XLA folding the transpose back into the dot) turns it into the
-    fast kind. Used on CPU only; other backends handle every layout natively.
+    fast kind. Used on CPU only; other backends handle every layout natively. The product is
+    accumulated in f32 and returned in `out_dtype`.
     """
-    return x_MI @ w_IO
+    return _matmul_2d_fwd(x_MI, w_IO, out_dtype)[0]
 
 
-def _matmul_2d_fwd(x_MI, w_IO):
-    return x_MI @ w_IO, (x_MI, w_IO)
+def _matmul_2d_fwd(x_MI, w_IO, out_dtype):
+    return jnp.matmul(x_MI, w_IO, preferred_element_type=out_dtype), (x_MI, w_IO)
 
 
-def _matmul_2d_bwd(res, dy_MO):
+def _matmul_2d_bwd(out_dtype, res, dy_MO):
     x_MI, w_IO = res
+    # The cotangent arrives in `out_dtype`; the input gradients are in the inputs' dtypes.
+    dy_MO = dy_MO.astype(x_MI.dtype)
     x_IM = jax.lax.optimization_barrier(x_MI.T)
     return dy_MO @ w_IO.T, x_IM @ dy_MO
 
@@ -139,11 +151,12 @@ matmul_2d.defvjp(_matmul_2d_fwd, _matmul_2d_bwd)
 
 
 class RMSNorm(nnx.Module):
-    """Llama RMSNorm: statistics in f32, then scale in the compute dtype."""
+    """Llama RMSNorm: statistics in f32, normalised back in x's dtype, then times the scale in
+    the residual dtype (HF: `weight * x_hat.to(input_dtype)`; f32 under autocast)."""
 
     def __init__(self, dim: int, eps: float, config: ModelConfig, axis_name: str = "norm"):
         self.eps = eps
-        self.dtype = config.dtype
+        self.dtype = config.residual_dtype
         self.scale = make_param(
             None, jax.nn.initializers.ones, (dim,), (axis_name,), config.param_dtype
         )
@@ -154,7 +167,8 @@ class RMSNorm(nnx.Module):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: Any) -> jax.Array:
-    """`x / rms(x) * scale` with f32 statistics (HF LlamaRMSNorm numerics).
+    """`x / rms(x) * scale` with f32 statistics (HF LlamaRMSNorm numerics): `x / rms(x)` is
+    rounded to x's dtype, the scale cast to `dtype`; the result has the wider of the two.
 
     A hand-written backward: autodiff's version of the f32 round trip costs several extra
     passes over the activations (measured ~10% of a small model's backward on XLA:CPU).
@@ -167,7 +181,7 @@ def _rms_norm_fwd(x, scale, eps, dtype):
     r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     xhat = x32 * r
     # A 0-d array carries x's dtype to the backward (dtypes are not valid residuals).
-    return xhat.astype(dtype) * scale.astype(dtype), (xhat, r, scale, jnp.zeros((), x.dtype))
+    return xhat.astype(x.dtype) * scale.astype(dtype), (xhat, r, scale, jnp.zeros((), x.dtype))
 
 
 def _rms_norm_bwd(eps, dtype, res, dy):
@@ -182,11 +196,12 @@ rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 class LayerNorm(nnx.Module):
-    """LayerNorm with bias (GPT-2): statistics in f32."""
+    """LayerNorm with bias (GPT-2): statistics in f32, output in the residual dtype (f32 under
+    autocast, where torch's layer_norm sees the f32 residual stream)."""
 
     def __init__(self, dim: int, eps: float, config: ModelConfig):
         self.eps = eps
-        self.dtype = config.dtype
+        self.dtype = config.residual_dtype
         self.scale = make_param(
             None, jax.nn.initializers.ones, (dim,), ("norm",), config.param_dtype
         )
@@ -205,10 +220,10 @@ class LayerNorm(nnx.Module):
 
 
 class Embed(nnx.Module):
-    """Token (or position) embedding table [num, D]; `attend` gives the tied unembedding."""
+    """Token (or position) embedding table [num, D]; rows come out in the residual dtype."""
 
     def __init__(self, num: int, dim: int, axis: str, config: ModelConfig, rngs: nnx.Rngs):
-        self.dtype = config.dtype
+        self.dtype = config.residual_dtype
         self.embedding = make_param(
             rngs,
             normal_init(config.initializer_range),
@@ -221,24 +236,38 @@ class Embed(nnx.Module):
         return jnp.take(param_value(self.embedding), ids, axis=0).astype(self.dtype)
 
 
+# Activations that are one torch kernel compute in f32 and round once to the input dtype, as
+# torch's bf16 kernels do (XLA would otherwise round the bf16 sigmoid inside silu on its own).
+
+
+def silu(x: jax.Array) -> jax.Array:
+    return jax.nn.silu(x.astype(jnp.float32)).astype(x.dtype)
+
+
 def gelu_exact(x: jax.Array) -> jax.Array:
-    return jax.nn.gelu(x, approximate=False)
+    return jax.nn.gelu(x.astype(jnp.float32), approximate=False).astype(x.dtype)
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:
-    """HF `gelu_new` / `gelu_pytorch_tanh`: the tanh approximation."""
+    """HF `gelu_pytorch_tanh`: torch's tanh-approximate gelu kernel."""
+    return jax.nn.gelu(x.astype(jnp.float32), approximate=True).astype(x.dtype)
+
+
+def gelu_new(x: jax.Array) -> jax.Array:
+    """HF `gelu_new` (GPT-2): the tanh approximation written as elementwise ops, each rounded to
+    x's dtype as in HF's `NewGELUActivation` (jax's formula has the same op order)."""
     return jax.nn.gelu(x, approximate=True)
 
 
 # Module-level functions (not lambdas) keep graphdefs equal and hashable across model instances.
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
+    "silu": silu,
+    "swish": silu,
     "relu": jax.nn.relu,
     "gelu": gelu_exact,
-    "gelu_new": gelu_tanh,
+    "gelu_new": gelu_new,
     "gelu_pytorch_tanh": gelu_tanh,
-    "gelu_fast": gelu_tanh,
+    "gelu_fast": gelu_new,
 }
 
 
@@ -378,8 +407,10 @@ def dot_product_attention(
     `config.attention_impl` and the backend (`jaxrl.models.attention`).
 
     `sliding` is a Python bool (static window) or a traced bool (scanned stacks whose layers
-    mix full and sliding attention): then the window is folded into the mask.
+    mix full and sliding attention): then the window is folded into the mask. q, k and v are
+    cast to the compute dtype (as SDPA under autocast: rope/qk-norm may leave them f32).
     """
+    q_BTNH, k_BSKH, v_BSKH = (x.astype(config.dtype) for x in (q_BTNH, k_BSKH, v_BSKH))
     window = config.sliding_window
     static_window = None
     if isinstance(sliding, bool):

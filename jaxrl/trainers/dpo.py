@@ -24,7 +24,7 @@ from flax import nnx
 from jaxrl import lora, parallel
 from jaxrl.config import DPOConfig
 from jaxrl.core import quant
-from jaxrl.core.logprobs import token_logprobs
+from jaxrl.core.logprobs import token_logprobs, unembed_logits
 from jaxrl.data.collate import (
     collate_preference,
     collate_preference_shared,
@@ -99,7 +99,7 @@ def shared_rows_predictions(model, mb: dict) -> tuple[jax.Array, jax.Array]:
     completion). A rejected row reads slot `j` for its prompt and `j + len(chosen)` after it."""
     branch_BT = mb["branch_ids"]
     h_BTD = model.hidden_states(mb["input_ids"], prefix_tree_mask(branch_BT), mb["positions"], None)
-    logits_BTV = jnp.dot(h_BTD, model.unembed_weight(), preferred_element_type=jnp.float32)
+    logits_BTV = unembed_logits(h_BTD, model.unembed_weight())
     p_B1, c_B1, r_B1 = (jnp.sum(branch_BT == k, axis=1, keepdims=True) for k in (1, 2, 3))
     j_BT = jnp.broadcast_to(jnp.arange(branch_BT.shape[1]), branch_BT.shape)
     src_BT = jnp.minimum(jnp.where(j_BT < p_B1, j_BT, j_BT + c_B1), branch_BT.shape[1] - 1)

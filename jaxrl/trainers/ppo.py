@@ -51,7 +51,7 @@ from flax import nnx
 
 from jaxrl import lora
 from jaxrl.core import rl
-from jaxrl.core.logprobs import token_logprobs
+from jaxrl.core.logprobs import token_logprobs, unembed_logits
 from jaxrl.core.onpolicy import (
     UPDATE_SCALARS,
     make_ppo_loss_fn,
@@ -898,9 +898,7 @@ class PPOTrainer(TrainLoop):
             logits = None
             if return_logits:
                 h = lm.hidden_states(ids, attn)[:, :-1]
-                logits = jnp.einsum(
-                    "btd,dv->btv", h, lm.unembed_weight(), preferred_element_type=jnp.float32
-                )
+                logits = unembed_logits(h, lm.unembed_weight())
             return logps, logits, values
 
         logps, logits, values = run(state, ids, attn)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config import SFTConfig
-from jaxrl.core.logprobs import token_logprobs
+from jaxrl.core.logprobs import token_logprobs, unembed_logits
 from jaxrl.data.collate import collate_sft
 from jaxrl.data.sft import prepare_sft_dataset
 from jaxrl.losses.sft import entropy, mean_token_accuracy, sft_loss_sum
@@ -39,7 +39,7 @@ def full_logits(model, mb: dict) -> jnp.ndarray:
     h_BTD = model.hidden_states(
         mb["input_ids"], mb["attention_mask"], mb["positions"], mb["segment_ids"]
     )
-    return jnp.dot(h_BTD, model.unembed_weight(), preferred_element_type=jnp.float32)
+    return unembed_logits(h_BTD, model.unembed_weight())
 
 
 def example_weighted_mask(mb: dict) -> jnp.ndarray:

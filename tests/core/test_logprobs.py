@@ -90,22 +90,34 @@ def test_temperature_and_softcap(inputs):
     )
 
 
-def test_bf16_inputs_accumulate_in_f32(inputs):
+def test_bf16_head_rounds_logits_like_autocast(inputs):
+    """A bf16 unembedding is a bf16 LM head (torch autocast, TRL's fused head): f32 hidden states
+    are cast to bf16 and the logits rounded to bf16 before the f32 softmax."""
     hidden, unembed, targets = inputs
-    h16, w16 = hidden.astype(jnp.bfloat16), unembed.astype(jnp.bfloat16)
-    logps = token_logprobs(h16, w16, targets, chunk_size=4)
+    w16 = unembed.astype(jnp.bfloat16)
+    logps = token_logprobs(hidden, w16, targets, chunk_size=4)
     assert logps.dtype == jnp.float32
-    # Same bf16-rounded operands, exact f32 reference: only accumulation order differs.
-    np.testing.assert_allclose(logps, naive(h16, w16, targets)[0], atol=1e-4, rtol=1e-4)
+    h16 = hidden.astype(jnp.bfloat16).astype(jnp.float32)
+    logits = jnp.einsum("btd,dv->btv", h16, w16.astype(jnp.float32))
+    rounded = jax.nn.log_softmax(logits.astype(jnp.bfloat16).astype(jnp.float32), axis=-1)
+    want = jnp.take_along_axis(rounded, targets[..., None], -1)[..., 0]
+    np.testing.assert_allclose(logps, want, atol=1e-5, rtol=1e-5)
+    unrounded = naive(h16, w16, targets)[0]
+    assert float(jnp.max(jnp.abs(logps - unrounded))) > 1e-3  # the rounding is really there
     grads = jax.grad(
         lambda h, w: token_logprobs(h, w, targets, chunk_size=4).sum(), argnums=(0, 1)
-    )(h16, w16)
+    )(hidden, w16)
     ref_grads = jax.grad(lambda h, w: naive(h, w, targets)[0].sum(), argnums=(0, 1))(
         hidden, unembed
     )
-    assert grads[0].dtype == jnp.bfloat16
+    assert grads[0].dtype == jnp.float32 and grads[1].dtype == jnp.bfloat16
     for a, b in zip(grads, ref_grads, strict=True):
         np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=0.1, rtol=0.05)
+    # As TRL's fused head: the logits gradient is rounded to bf16, the hidden gradient is not.
+    onehot = jax.nn.one_hot(targets, V)
+    g16 = (onehot - jnp.exp(rounded)).astype(jnp.bfloat16).astype(jnp.float32)
+    dh = jnp.einsum("btv,dv->btd", g16, w16.astype(jnp.float32))
+    np.testing.assert_allclose(grads[0], dh, atol=1e-5, rtol=1e-5)
 
 
 def test_never_materialises_full_f32_logits():

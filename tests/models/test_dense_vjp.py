@@ -63,7 +63,7 @@ def test_matmul_2d_backward_is_standard_layout_matmuls():
         hlo = grad.lower(x, w).compile().as_text()
         return [line for line in hlo.splitlines() if " dot(" in line]
 
-    ours = dots(matmul_2d)
+    ours = dots(lambda x, w: matmul_2d(x, w, jnp.float32))
     assert len(ours) == 3, ours  # forward, dx, dw
     assert all("lhs_contracting_dims={1}" in line for line in ours), ours
     assert any("lhs_contracting_dims={0}" in line for line in dots(jnp.matmul))
