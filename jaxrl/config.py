@@ -281,6 +281,11 @@ class TrainingConfig(_ForeignTrainingFields):
     # rounded up to a multiple of this (e.g. 128 on TPU); None = the longest example exactly.
     pad_to_multiple_of: int | None = None
     param_dtype: str = "float32"
+    # jaxrl: dtype of the embeddings, residual stream and norms. None = torch autocast's (the
+    # wider of param_dtype and the bf16/fp16 compute dtype: f32 under bf16=True, which is what
+    # reproduces TRL's losses); "bfloat16" with bf16=True runs every activation in bf16 (less
+    # activation memory and bandwidth on accelerators, not TRL's numbers).
+    residual_dtype: str | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.output_dir), "`output_dir` must be a non-empty path.")
@@ -527,6 +532,8 @@ class TrainingConfig(_ForeignTrainingFields):
         TRL's scripts fill `model_init_kwargs` after the config is built, so trainers call this
         again at construction."""
         _check_choice("param_dtype", self.param_dtype, DTYPES)
+        if self.residual_dtype is not None:
+            _check_choice("residual_dtype", self.residual_dtype, DTYPES)
         _check(
             not self.trust_remote_code,
             "`trust_remote_code=True` is not supported: jaxrl runs its own JAX implementation of "

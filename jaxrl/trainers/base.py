@@ -140,6 +140,7 @@ class Trainer(TrainLoop):
         kw = dict(
             dtype=self.compute_dtype,
             param_dtype=self._param_dtype(),
+            residual_dtype=a.residual_dtype,
             mesh=self.mesh,
             rules=self.rules,
             scan_layers=a.scan_layers,

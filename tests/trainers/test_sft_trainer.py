@@ -4,6 +4,7 @@ recompilation, packing isolation, NaN stop, optimizers and evaluation."""
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -11,6 +12,7 @@ from trainer_utils import base_args, tiny_config, train_logs
 
 from jaxrl import SFTConfig, SFTTrainer
 from jaxrl.checkpoint import Checkpointer
+from jaxrl.config import ConfigError
 from jaxrl.trainers import EvalPrediction
 
 # Golden one-step numbers of the tiny config (seed 0, f32, 8 examples). If a deliberate change
@@ -202,6 +204,17 @@ def test_scan_layers_default_follows_the_backend(
     assert trainer.args.scan_layers is scanned and trainer.model.config.scan_layers is scanned
     explicit = make(tmp_path / "explicit", tokenizer, sft_data[0], scan_layers=not scanned)
     assert explicit.model.config.scan_layers is (not scanned)
+
+
+def test_residual_dtype(tmp_path, tokenizer, sft_data):
+    """bf16=True keeps torch autocast's f32 residual stream; residual_dtype="bfloat16" asks for
+    bf16 activations throughout (a different loss, same model)."""
+    autocast = make(tmp_path / "a", tokenizer, sft_data[0], bf16=True)
+    assert autocast.model.config.residual_dtype == jnp.float32
+    all_bf16 = make(tmp_path / "b", tokenizer, sft_data[0], bf16=True, residual_dtype="bfloat16")
+    assert all_bf16.model.config.residual_dtype == jnp.bfloat16
+    with pytest.raises(ConfigError, match="residual_dtype"):
+        SFTConfig(**base_args(tmp_path, residual_dtype="int8"))
 
 
 def test_fp16_on_cpu_is_a_clear_error(tmp_path, tokenizer, sft_data):
