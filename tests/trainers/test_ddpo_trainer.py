@@ -346,6 +346,7 @@ def test_full_finetune_trains_unet_params(sd_path, tmp_path):
 def test_cli_reward_rises(tmp_path):
     env = {**os.environ, "JAXRL_CACHE": str(tmp_path / "cache")}
     cmd = [sys.executable, "-m", "jaxrl.train", "--algo", "ddpo", "--logdir", str(tmp_path)]
+    cmd += ["--mesh_fsdp", "1"]  # one device: 8 fake CPU devices on 2 cores only slow it down
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
