@@ -242,6 +242,7 @@ def _metric_rows(run_dir):
     return [json.loads(x) for x in lines if "train_runtime" not in x]
 
 
+@pytest.mark.slow  # end to end: full training runs
 def test_resume_is_exact_and_lora_trains_only_adapters(sd_path, tmp_path):
     """Killed after epoch 1 and resumed == uninterrupted, bit for bit (metrics.jsonl), with
     per-prompt stat tracking (host state in the checkpoint) and async rewards."""
@@ -286,6 +287,7 @@ def brightness(images, prompts, metadata):
     return images.mean(axis=(1, 2, 3)), {}
 
 
+@pytest.mark.slow  # end to end: full training runs
 def test_mesh_equals_one_device(sd_path, tmp_path):
     """One epoch data parallel over prompts and FSDP/tensor over the UNet on a (2, 2, 2) mesh
     == the same epoch on one device: rewards, the updates' metrics and the updated params, over
