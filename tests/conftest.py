@@ -7,6 +7,12 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"]
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+# The tests' programs are tiny, so compiling them costs far more than running them: LLVM at -O0
+# halves XLA's CPU compile times. Results can differ from -O2 code in the last bits (e.g. the
+# order of a vectorised sum), inside every tolerance here; bit-exact checks compare two runs
+# under the same flags. CLI subprocesses inherit it (`xla_flags.with_devices` keeps it).
+if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -21,3 +27,9 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests first (otherwise in collection order): under xdist the long end-to-end runs
+    start early instead of leaving one worker busy with them after the other has finished."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -4,6 +4,7 @@ import os
 from pathlib import Path
 
 import pytest
+from xla_flags import with_devices
 
 nbclient = pytest.importorskip("nbclient")
 nbformat = pytest.importorskip("nbformat")
@@ -29,7 +30,7 @@ def test_notebook_runs_top_to_bottom_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXRL_NOTEBOOK_SMALL", "1")
     monkeypatch.setenv("JAXRL_NOTEBOOK_OUT", str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    monkeypatch.setenv("XLA_FLAGS", with_devices(2))
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(
         notebook,

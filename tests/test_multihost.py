@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from xla_flags import with_devices
 
 from jaxrl.checkpoint import Checkpointer
 
@@ -44,7 +45,7 @@ def launch(out: Path, flags: list[str], processes: int) -> list[subprocess.Popen
         env = dict(
             os.environ,
             PYTHONPATH=str(ROOT),
-            XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes}",
+            XLA_FLAGS=with_devices(8 // processes),
         )
         if processes > 1:
             env.update(

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from xla_flags import with_devices
 
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.train import main
@@ -37,7 +38,7 @@ FAST = [
 
 
 def cli(out: Path, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, XLA_FLAGS=with_devices(2))
     return subprocess.Popen(
         [sys.executable, "-m", "jaxrl.train", *FAST, "--output_dir", str(out), *extra],
         env=env,

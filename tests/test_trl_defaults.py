@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from xla_flags import with_devices
 
 from jaxrl.data import task
 
@@ -70,7 +71,7 @@ def _trl_losses(algo: str, model: Path, data: Path, out: Path, bf16: bool | None
 
 def _jaxrl_losses(algo: str, model: Path, data: Path, out: Path, *flags: str) -> list[float]:
     # One CPU device, as TRL's single process: the same per-device batch is the same batch.
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, XLA_FLAGS=with_devices(1))
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [
         sys.executable, "-m", "jaxrl.train", "--algo", algo,

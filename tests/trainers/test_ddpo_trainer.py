@@ -3,6 +3,7 @@ the pure pieces, advantages, async rewards, resume, LoRA-only training, config c
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -22,7 +23,7 @@ from jaxrl.models.diffusion import jpeg_compressibility
 from jaxrl.models.diffusion.ddim import transition_log_prob
 from jaxrl.models.diffusion.lora import LoRAParam
 from jaxrl.models.diffusion.tiny import TINY_PROMPTS, tiny_pipeline
-from jaxrl.trainers.ddpo import DDPOTrainer
+from jaxrl.trainers.ddpo import SAMPLE_KEYS, DDPOTrainer
 from jaxrl.trainers.ddpo_config import DDPOConfig
 
 SMALL = dict(
@@ -33,6 +34,9 @@ SMALL = dict(
     train_batch_size=2,
     train_learning_rate=1e-2,
     mixed_precision="no",
+    # One device: 8 fake CPU devices on 2 cores only slow these down; the sharded trainer is
+    # checked against one device in test_mesh_equals_one_device.
+    mesh_fsdp=1,
 )
 
 
@@ -80,33 +84,44 @@ def test_config_checks():
     assert DDPOConfig(sample_num_steps=10, train_timestep_fraction=0.25).num_train_timesteps == 2
 
 
-def _hand_metrics(tr, params, rest, batch):
-    """Mean over all (timestep) micro-steps of ddpo_loss on `batch` with `params`, and grads."""
+@functools.partial(jax.jit, static_argnums=0)
+def _hand_timestep(tr, params, rest, mb):
+    """(loss, ddpo_loss outputs) and grads of one timestep's micro-step on the batch `mb`."""
     c = tr.config
-    unet_def = tr._unet_def
 
     def loss(p):
-        unet = nnx.merge(unet_def, p, rest)
-        outs = []
-        for j in range(c.sample_num_steps):
-            logp = transition_log_prob(
-                lambda x, t, ctx: unet(x, t, ctx),
+        out = ddpo_loss(
+            transition_log_prob(
+                lambda x, t, ctx: nnx.merge(tr._unet_def, p, rest)(x, t, ctx),
                 tr.scheduler,
                 c.sample_num_steps,
-                batch["latents"][:, j],
-                batch["timesteps"][:, j],
-                batch["next_latents"][:, j],
-                batch["prompt_embeds"],
-                batch["negative_prompt_embeds"],
+                mb["latents"],
+                mb["timesteps"],
+                mb["next_latents"],
+                mb["prompt_embeds"],
+                mb["negative_prompt_embeds"],
                 guidance_scale=c.sample_guidance_scale,
                 eta=c.sample_eta,
-            )
-            outs.append(ddpo_loss(logp, batch["log_probs"][:, j], batch["advantages"]))
-        m = {k: jnp.mean(jnp.stack([getattr(o, k) for o in outs])) for k in outs[0]._fields}
-        return m["loss"], m
+            ),
+            mb["log_probs"],
+            mb["advantages"],
+        )
+        return out.loss, out._asdict()
 
-    (_, m), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-    return m, g
+    return jax.value_and_grad(loss, has_aux=True)(params)
+
+
+def _hand_metrics(tr, params, rest, batch):
+    """Mean over all (timestep) micro-steps of ddpo_loss on `batch` with `params`, and the mean
+    gradient (one compiled timestep program for every call)."""
+    metrics, grads = [], []
+    for j in range(tr.config.sample_num_steps):
+        step_j = {k: (v[:, j] if k in SAMPLE_KEYS else v) for k, v in batch.items()}
+        (_, m), g = _hand_timestep(tr, params, rest, step_j)
+        metrics.append(m)
+        grads.append(g)
+    mean = {k: jnp.mean(jnp.stack([m[k] for m in metrics])) for k in metrics[0]}
+    return mean, jax.tree.map(lambda *g: sum(g) / len(g), *grads)
 
 
 def test_step_metrics_equal_hand_computation(sd_path, tmp_path):
@@ -197,17 +212,12 @@ def test_async_rewards_equal_sync(sd_path, tmp_path):
         threads.append(threading.current_thread().name)
         return jpeg_compressibility(images, prompts, metadata)
 
-    sync = make(sd_path, tmp_path / "s", reward, num_epochs=1, sample_num_batches_per_epoch=2)
+    # Two batches of 2: the same 4 samples per epoch (and update program) as SMALL.
+    kw = dict(num_epochs=1, sample_batch_size=2, sample_num_batches_per_epoch=2)
+    sync = make(sd_path, tmp_path / "s", reward, **kw)
     m_sync = sync.step(0, 0)
     n_sync = len(threads)
-    asy = make(
-        sd_path,
-        tmp_path / "a",
-        reward,
-        num_epochs=1,
-        sample_num_batches_per_epoch=2,
-        async_reward_computation=True,
-    )
+    asy = make(sd_path, tmp_path / "a", reward, **kw, async_reward_computation=True)
     m_async = asy.step(0, 0)
     assert all(t == "MainThread" for t in threads[:n_sync])
     assert all(t != "MainThread" for t in threads[n_sync:]) and len(threads) == 2 * n_sync
@@ -232,6 +242,7 @@ def _metric_rows(run_dir):
     return [json.loads(x) for x in lines if "train_runtime" not in x]
 
 
+@pytest.mark.slow  # end to end: full training runs
 def test_resume_is_exact_and_lora_trains_only_adapters(sd_path, tmp_path):
     """Killed after epoch 1 and resumed == uninterrupted, bit for bit (metrics.jsonl), with
     per-prompt stat tracking (host state in the checkpoint) and async rewards."""
@@ -276,6 +287,7 @@ def brightness(images, prompts, metadata):
     return images.mean(axis=(1, 2, 3)), {}
 
 
+@pytest.mark.slow  # end to end: full training runs
 def test_mesh_equals_one_device(sd_path, tmp_path):
     """One epoch data parallel over prompts and FSDP/tensor over the UNet on a (2, 2, 2) mesh
     == the same epoch on one device: rewards, the updates' metrics and the updated params, over
@@ -336,6 +348,7 @@ def test_full_finetune_trains_unet_params(sd_path, tmp_path):
 def test_cli_reward_rises(tmp_path):
     env = {**os.environ, "JAXRL_CACHE": str(tmp_path / "cache")}
     cmd = [sys.executable, "-m", "jaxrl.train", "--algo", "ddpo", "--logdir", str(tmp_path)]
+    cmd += ["--mesh_fsdp", "1"]  # one device: 8 fake CPU devices on 2 cores only slow it down
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

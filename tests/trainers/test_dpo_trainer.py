@@ -347,6 +347,7 @@ def test_same_metrics_with_accumulation_and_on_a_2x2x2_mesh(
                 np.testing.assert_allclose(o[key], b[key], rtol=5e-5, atol=1e-7, err_msg=key)
 
 
+@pytest.mark.slow  # end to end: full training runs
 def test_prefix_sharing_same_metrics_as_two_rows(tmp_path, tokenizer, hf_model_dir, pref_data):
     """One prefix-shared row per pair gives the two-row layout's train and eval metrics and
     compute_metrics predictions, also on a 2x2x2 mesh; rows are shorter. (RPO's `sft` term is

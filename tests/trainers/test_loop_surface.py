@@ -68,6 +68,7 @@ def _eval_losses(trainer) -> dict[int, float]:
     return {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
 
 
+@pytest.mark.slow  # end to end: full training runs
 def test_save_strategy_best_and_load_best_model_at_end(tmp_path, tokenizer, sft_data):
     # greater_is_better=True on eval_loss makes the first evaluation the best one (training
     # lowers the held-out loss), so the best model is not the last one.

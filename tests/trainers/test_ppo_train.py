@@ -159,6 +159,7 @@ def _step_logs(path) -> dict[int, dict]:
     }
 
 
+@pytest.mark.slow  # end to end: full training runs
 def test_train_callable_reward_and_exact_resume(hf_model_dir, tmp_path):
     full = tmp_path / "full"
     trainer = _train(hf_model_dir, full, max_steps=4)

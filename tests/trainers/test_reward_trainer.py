@@ -8,6 +8,7 @@ from trainer_utils import base_args, train_logs
 from jaxrl import RewardConfig, RewardTrainer
 
 
+@pytest.mark.slow  # end to end: full training runs
 def test_reward_trains_and_exports(tmp_path, tokenizer, hf_model_dir, pref_data):
     import torch
     from transformers import AutoModelForSequenceClassification

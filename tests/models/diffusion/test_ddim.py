@@ -90,7 +90,9 @@ def test_step_log_prob_and_mean_match_trl(case):
     drawn = ddim_step_with_logprob(*args, case["eta"], noise=np.zeros_like(INPUTS["sample"]))
     np.testing.assert_allclose(drawn.prev_sample, case["prev_sample_mean"], atol=1e-5)
     peak = -np.log(np.asarray(drawn.std_dev)) - 0.5 * np.log(2 * np.pi)
-    np.testing.assert_allclose(drawn.log_prob, peak, rtol=1e-6)
+    # rtol: float32 against float64; the drawn and the rescored mean may round differently
+    # (~1e-7 relative), which the small variance at a timestep amplifies to ~3e-6.
+    np.testing.assert_allclose(drawn.log_prob, peak, rtol=1e-5)
 
 
 def test_step_needs_exactly_one_source():
