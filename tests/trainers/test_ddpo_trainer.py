@@ -354,5 +354,5 @@ def test_cli_reward_rises(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward_mean"] for r in rows if "reward_mean" in r]
     assert len(rewards) == 6
-    assert np.mean(rewards[-3:]) > np.mean(rewards[:3])
+    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]), rewards
     assert (tmp_path / "unet" / "config.json").exists()
