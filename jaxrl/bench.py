@@ -284,7 +284,7 @@ def run(argv: list[str]) -> dict:
         "global_batch": n,
         "preset": opts["preset"],
         "compute_dtype": jnp.dtype(trainer.compute_dtype).name,
-        "scan_layers": a.scan_layers,
+        "scan_layers": trainer.scan_layers,
         "prefix_sharing": getattr(a, "prefix_sharing", None),
         "steps": opts["steps"],
     }

@@ -83,8 +83,10 @@ class Trainer(TrainLoop):
             # with f32 accumulation).
             raise ValueError("fp16=True needs a GPU; on CPU use bf16=True or full precision.")
         self.mesh = self._make_mesh()
-        if a.scan_layers is None:  # the backend's faster layout (config.py says why)
-            a.scan_layers = jax.default_backend() != "gpu"
+        # The backend's faster layer layout when unset (config.py says why); args stay as given.
+        self.scan_layers = (
+            a.scan_layers if a.scan_layers is not None else jax.default_backend() != "gpu"
+        )
         self.rules = parallel.merge_rules(a.logical_axis_rules)
         self.compute_dtype = self._compute_dtype()
         self.model_path = model if isinstance(model, str) else None
@@ -143,7 +145,7 @@ class Trainer(TrainLoop):
             residual_dtype=a.residual_dtype,
             mesh=self.mesh,
             rules=self.rules,
-            scan_layers=a.scan_layers,
+            scan_layers=self.scan_layers,
             remat_policy=a.remat_policy or ("full" if a.gradient_checkpointing else "none"),
         )
         if isinstance(model, str):

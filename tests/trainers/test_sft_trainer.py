@@ -201,7 +201,8 @@ def test_scan_layers_default_follows_the_backend(
     an explicit value wins."""
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
     trainer = make(tmp_path, tokenizer, sft_data[0])
-    assert trainer.args.scan_layers is scanned and trainer.model.config.scan_layers is scanned
+    assert trainer.args.scan_layers is None  # the args stay as given (HF semantics)
+    assert trainer.scan_layers is scanned and trainer.model.config.scan_layers is scanned
     explicit = make(tmp_path / "explicit", tokenizer, sft_data[0], scan_layers=not scanned)
     assert explicit.model.config.scan_layers is (not scanned)
 
