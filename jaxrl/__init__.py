@@ -7,6 +7,11 @@ surface (`TrlParser`, `ScriptArguments`, `ModelConfig`, `get_dataset`, ...), so 
 scripts run with their imports changed from `trl` to `jaxrl`.
 """
 
+# ruff: noqa: E402 (the re-exec check runs before the package's imports)
+from jaxrl._malloc import maybe_reexec
+
+maybe_reexec()  # the CLIs only: huge pages for XLA:CPU buffers (see jaxrl/_malloc.py)
+
 import random
 
 import numpy as np

@@ -57,6 +57,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl import _malloc
+
 # Dense bf16 peak FLOP/s per device, for MFU. Unknown devices (e.g. CPU) report mfu=null.
 PEAK_FLOPS = {
     "H100": 989e12,
@@ -727,10 +729,10 @@ def _split_compare_flags(argv: list[str]) -> tuple[dict, list[str]]:
     return opts, rest
 
 
-def run_child(cmd: list[str]) -> dict:
+def run_child(cmd: list[str], env: dict[str, str] | None = None) -> dict:
     """Run one benchmark process; its last stdout line (JSON) plus its own peak RSS."""
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True, env=env)
         stderr = proc.stderr.read()  # until the child exits; stdout goes to a file
         # wait4 reports this child's own resource usage (ru_maxrss in KiB on Linux).
         _, status, usage = os.wait4(proc.pid, 0)
@@ -809,7 +811,8 @@ def compare(argv: list[str]) -> list[dict]:
             for _ in range(copts["reps"]):
                 loads.append(os.getloadavg()[0])
                 runs["jaxrl"].append(run_child(jaxrl_cmd))
-                runs["trl"].append(run_child(trl_cmd))
+                # TRL runs in the environment its users have: without jaxrl's malloc tunable.
+                runs["trl"].append(run_child(trl_cmd, _malloc.without_reexec(dict(os.environ))))
             step = {k: statistics.median(r["step_s"] for r in v) for k, v in runs.items()}
             rss = {k: max(r["peak_rss_bytes"] for r in v) for k, v in runs.items()}
             row = {

@@ -146,11 +146,13 @@ def _fused_head_bwd(temperature, logit_softcap, with_stats, residuals, cotangent
         )
         # As a 2-D [D, M] @ [M, V] with an explicit transpose: XLA:CPU runs a dot that contracts
         # the rows of both operands as a slow generic dot (GPU folds the transpose into the GEMM).
+        # On CPU the barrier keeps XLA from folding the transpose back into the dot.
         d, v = unembed_DV.shape
+        hidden_DM = hidden_BCD.astype(unembed_DV.dtype).reshape(-1, d).T
+        if jax.default_backend() == "cpu":
+            hidden_DM = jax.lax.optimization_barrier(hidden_DM)
         d_unembed_DV = d_unembed_DV + jnp.dot(
-            hidden_BCD.astype(unembed_DV.dtype).reshape(-1, d).T,
-            d_logits_BCV.reshape(-1, v),
-            preferred_element_type=jnp.float32,
+            hidden_DM, d_logits_BCV.reshape(-1, v), preferred_element_type=jnp.float32
         )
         return d_unembed_DV, d_hidden_BCD.astype(hidden_BCD.dtype)
 

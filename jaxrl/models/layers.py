@@ -143,6 +143,13 @@ def _matmul_2d_bwd(out_dtype, res, dy_MO):
     x_MI, w_IO = res
     # The cotangent arrives in `out_dtype`; the input gradients are in the inputs' dtypes.
     dy_MO = dy_MO.astype(x_MI.dtype)
+    (m, i), o = x_MI.shape, dy_MO.shape[1]
+    if m * o + o * i < m * i:
+        # A wide input (e.g. the MLP's down projection): transposing the narrow cotangent and the
+        # [O, I] product moves less data than transposing x (measured: 17 -> ~4 ms per layer for
+        # an [2048, 1024] input on one core).
+        dy_OM = jax.lax.optimization_barrier(dy_MO.T)
+        return dy_MO @ w_IO.T, jax.lax.optimization_barrier(dy_OM @ x_MI).T
     x_IM = jax.lax.optimization_barrier(x_MI.T)
     return dy_MO @ w_IO.T, x_IM @ dy_MO
 
@@ -257,6 +264,28 @@ def gelu_new(x: jax.Array) -> jax.Array:
     """HF `gelu_new` (GPT-2): the tanh approximation written as elementwise ops, each rounded to
     x's dtype as in HF's `NewGELUActivation` (jax's formula has the same op order)."""
     return jax.nn.gelu(x, approximate=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def gated(act: Callable[[jax.Array], jax.Array], gate: jax.Array, up: jax.Array) -> jax.Array:
+    """`act(gate) * up` (the gated MLP's product) saving only `gate` and `up` for the backward,
+    which recomputes the activation: autodiff would also keep `act(gate)` and the activation's
+    own intermediates (silu: the sigmoid), 2-3 more [tokens, intermediate] arrays per layer,
+    the largest activations of the model. Numerics equal autodiff's (same ops, recomputed)."""
+    return act(gate) * up
+
+
+def _gated_fwd(act, gate, up):
+    return act(gate) * up, (gate, up)
+
+
+def _gated_bwd(act, res, d_out):
+    gate, up = res
+    a, act_vjp = jax.vjp(act, gate)
+    return act_vjp(d_out * up)[0], (d_out * a).astype(up.dtype)
+
+
+gated.defvjp(_gated_fwd, _gated_bwd)
 
 
 # Module-level functions (not lambdas) keep graphdefs equal and hashable across model instances.

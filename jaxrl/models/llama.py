@@ -24,6 +24,7 @@ from jaxrl.models.layers import (
     attention_masks,
     default_positions,
     dot_product_attention,
+    gated,
     make_layers,
     param_value,
     rope_tables,
@@ -97,7 +98,7 @@ class LlamaMLP(nnx.Module):
         self.act = activation(config.hidden_act)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        return self.down_proj(self.act(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
+        return self.down_proj(gated(self.act, self.gate_proj(x_BTD), self.up_proj(x_BTD)))
 
 
 class LlamaDecoderLayer(nnx.Module):

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from jaxrl.models.config import config_from_hf
-from jaxrl.models.layers import Dense, matmul_2d
+from jaxrl.models.layers import Dense, activation, gated, matmul_2d
 from jaxrl.models.presets import get_preset
 
 
@@ -24,6 +24,7 @@ def reference(x, kernel, n_in):
         ((2, 5, 16), (16,), (4, 8)),  # q_proj-like: one input dim, [heads, head_dim] out
         ((2, 5, 4, 8), (4, 8), (16,)),  # o_proj-like: two input dims
         ((3, 16), (16,), (24,)),  # plain
+        ((4, 8, 64), (64,), (8,)),  # wide input, narrow output: the backward transposes dy
     ],
 )
 def test_dense_values_and_grads_equal_dot_general(x_shape, in_shape, out_shape):
@@ -52,11 +53,13 @@ def test_dense_values_and_grads_equal_dot_general(x_shape, in_shape, out_shape):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(jnp.abs(b).max()))
 
 
-def test_matmul_2d_backward_is_standard_layout_matmuls():
+@pytest.mark.parametrize("in_dim, out_dim", [(64, 96), (96, 16)])
+def test_matmul_2d_backward_is_standard_layout_matmuls(in_dim, out_dim):
     """No dot of the compiled backward contracts an operand's rows (the slow kind on XLA:CPU),
-    while autodiff's weight gradient does."""
-    x = jnp.ones((256, 64))
-    w = jnp.ones((64, 96))
+    while autodiff's weight gradient does; for a wide input (96 -> 16) the weight gradient runs
+    as `dy^T @ x` (output [out, in]) so only the narrow cotangent is transposed."""
+    x = jnp.ones((256, in_dim))
+    w = jnp.ones((in_dim, out_dim))
 
     def dots(matmul):
         grad = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.tanh(matmul(x, w))), argnums=(0, 1)))
@@ -66,6 +69,8 @@ def test_matmul_2d_backward_is_standard_layout_matmuls():
     ours = dots(lambda x, w: matmul_2d(x, w, jnp.float32))
     assert len(ours) == 3, ours  # forward, dx, dw
     assert all("lhs_contracting_dims={1}" in line for line in ours), ours
+    weight_grad = f"f32[{out_dim},{in_dim}]" if in_dim > out_dim else f"f32[{in_dim},{out_dim}]"
+    assert any(f"= {weight_grad}" in line for line in ours), ours
     assert any("lhs_contracting_dims={0}" in line for line in dots(jnp.matmul))
 
 
@@ -83,3 +88,32 @@ def test_bf16_compute_keeps_dtypes():
     g = jax.grad(loss)(params)["kernel"].get_value()
     assert g.dtype == jnp.float32  # the f32 param's gradient, through the bf16 cast
     np.testing.assert_allclose(g, jnp.full((16, 8), 6.0), rtol=1e-2)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gated_product_equals_autodiff_and_saves_only_its_inputs(act, dtype):
+    """`gated(act, g, u)` = `act(g) * u` in value and gradients, and its backward keeps only g
+    and u: autodiff would also save `act(g)` (and silu's sigmoid)."""
+    fn = activation(act)
+    kg, ku, kw = jax.random.split(jax.random.key(0), 3)
+    g, u = (jax.random.normal(k, (4, 32), jnp.float32).astype(dtype) for k in (kg, ku))
+    w = jax.random.normal(kw, (4, 32))
+
+    def loss(product, g, u):
+        return jnp.sum(product(g, u).astype(jnp.float32) * w)
+
+    ours = jax.value_and_grad(lambda g, u: loss(lambda a, b: gated(fn, a, b), g, u), (0, 1))
+    ref = jax.value_and_grad(lambda g, u: loss(lambda a, b: fn(a) * b, g, u), (0, 1))
+    (v1, (dg1, du1)), (v2, (dg2, du2)) = jax.jit(ours)(g, u), jax.jit(ref)(g, u)
+    np.testing.assert_array_equal(v1, v2)
+    for a, b in ((dg1, dg2), (du1, du2)):
+        assert a.dtype == b.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+    def saved(product):  # the [4, 32] arrays a vjp closure keeps for its backward
+        leaves = jax.tree_util.tree_leaves(jax.vjp(product, g, u)[1])
+        return [x for x in leaves if getattr(x, "shape", None) == g.shape]
+
+    assert len(saved(lambda g, u: gated(fn, g, u))) == 2
+    assert len(saved(lambda g, u: fn(g) * u)) > 2
