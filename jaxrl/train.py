@@ -353,8 +353,61 @@ def main_ddpo(argv: list[str]) -> int:
     return 0
 
 
+def config_classes(algo: str) -> list[type]:
+    """The dataclasses whose fields `--algo ALGO` accepts as flags."""
+    from jaxrl.config import CONFIGS, ScriptArguments
+
+    if algo == "ppo":
+        from jaxrl.trainers.ppo_config import PPOConfig
+
+        return [ScriptArguments, PPOConfig]
+    if algo == "grpo":
+        from jaxrl.trainers.grpo_config import GRPOConfig
+
+        return [ScriptArguments, GRPOConfig]
+    if algo == "rloo":
+        from jaxrl.trainers.rloo_config import RLOOConfig
+
+        return [ScriptArguments, RLOOConfig]
+    if algo == "ddpo":
+        from jaxrl.trainers.ddpo_config import DDPOConfig
+
+        return [DDPOConfig]
+    return [ScriptArguments, CONFIGS[algo]]
+
+
+def usage(algo: str) -> str:
+    """`--help`: the module's synopsis and every flag `--algo ALGO` accepts, with its default."""
+    lines = [(__doc__ or "").strip(), "", f"Flags of --algo {algo} (name, type, default):"]
+    seen: set[str] = set()
+    for cls in config_classes(algo):
+        lines.append(f"  [{cls.__name__}]")
+        for f in dataclasses.fields(cls):
+            if not f.init or f.name in seen or f.name == "algo":
+                continue
+            seen.add(f.name)
+            if f.default is not dataclasses.MISSING:
+                default = repr(f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                default = repr(f.default_factory())
+            else:
+                default = "(required)"
+            kind = getattr(f.type, "__name__", None) or str(f.type)
+            lines.append(f"  --{f.name} ({kind}, default {default})")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        algo = DEFAULT_ALGO
+        for a, b in zip(argv, [*argv[1:], ""], strict=True):
+            if a == "--algo" and b in (*ALGOS, "ddpo"):
+                algo = b
+            elif a.startswith("--algo=") and a[7:] in (*ALGOS, "ddpo"):
+                algo = a[7:]
+        print(usage(algo))
+        return 0
     pairs = [(a, b) for a, b in zip(argv, argv[1:], strict=False) if a == "--algo"]
     if "--algo=ddpo" in argv or ("--algo", "ddpo") in pairs:
         i = argv.index("--algo=ddpo") if "--algo=ddpo" in argv else argv.index("--algo")

@@ -105,3 +105,25 @@ def test_sigterm_saves_before_exit(tmp_path, sig):
     assert proc.wait() == 143
     steps = sorted(Checkpointer(out / "checkpoints").all_steps())
     assert steps and 0 < steps[-1] < 400
+
+
+@pytest.mark.parametrize(
+    "argv, expected, absent",
+    [
+        (["--help"], ["--algo dpo", "--beta (float, default 0.1)", "--model_name_or_path"], []),
+        (
+            ["--algo", "grpo", "-h"],
+            ["--num_generations", "--learning_rate"],
+            ["--beta (float, default 0.1)"],
+        ),
+        (["--algo=sft", "--help"], ["--packing", "--dataset_text_field"], ["--num_generations"]),
+    ],
+)
+def test_help_lists_the_algorithms_flags(capsys, argv, expected, absent):
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("`python -m jaxrl.train --algo")
+    for text in expected:
+        assert text in out, text
+    for text in absent:
+        assert text not in out, text
