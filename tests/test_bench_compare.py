@@ -35,9 +35,16 @@ def test_precision_flags_reach_both_sides():
 def test_sweep_interleaves_sides_and_reports_ratio_and_rss(monkeypatch, capsys):
     calls = []
 
-    def fake_child(cmd):
+    # As if this process had been re-executed with jaxrl's malloc tunable (jaxrl/_malloc.py).
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    monkeypatch.setenv("JAXRL_HUGEPAGE_MALLOC", "added")
+
+    def fake_child(cmd, env=None):
         side = "trl" if "bench_trl.py" in cmd[1] else "jaxrl"
         calls.append(side)
+        # jaxrl's children inherit the tunable; TRL's run in the user's environment.
+        assert (env is None) == (side == "jaxrl")
+        assert side == "jaxrl" or "GLIBC_TUNABLES" not in env
         step = {"jaxrl": 0.5, "trl": 1.0}[side]
         return {"step_s": step + 0.01 * len(calls), "peak_rss_bytes": {"jaxrl": 3, "trl": 2}[side]}
 

@@ -410,9 +410,10 @@ def _backward(size, window, res, dout):
     mask_pad = _pad_mask(mask, size)
 
     # Every matmul below is [M, K] @ [K, N] or [M, K] @ [N, K]^T: none contracts the rows of an
-    # operand, which XLA:CPU runs as a slow generic dot. So the key-side products (dK, dV) work
-    # on the transposed scores [keys, rows], and dQ is accumulated transposed ([H, rows]).
-    kT_blocks = jnp.swapaxes(k_blocks, -1, -2)  # [nb, B, K, H, b]
+    # operand, which XLA:CPU runs as a slow generic dot (and cannot run at all for bf16 inputs
+    # with an f32 result). So the key-side products (dK, dV) work on the transposed scores
+    # [keys, rows], and dQ takes an explicitly transposed copy of dS^T; the barrier keeps XLA
+    # from folding that transpose back into the dot.
 
     def query_block(carry, xs):
         dk_acc, dv_acc = carry
@@ -420,7 +421,7 @@ def _backward(size, window, res, dout):
         finite_lse = jnp.where(jnp.isfinite(lse_BKR), lse_BKR, 0.0)
 
         def key_block(j, inner):
-            dqT_BKHR, dk_acc, dv_acc = inner
+            dq_BKRH, dk_acc, dv_acc = inner
             k_j, v_j = k_blocks[j], v_blocks[j]
             sT = jnp.einsum("bksh,bkrh->bksr", k_j, q_BKRH, preferred_element_type=jnp.float32)
             visible = jnp.swapaxes(_visible(i, j, size, T, window, mask_pad, G), -1, -2)
@@ -430,19 +431,19 @@ def _backward(size, window, res, dout):
             )
             dpT = jnp.einsum("bksh,bkrh->bksr", v_j, do_BKRH, preferred_element_type=jnp.float32)
             dsT = pT * (dpT - delta_BKR[..., None, :]) * scale
-            dqT_BKHR = dqT_BKHR + jnp.einsum(
-                "bkhs,bksr->bkhr", kT_blocks[j], dsT.astype(k.dtype),
-                preferred_element_type=jnp.float32,
-            )  # fmt: skip
+            ds = jax.lax.optimization_barrier(jnp.swapaxes(dsT.astype(k.dtype), -1, -2))
+            dq_BKRH = dq_BKRH + jnp.einsum(
+                "bkrs,bksh->bkrh", ds, k_j, preferred_element_type=jnp.float32
+            )
             dk_j = jnp.einsum(
                 "bksr,bkrh->bksh", dsT.astype(q.dtype), q_BKRH, preferred_element_type=jnp.float32
             )
-            return dqT_BKHR, dk_acc.at[j].add(dk_j), dv_acc.at[j].add(dv_j)
+            return dq_BKRH, dk_acc.at[j].add(dk_j), dv_acc.at[j].add(dv_j)
 
         lo, hi = _key_range(i, size, window)
-        dq0 = jnp.zeros(jnp.swapaxes(q_BKRH, -1, -2).shape, jnp.float32)
-        dqT_BKHR, dk_acc, dv_acc = jax.lax.fori_loop(lo, hi, key_block, (dq0, dk_acc, dv_acc))
-        return (dk_acc, dv_acc), jnp.swapaxes(dqT_BKHR, -1, -2)
+        dq0 = jnp.zeros(q_BKRH.shape, jnp.float32)
+        dq_BKRH, dk_acc, dv_acc = jax.lax.fori_loop(lo, hi, key_block, (dq0, dk_acc, dv_acc))
+        return (dk_acc, dv_acc), dq_BKRH
 
     zeros_kv = jnp.zeros(k_blocks.shape, jnp.float32)
     (dk_blocks, dv_blocks), dq_blocks = jax.lax.scan(

@@ -170,6 +170,26 @@ def test_bf16_within_bf16_tolerance():
     )
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_backward_dots_are_standard_layout(dtype):
+    """Every dot of the compiled forward + backward contracts the last dim of its left operand:
+    XLA:CPU runs any other kind as a slow generic dot, and cannot run a bf16 x bf16 -> f32 one at
+    all (an earlier backward's dQ was folded into one at these shapes)."""
+    q = jnp.ones((2, 16, 4, 8), dtype)
+    k = jnp.ones((2, 16, 2, 8), dtype)
+    grad = jax.jit(
+        jax.grad(
+            lambda q, k: blockwise_attention(q, k, k).astype(jnp.float32).sum(), argnums=(0, 1)
+        )
+    )
+    compiled = grad.lower(q, k).compile()
+    dots = [line for line in compiled.as_text().splitlines() if " dot(" in line]
+    assert len(dots) >= 6, dots  # forward: scores, p @ v; backward: s^T, dV, dP^T, dQ, dK
+    assert all("lhs_contracting_dims={3}" in line for line in dots), dots
+    dq, dk = jax.block_until_ready(compiled(q, k))
+    assert dq.dtype == dk.dtype == dtype
+
+
 def test_traced_sliding_flag_through_the_layer_dispatch():
     """Scanned stacks that mix full and sliding layers pass `sliding` as a traced bool."""
     config = config_from_hf(get_preset("llama-tiny")).replace(
