@@ -172,7 +172,11 @@ def test_categorical_draws_follow_the_softmax():
     logits_V = logits_V.at[::7].set(-jnp.inf)
     probs_V = np.asarray(jax.nn.softmax(logits_V))
     keys = jax.random.split(jax.random.key(1), calls)
-    draws = jax.vmap(lambda k: sample_categorical(k, jnp.tile(logits_V, (rows, 1))))(keys)
+    # One compiled program: un-jitted, the vmap runs op by op (54 s on one core vs 1.6 s).
+    draw = jax.jit(
+        jax.vmap(lambda k, l_V: sample_categorical(k, jnp.tile(l_V, (rows, 1))), (0, None))
+    )
+    draws = draw(keys, logits_V)
     counts_V = np.bincount(np.asarray(draws).reshape(-1), minlength=vocab)
     n = rows * calls
     assert counts_V.sum() == n and counts_V[::7].sum() == 0
