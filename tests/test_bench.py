@@ -9,6 +9,7 @@ from jaxrl.bench import main
 CONTRACT = ("algo", "step_s", "tokens_per_sec", "compile_s", "peak_bytes", "devices", "mfu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv",
     [

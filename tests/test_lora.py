@@ -345,6 +345,7 @@ def test_dropout_only_with_an_rng(hf_dir):
     np.testing.assert_array_equal(a, np.asarray(logits(adapter, jax.random.key(1))))
 
 
+@pytest.mark.slow
 def test_scanned_stack_draws_a_mask_per_layer(hf_dir):
     ids, mask, _ = padded_batch()
     config = {"lora_dropout": 0.5, "init_lora_weights": False, "target_modules": "all-linear"}
@@ -371,6 +372,7 @@ def test_scanned_stack_draws_a_mask_per_layer(hf_dir):
     assert masked_max_diff(dropped, np.asarray(scanned(ids, mask)), mask) > 1e-3
 
 
+@pytest.mark.slow
 def test_disabled_adapter_is_the_base_model(hf_dir):
     """The DPO reference without a second copy: same states, adapters switched off in the trace."""
     ids, mask, _ = padded_batch()
@@ -390,6 +392,7 @@ def test_disabled_adapter_is_the_base_model(hf_dir):
     assert masked_max_diff(np.asarray(policy_logits), base_logits, mask) > 0.1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("scheme", "tolerance"), [pytest.param("int8", 0.05, marks=pytest.mark.slow), ("nf4", 0.5)]
 )
@@ -429,6 +432,7 @@ def test_quantized_errors_are_ordered(hf_dir):
     assert errors["int8"] < errors["nf4"]
 
 
+@pytest.mark.slow
 def test_sharded_adapters_follow_logical_axes(hf_dir):
     ids, mask, _ = padded_batch()
     mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)

@@ -32,6 +32,7 @@ def base(data: str, out) -> list[str]:
     return ["--algo", "sft", *FLAGS, "--dataset_name", data, "--output_dir", str(out)]
 
 
+@pytest.mark.slow
 def test_cli_lora_trains_adapters_only_and_exports_peft(tmp_path, data, caplog):
     from safetensors.numpy import load_file
 
@@ -88,6 +89,7 @@ def test_cli_peft_flags_that_would_do_nothing_are_refused(tmp_path, data, capsys
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_lora_on_policy_trains_adapters_and_exports_peft(tmp_path, caplog):
     # GRPO with --use_peft on the embedded task: one small update, the PEFT adapter exported.
     out = tmp_path / "grpo"

@@ -45,6 +45,7 @@ def setup():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["kl", "full"])
 def test_rollout_forward_matches_full_logits(setup, kind):
     s = setup
@@ -89,6 +90,7 @@ def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
+@pytest.mark.slow
 def test_update_matches_unrolled_reference(setup):
     s = setup
     rollout = _rollout(s)
@@ -129,6 +131,7 @@ def test_update_matches_unrolled_reference(setup):
     assert out["arrays"]["policy/ratio"].shape == (2, 2, 2, 1, L - 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target_kl,epochs_run", [(-1e9, 1), (1e9, 3)])
 def test_early_stopping_skips_remaining_epochs(setup, target_kl, epochs_run):
     s = setup

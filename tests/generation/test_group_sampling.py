@@ -14,6 +14,7 @@ from jaxrl.trainers.onpolicy import completion_logprobs
 from tests.generation.conftest import ragged_prompts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True])
 def test_greedy_group_repeats_single_rows(hf_causal, scan):
     model = models.from_pretrained(hf_causal("llama").path, scan_layers=scan)

@@ -17,6 +17,7 @@ from tests.generation.conftest import PAD, ragged_prompts
 N_NEW = 6
 
 
+@pytest.mark.slow
 def test_sharded_equals_unsharded(hf_causal):
     path = hf_causal("qwen3").path
     mesh = make_mesh(data=2, fsdp=2, tensor=2)

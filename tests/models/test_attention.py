@@ -144,6 +144,7 @@ def test_lengths_not_multiple_of_the_block(seq_len):
     )
 
 
+@pytest.mark.slow
 def test_bf16_within_bf16_tolerance():
     seq_len = 33
     q, k, v, w = qkv(seq_len, 2, dtype=jnp.bfloat16, seed=3)
@@ -190,6 +191,7 @@ def test_backward_dots_are_standard_layout(dtype):
     assert dq.dtype == dk.dtype == dtype
 
 
+@pytest.mark.slow
 def test_traced_sliding_flag_through_the_layer_dispatch():
     """Scanned stacks that mix full and sliding layers pass `sliding` as a traced bool."""
     config = config_from_hf(get_preset("llama-tiny")).replace(
@@ -268,6 +270,7 @@ def test_cudnn_equals_reference(mask_kind):
 
 # Splash (the TPU default) runs here in Pallas' interpreter, which is slow: one length that needs
 # padding to 128 (T=140 -> 256, two 128 blocks), and the masks splash takes as segment ids.
+@pytest.mark.slow
 @pytest.mark.parametrize(("mask_kind", "window"), [("causal", None), ("packed_padded", 48)])
 def test_splash_equals_reference(mask_kind, window):
     seq_len = 140

@@ -5,6 +5,7 @@ of the weights. Checked on XLA's compiled memory analysis, not timings."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from transformers import LlamaConfig
 
@@ -12,6 +13,7 @@ from jaxrl import models
 from jaxrl.core import quant
 
 
+@pytest.mark.slow
 def test_quantized_weights_are_dequantized_per_layer():
     cfg = LlamaConfig(
         vocab_size=64,

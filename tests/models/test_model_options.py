@@ -45,6 +45,7 @@ def _logits_and_grads(model, ids, mask):
     return np.asarray(logits), q_grads, flat[("model", "embed_tokens", "embedding")]
 
 
+@pytest.mark.slow
 def test_scan_and_remat_give_same_logits_and_grads(mistral_dir):
     ids, right, _ = padded_batch()
     ids, mask = jnp.asarray(ids), jnp.asarray(right)
@@ -60,6 +61,7 @@ def test_scan_and_remat_give_same_logits_and_grads(mistral_dir):
             np.testing.assert_allclose(got_x, want_x, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_mixed_sliding_and_full_layers_scan_like_unscanned(hf_causal, tmp_path):
     config = transformers.AutoConfig.from_pretrained(hf_causal("qwen2").path)
     config.layer_types = ["full_attention", "sliding_attention"]
@@ -91,6 +93,7 @@ def test_sliding_window_changes_attention(mistral_dir, tmp_path):
     assert np.abs(windowed[0, 5:] - full[0, 5:]).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_bf16_compute_with_f32_params_is_close(hf_causal):
     path = hf_causal("qwen3").path
     ids, right, _ = padded_batch()
@@ -174,6 +177,7 @@ def test_from_config_init_like_hf():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
 def test_prefix_tree_mask_matches_separate_sequences(family, hf_causal):
     """DPO prefix sharing: one row prompt + chosen + rejected under an explicit [B, T, S] mask

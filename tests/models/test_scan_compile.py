@@ -5,6 +5,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 from transformers import LlamaConfig
 
@@ -32,6 +33,7 @@ def hlo_ops(num_layers: int, scan: bool) -> int:
     return len(re.findall(r"^\s*%\S+ = ", text, flags=re.M)) or text.count("\n")
 
 
+@pytest.mark.slow
 def test_scanned_program_size_is_depth_independent():
     assert hlo_ops(2, scan=True) == hlo_ops(8, scan=True)
     assert hlo_ops(8, scan=False) > 2 * hlo_ops(2, scan=False)

@@ -95,6 +95,7 @@ def test_fresh_value_head_init_strategies(hf_causal):
         AutoModelForCausalLMWithValueHead.from_pretrained(ref.path, v_head_init_strategy="xavier")
 
 
+@pytest.mark.slow
 def test_summary_dropout_semantics(hf_causal):
     ref = hf_causal("llama")
     model = AutoModelForCausalLMWithValueHead.from_pretrained(ref.path)

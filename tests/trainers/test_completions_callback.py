@@ -48,6 +48,7 @@ def dpo_trainer(tmp_path, hf_model_dir, tokenizer, pref_data, **kw):
     )
 
 
+@pytest.mark.slow
 def test_log_completions_match_transformers_generate(tmp_path, hf_model_dir, tokenizer, pref_data):
     trainer = dpo_trainer(tmp_path, hf_model_dir, tokenizer, pref_data)
     callback = LogCompletionsCallback(trainer, generation_config=GEN, num_prompts=6, freq=1)
@@ -133,6 +134,7 @@ def fake_weave(monkeypatch):
     return weave
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scored", [False, True])
 def test_weave_tracing_and_evaluation(
     tmp_path, hf_model_dir, tokenizer, pref_data, fake_weave, scored
@@ -170,6 +172,7 @@ def test_weave_missing_is_a_clear_error(tmp_path, hf_model_dir, tokenizer, pref_
         WeaveCallback(trainer, project_name="p")
 
 
+@pytest.mark.slow
 def test_dpo_generate_during_eval_game_log(tmp_path, hf_model_dir, tokenizer, pref_data):
     """TRL < 1.0's `generate_during_eval`: at the evaluation of step 1, a random eval batch is
     sampled from the policy and from the frozen reference; with `top_k=1` in the model's

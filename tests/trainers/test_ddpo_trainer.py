@@ -203,6 +203,7 @@ def test_advantages_per_prompt_and_global(sd_path, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_async_rewards_equal_sync(sd_path, tmp_path):
     threads = []
 

@@ -2,6 +2,7 @@
 `gradient_accumulation_steps`, because the NLL is averaged over all chosen tokens of the step."""
 
 import numpy as np
+import pytest
 from trainer_utils import base_args, train_logs
 
 from jaxrl import DPOConfig, DPOTrainer
@@ -18,6 +19,7 @@ def _logs(tmp_path, model, tokenizer, data, **kw):
     return train_logs(trainer)
 
 
+@pytest.mark.slow
 def test_sft_term_is_the_same_with_accumulation(tmp_path, tokenizer, hf_model_dir, pref_data):
     # Answers of 1-3 digits: micro-batches hold different chosen-token counts, so a per-micro-batch
     # token mean would differ from the step's token mean.

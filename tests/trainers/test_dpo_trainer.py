@@ -99,6 +99,7 @@ def test_matches_trl_dpo_trainer(tmp_path, tokenizer, hf_model_dir, pref_data, p
         np.testing.assert_allclose(o["grad_norm"], t["grad_norm"], rtol=2e-3)
 
 
+@pytest.mark.slow
 def test_metric_names_eval_prefix_and_learning(tmp_path, tokenizer, hf_model_dir, pref_data):
     trainer, logs = dpo(
         tmp_path,
@@ -119,6 +120,7 @@ def test_metric_names_eval_prefix_and_learning(tmp_path, tokenizer, hf_model_dir
     assert {f"eval_{k}" for k in TRL_METRICS} <= set(metrics)
 
 
+@pytest.mark.slow
 def test_int8_reference_close_to_full_precision(tmp_path, tokenizer, hf_model_dir, pref_data):
     full, full_logs = dpo(tmp_path / "a", hf_model_dir, tokenizer, pref_data[0], max_steps=2)
     q, q_logs = dpo(
@@ -137,6 +139,7 @@ def test_int8_reference_close_to_full_precision(tmp_path, tokenizer, hf_model_di
     np.testing.assert_allclose(q_logs[0]["loss"], full_logs[0]["loss"], atol=5e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix_sharing", [False, True])
 def test_precomputed_reference_equals_live_reference(
     tmp_path, tokenizer, hf_model_dir, pref_data, prefix_sharing
@@ -166,6 +169,7 @@ def test_precomputed_reference_equals_live_reference(
             np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_sync_ref_model_soft_update(tmp_path, tokenizer, hf_model_dir, pref_data):
     alpha = 0.6
     trainer, _ = dpo(
@@ -193,6 +197,7 @@ def test_sync_ref_model_soft_update(tmp_path, tokenizer, hf_model_dir, pref_data
         )
 
 
+@pytest.mark.slow
 def test_multi_loss_with_weights(tmp_path, tokenizer, hf_model_dir, pref_data):
     def first_loss(weights):
         _, logs = dpo(
@@ -213,6 +218,7 @@ def test_multi_loss_with_weights(tmp_path, tokenizer, hf_model_dir, pref_data):
     np.testing.assert_allclose(b, math.log(2) + 3.0 * sft, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_bema_callback_matches_reference_and_exports(tmp_path, tokenizer, hf_model_dir, pref_data):
     from flax import nnx
     from transformers import AutoModelForCausalLM
@@ -289,6 +295,7 @@ def test_explicit_ref_model(tmp_path, tokenizer, hf_model_dir, pref_data):
     assert train_logs(same)[0]["rewards/chosen"] == pytest.approx(0.0, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_bema_buffers_survive_resume(tmp_path, tokenizer, hf_model_dir, pref_data):
     kw = dict(max_steps=4, learning_rate=1e-2, save_strategy="steps", save_steps=2)
     full = BEMACallback(update_freq=1, lag=1)
@@ -316,6 +323,7 @@ def test_bema_buffers_survive_resume(tmp_path, tokenizer, hf_model_dir, pref_dat
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.slow
 def test_same_metrics_with_accumulation_and_on_a_2x2x2_mesh(
     tmp_path, tokenizer, hf_model_dir, pref_data
 ):

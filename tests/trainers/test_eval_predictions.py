@@ -55,6 +55,7 @@ def test_sft_predictions_are_hf_logits_and_labels(tmp_path, tokenizer, hf_model_
     )
 
 
+@pytest.mark.slow
 def test_preprocess_runs_on_device_and_predict(tmp_path, tokenizer, hf_model_dir, sft_data):
     calls = []
 
@@ -97,6 +98,7 @@ def test_preprocess_runs_on_device_and_predict(tmp_path, tokenizer, hf_model_dir
     assert bare.predictions is None and "test_rows" not in bare.metrics
 
 
+@pytest.mark.slow
 def test_dpo_predictions_rows_and_prefix_sharing(tmp_path, tokenizer, hf_model_dir, pref_data):
     rows = pref_data[1].select(range(12))
     outs = {}

@@ -74,6 +74,7 @@ def _call_args(call):
     )
 
 
+@pytest.mark.slow
 def test_sampler_logps_are_old_logps_and_equal_forward(hf_model_dir, tokenizer, tmp_path):
     # steps_per_generation=2: one generation serves two optimizer steps, so the update needs the
     # sampling policy's log-probs; with num_iterations=1 they are the sampler's own.
@@ -86,6 +87,7 @@ def test_sampler_logps_are_old_logps_and_equal_forward(hf_model_dir, tokenizer, 
     np.testing.assert_allclose(rollout["old_logps"][mask], logps[mask], atol=2e-5)
 
 
+@pytest.mark.slow
 def test_num_iterations_reuses_generations(hf_model_dir, tokenizer, tmp_path):
     trainer, reward = make(hf_model_dir, tokenizer, tmp_path, num_iterations=2, max_steps=4)
     trainer.train()

@@ -65,6 +65,7 @@ def _peft_logits(base_dir: str, adapter_dir: str) -> np.ndarray:
         return peft_model(torch.from_numpy(IDS.astype(np.int64))).logits.numpy()
 
 
+@pytest.mark.slow
 def test_grpo_lora_trains_only_the_adapter_with_the_base_as_reference(
     tmp_path, tokenizer, hf_model_dir
 ):
@@ -120,6 +121,7 @@ def test_grpo_lora_trains_only_the_adapter_with_the_base_as_reference(
     np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_rloo_qlora_kl_is_against_the_base(tmp_path, tokenizer, hf_model_dir):
     trainer = _online(
         RLOOTrainer,
@@ -149,6 +151,7 @@ def test_rloo_qlora_kl_is_against_the_base(tmp_path, tokenizer, hf_model_dir):
     assert log["kl"] > 1e-3 and np.isfinite(log["loss"])
 
 
+@pytest.mark.slow
 def test_grpo_with_a_loaded_adapter_keeps_it_as_the_reference(tmp_path, tokenizer, hf_model_dir):
     model = models.from_pretrained(hf_model_dir)
     lora.apply_lora(model, NONZERO, nnx.Rngs(0))  # as lora.load_peft_adapter leaves it
@@ -200,6 +203,7 @@ def _ppo(model_dir, tmp_path, **kw):
     return PPOTrainer(config, model_dir, **kw)
 
 
+@pytest.mark.slow
 def test_ppo_lora_trains_adapter_and_value_head_against_the_base(tmp_path, tokenizer, hf_model_dir):
     import torch
     from safetensors.numpy import load_file
@@ -271,6 +275,7 @@ def test_ppo_lora_rejections(tmp_path, hf_model_dir):
         _ppo(hf_model_dir, tmp_path, quantization_config="nf4")
 
 
+@pytest.mark.slow
 def test_ppo_qlora_from_trl_v072_loader_arguments(tmp_path, tokenizer, hf_model_dir):
     from peft import LoraConfig
 

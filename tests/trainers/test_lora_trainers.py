@@ -108,6 +108,7 @@ def test_sft_lora_matches_merged_model_trains_only_adapters_and_exports(
     np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_dpo_lora_reference_is_the_base_without_adapter(
     tmp_path, tokenizer, hf_model_dir, pref_data
 ):
@@ -184,6 +185,7 @@ def test_quantization_config_from_bitsandbytes_fields():
         _quantization_scheme("int4")
 
 
+@pytest.mark.slow
 def test_qlora_nf4_base_trains(tmp_path, tokenizer, hf_model_dir, sft_data):
     trainer = _sft(
         tmp_path,

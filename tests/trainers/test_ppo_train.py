@@ -74,6 +74,7 @@ def test_generate_greedy_equals_transformers(trainer, hf_model_dir, tokenizer):
     np.testing.assert_array_equal(single[0], got[0])
 
 
+@pytest.mark.slow
 def test_generate_length_sampler_per_chunk_and_eos(trainer, tokenizer):
     draws = iter([2, 3, 5])
     calls = []

@@ -68,6 +68,7 @@ def test_one_step_equals_pure_rloo(hf_model_dir, tokenizer, tmp_path):
         assert key in log
 
 
+@pytest.mark.slow
 def test_no_reference_without_beta(hf_model_dir, tokenizer, tmp_path):
     trainer, _ = make(hf_model_dir, tokenizer, tmp_path, beta=0.0)
     trainer.train()

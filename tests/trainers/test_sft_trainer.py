@@ -62,6 +62,7 @@ def test_accumulation_is_token_weighted(tmp_path, tokenizer, sft_data):
             np.testing.assert_allclose(a[key], f[key], rtol=2e-5, err_msg=key)
 
 
+@pytest.mark.slow
 def test_mesh_shapes_give_same_metrics(tmp_path, tokenizer, sft_data):
     _, one = run(tmp_path / "a", tokenizer, sft_data[0], per_device_train_batch_size=8)
     _, sharded = run(
@@ -160,6 +161,7 @@ def test_user_optimizer_pair(tmp_path, tokenizer, sft_data):
     assert logs[-1]["learning_rate"] == pytest.approx(1e-2)
 
 
+@pytest.mark.slow
 def test_builtin_optimizers_train(tmp_path, tokenizer, sft_data):
     second_losses = {}
     for optim, lr in (("adamw_torch", 3e-3), ("sgd", 0.3), ("adafactor", 3e-3), ("lion", 1e-3)):
@@ -170,6 +172,7 @@ def test_builtin_optimizers_train(tmp_path, tokenizer, sft_data):
     assert len({round(v, 6) for v in second_losses.values()}) == 4, second_losses
 
 
+@pytest.mark.slow
 def test_packing_bfd_trains(tmp_path, tokenizer, sft_data):
     _, logs = run(
         tmp_path,
@@ -185,6 +188,7 @@ def test_packing_bfd_trains(tmp_path, tokenizer, sft_data):
     assert logs[0]["num_tokens"] > 2 * longest
 
 
+@pytest.mark.slow
 def test_bf16_compute_over_f32_params(tmp_path, tokenizer, sft_data):
     trainer, logs = run(tmp_path, tokenizer, sft_data[0], max_steps=3, bf16=True)
     assert all(math.isfinite(entry["loss"]) for entry in logs)

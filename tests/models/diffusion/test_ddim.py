@@ -117,6 +117,7 @@ def test_cfg_noise_pred_matches_trl(golden_models):
     np.testing.assert_allclose(noise, GOLDEN["cfg_noise_pred_step0"], atol=1e-4, err_msg=UPDATE)
 
 
+@pytest.mark.slow
 def test_sampler_replays_trl_trajectory(golden_models):
     unet, vae = golden_models
     graphdef, state = nnx.split(unet)
@@ -149,6 +150,7 @@ def test_sampler_replays_trl_trajectory(golden_models):
     np.testing.assert_allclose(images, GOLDEN["images"], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_sampler_draws_are_scored_consistently(golden_models):
     """Without replayed noise: each recorded step links to the next, and re-scoring a recorded
     transition with the same params gives the recorded log-prob (ratio 1 at the first update)."""

@@ -70,6 +70,7 @@ def test_unet_loads_sharded(sd1_unet):
     np.testing.assert_allclose(np.asarray(run_unet(unet, sample, t, context)), want, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_unet_save_roundtrip(sd2_unet, tmp_path):
     ref, path = sd2_unet
     unet = load_unet(path)

@@ -101,6 +101,7 @@ def test_export_matches_diffusers_load_lora_weights(sd1_unet, tiny_vae, lora_une
     np.testing.assert_allclose(ours, want, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_reload_peft_and_trl_formats(sd1_unet, lora_unet, tmp_path):
     _, path = sd1_unet
     x = inputs(2)
