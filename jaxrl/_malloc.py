@@ -5,7 +5,7 @@ Why: XLA:CPU allocates each step's temporaries (activations, residuals, gradient
 MB for a small model) with `malloc`, which serves large blocks by fresh `mmap`s and unmaps them
 when they are freed. Every step then page-faults its whole working set back in, 4 KiB at a time,
 with the kernel zeroing each page: measured on the issue-14 SFT point (Llama 4x256, 8 x 256
-tokens, one core) as ~92k faults per step and 12-15% of the step time. With the tunable, glibc
+tokens, one core) as ~92k faults per step and 10-15% of the step time. With the tunable, glibc
 asks for transparent huge pages (`madvise(MADV_HUGEPAGE)`) on those mappings: 9x fewer faults.
 The tunable is read only when a process starts, hence the re-exec; it happens before anything
 else is imported (`jaxrl/__init__.py` calls this first), so it costs one interpreter start-up.

@@ -157,7 +157,7 @@ def _recipe_yaml(algo: str, rest: list[str]) -> Path | None:
 def build_trainer(argv: list[str]) -> Any:
     """Parse the command line and build the trainer (shared by `jaxrl.train` and `jaxrl.bench`)."""
     from jaxrl import run_dir, trainers
-    from jaxrl.config import CONFIGS, parse_config
+    from jaxrl.config import parse_config
     from jaxrl.data import task
 
     algo, rest = _split_algo(argv)
@@ -166,7 +166,7 @@ def build_trainer(argv: list[str]) -> Any:
     if algo in ONLINE_ALGOS:
         return build_online_trainer(algo, rest)
     args, script = parse_config(
-        CONFIGS[algo], yaml_path=_recipe_yaml(algo, rest), cli_args=_without_config(rest)
+        config_class(algo), yaml_path=_recipe_yaml(algo, rest), cli_args=_without_config(rest)
     )
     peft_config, quantization_config = peft_options(script)
     # Fail on an unusable output_dir before loading any data or model.
@@ -232,10 +232,9 @@ def build_ppo_trainer(rest: list[str]) -> Any:
     from jaxrl.data.loading import load_dataset_any
     from jaxrl.rewards import arith_correct
     from jaxrl.trainers.ppo import PPOTrainer
-    from jaxrl.trainers.ppo_config import PPOConfig
 
     args, script = parse_config(
-        PPOConfig, yaml_path=_recipe_yaml("ppo", rest), cli_args=_without_config(rest)
+        config_class("ppo"), yaml_path=_recipe_yaml("ppo", rest), cli_args=_without_config(rest)
     )
     peft_config, quantization_config = peft_options(script)
     run_dir.check_output_dir(
@@ -282,16 +281,11 @@ def build_online_trainer(algo: str, rest: list[str]) -> Any:
     from jaxrl.data import task
     from jaxrl.rewards import arith_correct
     from jaxrl.trainers.grpo import GRPOTrainer
-    from jaxrl.trainers.grpo_config import GRPOConfig
     from jaxrl.trainers.rloo import RLOOTrainer
-    from jaxrl.trainers.rloo_config import RLOOConfig
 
-    config_cls, trainer_cls = {
-        "grpo": (GRPOConfig, GRPOTrainer),
-        "rloo": (RLOOConfig, RLOOTrainer),
-    }[algo]
+    trainer_cls = {"grpo": GRPOTrainer, "rloo": RLOOTrainer}[algo]
     args, script = parse_config(
-        config_cls, yaml_path=_recipe_yaml(algo, rest), cli_args=_without_config(rest)
+        config_class(algo), yaml_path=_recipe_yaml(algo, rest), cli_args=_without_config(rest)
     )
     peft_config, quantization_config = peft_options(script)
     run_dir.check_output_dir(
@@ -353,34 +347,38 @@ def main_ddpo(argv: list[str]) -> int:
     return 0
 
 
-def config_classes(algo: str) -> list[type]:
-    """The dataclasses whose fields `--algo ALGO` accepts as flags."""
-    from jaxrl.config import CONFIGS, ScriptArguments
+def config_class(algo: str) -> type:
+    """The config dataclass of `--algo ALGO` (TRL's class for it)."""
+    from jaxrl.config import CONFIGS
 
     if algo == "ppo":
         from jaxrl.trainers.ppo_config import PPOConfig
 
-        return [ScriptArguments, PPOConfig]
+        return PPOConfig
     if algo == "grpo":
         from jaxrl.trainers.grpo_config import GRPOConfig
 
-        return [ScriptArguments, GRPOConfig]
+        return GRPOConfig
     if algo == "rloo":
         from jaxrl.trainers.rloo_config import RLOOConfig
 
-        return [ScriptArguments, RLOOConfig]
+        return RLOOConfig
     if algo == "ddpo":
         from jaxrl.trainers.ddpo_config import DDPOConfig
 
-        return [DDPOConfig]
-    return [ScriptArguments, CONFIGS[algo]]
+        return DDPOConfig
+    return CONFIGS[algo]
 
 
 def usage(algo: str) -> str:
     """`--help`: the module's synopsis and every flag `--algo ALGO` accepts, with its default."""
     lines = [(__doc__ or "").strip(), "", f"Flags of --algo {algo} (name, type, default):"]
+    from jaxrl.config import ScriptArguments
+
     seen: set[str] = set()
-    for cls in config_classes(algo):
+    # DDPO's CLI reads its config class only; the others add the script-level fields.
+    classes = [config_class(algo)] if algo == "ddpo" else [ScriptArguments, config_class(algo)]
+    for cls in classes:
         lines.append(f"  [{cls.__name__}]")
         for f in dataclasses.fields(cls):
             if not f.init or f.name in seen or f.name == "algo":

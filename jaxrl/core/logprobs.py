@@ -14,6 +14,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jaxrl.core.matmul import weight_grad
+
 
 def shift_targets(input_ids_BT: jax.Array, mask_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Next-token targets and their mask, same length T: `targets[t] = input_ids[t + 1]`.
@@ -55,7 +57,8 @@ def _rounded_logits_bwd(res, g_BTV):
     h_BTD, unembed_DV, hidden_like = res
     g_BTV = g_BTV.astype(unembed_DV.dtype)
     dh_BTD = jnp.einsum("...v,dv->...d", g_BTV, unembed_DV, preferred_element_type=jnp.float32)
-    dw_DV = jnp.einsum("...d,...v->dv", h_BTD, g_BTV, preferred_element_type=jnp.float32)
+    d, v = unembed_DV.shape
+    dw_DV = weight_grad(h_BTD.reshape(-1, d), g_BTV.reshape(-1, v), jnp.float32)
     return dh_BTD.astype(hidden_like.dtype), dw_DV.astype(unembed_DV.dtype)
 
 
@@ -144,15 +147,11 @@ def _fused_head_bwd(temperature, logit_softcap, with_stats, residuals, cotangent
         d_hidden_BCD = jnp.einsum(
             "bcv,dv->bcd", d_logits_BCV, unembed_DV, preferred_element_type=jnp.float32
         )
-        # As a 2-D [D, M] @ [M, V] with an explicit transpose: XLA:CPU runs a dot that contracts
-        # the rows of both operands as a slow generic dot (GPU folds the transpose into the GEMM).
-        # On CPU the barrier keeps XLA from folding the transpose back into the dot.
         d, v = unembed_DV.shape
-        hidden_DM = hidden_BCD.astype(unembed_DV.dtype).reshape(-1, d).T
-        if jax.default_backend() == "cpu":
-            hidden_DM = jax.lax.optimization_barrier(hidden_DM)
-        d_unembed_DV = d_unembed_DV + jnp.dot(
-            hidden_DM, d_logits_BCV.reshape(-1, v), preferred_element_type=jnp.float32
+        d_unembed_DV = d_unembed_DV + weight_grad(
+            hidden_BCD.astype(unembed_DV.dtype).reshape(-1, d),
+            d_logits_BCV.reshape(-1, v),
+            jnp.float32,
         )
         return d_unembed_DV, d_hidden_BCD.astype(hidden_BCD.dtype)
 
