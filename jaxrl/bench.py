@@ -774,6 +774,16 @@ def compare_commands(
     }
 
 
+def _trl_env() -> dict[str, str]:
+    """The TRL child's environment: the user's, without jaxrl's malloc tunable (TRL runs as its
+    users run it), and with this checkout on `PYTHONPATH`: `examples/bench_trl.py` imports jaxrl,
+    which a source checkout run as `python -m jaxrl.bench` has not installed."""
+    env = _malloc.without_reexec(dict(os.environ))
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
 def compare(argv: list[str]) -> list[dict]:
     """jaxrl vs TRL, interleaved per point (see the module docstring); prints a line per point."""
     copts, rest = _split_compare_flags(argv)
@@ -812,7 +822,7 @@ def compare(argv: list[str]) -> list[dict]:
                 loads.append(os.getloadavg()[0])
                 runs["jaxrl"].append(run_child(jaxrl_cmd))
                 # TRL runs in the environment its users have: without jaxrl's malloc tunable.
-                runs["trl"].append(run_child(trl_cmd, _malloc.without_reexec(dict(os.environ))))
+                runs["trl"].append(run_child(trl_cmd, _trl_env()))
             step = {k: statistics.median(r["step_s"] for r in v) for k, v in runs.items()}
             rss = {k: max(r["peak_rss_bytes"] for r in v) for k, v in runs.items()}
             row = {

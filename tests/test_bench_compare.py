@@ -2,6 +2,8 @@
 per-point ratio and memory (the child processes are faked; the real ones take minutes)."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +40,7 @@ def test_sweep_interleaves_sides_and_reports_ratio_and_rss(monkeypatch, capsys):
     # As if this process had been re-executed with jaxrl's malloc tunable (jaxrl/_malloc.py).
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
     monkeypatch.setenv("JAXRL_HUGEPAGE_MALLOC", "added")
+    monkeypatch.setenv("PYTHONPATH", "/user/site")
 
     def fake_child(cmd, env=None):
         side = "trl" if "bench_trl.py" in cmd[1] else "jaxrl"
@@ -45,6 +48,10 @@ def test_sweep_interleaves_sides_and_reports_ratio_and_rss(monkeypatch, capsys):
         # jaxrl's children inherit the tunable; TRL's run in the user's environment.
         assert (env is None) == (side == "jaxrl")
         assert side == "jaxrl" or "GLIBC_TUNABLES" not in env
+        # TRL's script imports jaxrl: the checkout is on its path (a source checkout is not
+        # installed), ahead of the user's PYTHONPATH.
+        root = str(Path(bench.__file__).resolve().parents[1])
+        assert side == "jaxrl" or env["PYTHONPATH"] == os.pathsep.join((root, "/user/site"))
         step = {"jaxrl": 0.5, "trl": 1.0}[side]
         return {"step_s": step + 0.01 * len(calls), "peak_rss_bytes": {"jaxrl": 3, "trl": 2}[side]}
 
