@@ -131,7 +131,9 @@ def from_config(
     attention_impl: str | None = None,
     value_head_kwargs: dict[str, Any] | None = None,
 ) -> Model:
-    """Randomly initialised model (normal(0, initializer_range) weights, as HF), created sharded."""
+    """Randomly initialised model (normal(0, initializer_range) weights, as HF), created sharded.
+    The weights depend on `seed` only, not on `scan_layers`: an unrolled stack is the scanned one
+    cut into layers."""
     _check_task(task)
     mesh = None if mesh is None else parallel.normalize_mesh(mesh, rules)
     labels = _num_labels(hf_config, task, num_labels)
