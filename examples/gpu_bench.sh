@@ -3,9 +3,11 @@
 #
 #   bash examples/gpu_bench.sh OUT_DIR [STAGE ...]
 #
-# Stages (default: all, in this order): env, forward, sft, dpo, generate. Each writes its JSON
-# lines and log under OUT_DIR; a failing stage is logged and the next one runs. Needs jaxrl's
-# dependencies plus the `test` extra (trl) on a machine with one GPU.
+# Stages (default: all, in this order): env, forward, sft, dpo, generate; `profile` (not in the
+# default list) traces three forward+backward steps and writes the per-op summary of
+# examples/trace_top.py to OUT_DIR/trace_top.txt. Each writes its JSON lines and log under
+# OUT_DIR; a failing stage is logged and the next one runs. Needs jaxrl's dependencies plus the
+# `test` extra (trl) on a machine with one GPU. Run from the repo root.
 set -u
 out=${1:?usage: gpu_bench.sh OUT_DIR [STAGE ...]}
 shift
@@ -42,6 +44,13 @@ print(jax.devices())'; } 2>&1 | tee "$out/env.log"
         run forward 400 python3 -m jaxrl.bench --algo forward --preset "$preset" \
             --seq_len "$seq" --bf16 true --gradient_checkpointing false \
             --per_device_train_batch_size "${FWD_BATCH:-8}" --steps "$steps" --warmup "$warmup"
+        ;;
+    profile)  # where the forward+backward's device time goes, op by op
+        run profile 200 python3 -m jaxrl.bench --algo forward --preset "$preset" \
+            --seq_len "$seq" --bf16 true --gradient_checkpointing false \
+            --per_device_train_batch_size "${FWD_BATCH:-8}" --steps 3 --warmup 1 \
+            --profile_dir "$out/profile"
+        python3 examples/trace_top.py "$out/profile" --steps 3 --top 50 >"$out/trace_top.txt" 2>&1
         ;;
     sft)  # whole SFT steps (optimizer included), jaxrl then TRL 1.16 with bf16 autocast
         run sft 500 python3 -m jaxrl.bench --algo sft --compare trl --reps 1 --preset "$preset" \
