@@ -147,6 +147,7 @@ def test_bad_input_is_one_clear_paragraph(tmp_path, capsys, setup, status, words
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_a_bad_input_exits_2_without_traceback_as_a_process(tmp_path):
     """The same contract seen from outside: the process status, and stderr with no traceback."""
     data = _jsonl(tmp_path / "m.jsonl", ['{"text": "a"}', "{oops"])

@@ -265,7 +265,8 @@ def lm_loss(model, ids, mask):
     return jnp.sum(nll * mask[:, 1:]) / jnp.sum(mask[:, 1:])
 
 
-@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.slow
 def test_only_adapters_are_trained(hf_dir, scan):
     ids, mask, _ = padded_batch()
     model = tiny_llama(
@@ -419,6 +420,7 @@ def test_quantized_base_close_to_full_precision(hf_dir, scheme, tolerance):
     assert quant.param_bytes(kernels) < quant.param_bytes(nnx.state(tiny_llama(hf_dir), nnx.Param))
 
 
+@pytest.mark.slow
 def test_quantized_errors_are_ordered(hf_dir):
     """NF4 (4.5 bits) is coarser than per-channel int8, both far below the adapter's effect."""
     ids, mask, _ = padded_batch()

@@ -124,6 +124,7 @@ def _hand_metrics(tr, params, rest, batch):
     return mean, jax.tree.map(lambda *g: sum(g) / len(g), *grads)
 
 
+@pytest.mark.slow
 def test_step_metrics_equal_hand_computation(sd_path, tmp_path):
     tr = make(sd_path, tmp_path)
     tr._ensure_state()
@@ -336,6 +337,7 @@ def test_mesh_equals_one_device(sd_path, tmp_path):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_full_finetune_trains_unet_params(sd_path, tmp_path):
     tr = make(sd_path, tmp_path, use_lora=False, num_epochs=1)
     tr._ensure_state()

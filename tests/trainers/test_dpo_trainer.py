@@ -40,6 +40,7 @@ def dpo(tmp_path, model, tokenizer, data, eval_data=None, callbacks=None, **kw):
 
 
 @pytest.mark.parametrize("prefix_sharing", [False, True])
+@pytest.mark.slow
 def test_matches_trl_dpo_trainer(tmp_path, tokenizer, hf_model_dir, pref_data, prefix_sharing):
     """A few full-batch f32 steps: same losses, rewards and log-probs as TRL (also when jaxrl
     runs each pair as one prefix-shared row)."""

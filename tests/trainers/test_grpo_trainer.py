@@ -35,6 +35,7 @@ def make(model_dir, tokenizer, tmp_path, reward=None, train=None, callbacks=None
     return trainer, reward
 
 
+@pytest.mark.slow
 def test_one_step_equals_pure_loss_on_the_rollout(hf_model_dir, tokenizer, tmp_path):
     trainer, reward = make(hf_model_dir, tokenizer, tmp_path, beta=0.04, loss_type="dapo")
     trainer.train()
