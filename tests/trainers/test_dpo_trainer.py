@@ -266,6 +266,7 @@ def test_dataset_missing_columns_is_a_clear_error(tmp_path, tokenizer, hf_model_
         )
 
 
+@pytest.mark.slow
 def test_explicit_ref_model(tmp_path, tokenizer, hf_model_dir, pref_data):
     """An explicit reference different from the policy gives nonzero step-1 rewards, equal to
     beta * (policy - ref) log-probs; the same directory as reference gives zero."""

@@ -99,6 +99,7 @@ def test_num_iterations_reuses_generations(hf_model_dir, tokenizer, tmp_path):
     assert "old_logps" in trainer.rollout
 
 
+@pytest.mark.slow
 def test_one_prefill_per_prompt_batch(hf_model_dir, tokenizer, tmp_path):
     trainer, _ = make(hf_model_dir, tokenizer, tmp_path)
     trainer._ensure_state()
