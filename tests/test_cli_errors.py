@@ -22,7 +22,7 @@ from jaxrl.train import main
 
 # A tiny SFT run on the embedded task: fast, and every field not set here has TRL's default.
 BASE = ["--algo", "sft", "--max_steps", "1", "--disable_tqdm", "true", "--mesh_fsdp", "1"]
-BASE += ["--mesh_data", "-1", "--save_strategy", "no", "--per_device_train_batch_size", "1"]
+BASE += ["--mesh_data", "1", "--save_strategy", "no", "--per_device_train_batch_size", "1"]
 BASE += ["--eval_strategy", "no"]
 GOOD_ROWS = [{"text": f"{a}+{a}={2 * a}"} for a in range(16)]
 
@@ -147,6 +147,7 @@ def test_bad_input_is_one_clear_paragraph(tmp_path, capsys, setup, status, words
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_a_bad_input_exits_2_without_traceback_as_a_process(tmp_path):
     """The same contract seen from outside: the process status, and stderr with no traceback."""
     data = _jsonl(tmp_path / "m.jsonl", ['{"text": "a"}', "{oops"])

@@ -85,6 +85,7 @@ MESHES = {
 
 
 @pytest.mark.parametrize("make", list(MESHES.values()), ids=list(MESHES))
+@pytest.mark.slow
 def test_from_pretrained_accepts_any_make_mesh(make):
     from jaxrl import models
     from jaxrl.data import task

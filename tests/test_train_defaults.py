@@ -79,13 +79,21 @@ def test_non_finite_learning_rate_is_rejected(value):
 
 def test_wheel_ships_the_recipes(tmp_path):
     """A built wheel holds jaxrl/recipes/*.yaml, so an installed jaxrl runs the embedded job."""
+    import shutil
     import subprocess
     import sys
 
+    # Built from a copy: setuptools writes build/ into the source tree, which must not change
+    # under a test running beside this one (test_tpu_scripts tars the checkout).
     root = Path(__file__).resolve().parents[1]
+    src = tmp_path / "src"
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    shutil.copytree(root / "jaxrl", src / "jaxrl", ignore=skip)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
-         str(tmp_path), str(root)],
+         str(tmp_path), str(src)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]

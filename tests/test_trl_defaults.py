@@ -69,20 +69,37 @@ def _trl_losses(algo: str, model: Path, data: Path, out: Path, bf16: bool | None
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def _jaxrl_losses(algo: str, model: Path, data: Path, out: Path, *flags: str) -> list[float]:
+def _jaxrl_losses(runs: list[tuple[Path, Path, Path, tuple[str, ...]]]) -> list[list[float]]:
+    """Per-step losses of `python -m jaxrl.train --algo ALGO --model_name_or_path MODEL
+    --dataset_name DATA --output_dir OUT ...` for each (model, data, out, flags); the runs go
+    one after another through `jaxrl.train.main` in one process (one `import jaxrl`)."""
+    argvs = [
+        ["--algo", algo, "--model_name_or_path", str(model), "--dataset_name", str(data),
+         "--output_dir", str(out), "--max_steps", str(STEPS), "--logging_steps", "1",
+         "--disable_tqdm", "true", *flags]
+        for algo, model, data, out, flags in runs
+    ]  # fmt: skip
     # One CPU device, as TRL's single process: the same per-device batch is the same batch.
     env = dict(os.environ, XLA_FLAGS=with_devices(1))
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [
-        sys.executable, "-m", "jaxrl.train", "--algo", algo,
-        "--model_name_or_path", str(model), "--dataset_name", str(data),
-        "--output_dir", str(out), "--max_steps", str(STEPS), "--logging_steps", "1",
-        "--disable_tqdm", "true", *flags,
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    script = (
+        "import json, sys\n"
+        "from jaxrl.train import main\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    if main(argv):\n"
+        "        sys.exit(f'failed: {argv}')\n"
+    )
+    cmd = [sys.executable, "-c", script, json.dumps(argvs)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
+    losses = []
+    for _, _, _, out, _ in runs:
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        losses.append([r["loss"] for r in rows if "loss" in r])
+    return losses
+
+
+CASES = [(algo, precision) for precision in ("default", "f32") for algo in ("sft", "reward", "dpo")]
 
 
 # TRL's default precision is bf16: torch autocast (on CPU here), which jaxrl's bf16 follows (f32
@@ -90,15 +107,29 @@ def _jaxrl_losses(algo: str, model: Path, data: Path, out: Path, *flags: str) ->
 # reward 1.3e-3, DPO 4e-4 (bf16 gradients round differently); in f32 (`bf16=False` on both)
 # under 1e-6.
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["sft", "reward", "dpo"])
-@pytest.mark.parametrize("precision", ["default", "f32"])
-def test_cli_defaults_reproduce_trl_losses(tmp_path, algo, precision):
-    data = _dataset(tmp_path, "sft" if algo == "sft" else "dpo")
-    model = _reward_model(tmp_path) if algo == "reward" else MODEL
-    f32 = precision == "f32"
-    theirs = _trl_losses(algo, model, data, tmp_path / "trl", bf16=False if f32 else None)
-    flags = ("--bf16", "false") if f32 else ()
-    ours = _jaxrl_losses(algo, model, data, tmp_path / "jaxrl", *flags)
-    assert len(ours) == len(theirs) == STEPS
-    np.testing.assert_allclose(ours, theirs, atol=2e-3, rtol=0)
-    assert theirs[-1] < theirs[0]  # the five steps do train
+def test_cli_defaults_reproduce_trl_losses(tmp_path):
+    """SFT, reward and DPO, each in TRL's default precision and in f32. One test for the six
+    cases: the six jaxrl CLI runs share one process."""
+    data = {name: _dataset(tmp_path, name) for name in ("sft", "dpo")}
+    rm = _reward_model(tmp_path)
+    runs = [
+        (
+            algo,
+            rm if algo == "reward" else MODEL,
+            data["sft" if algo == "sft" else "dpo"],
+            tmp_path / f"jaxrl-{algo}-{precision}",
+            ("--bf16", "false") if precision == "f32" else (),
+        )
+        for algo, precision in CASES
+    ]
+    all_ours = _jaxrl_losses(runs)
+    for (algo, precision), (_, model, dataset, _, _), ours in zip(
+        CASES, runs, all_ours, strict=True
+    ):
+        f32 = precision == "f32"
+        out = tmp_path / f"trl-{algo}-{precision}"
+        theirs = _trl_losses(algo, model, dataset, out, bf16=False if f32 else None)
+        case = f"{algo}, {precision} precision"
+        assert len(ours) == len(theirs) == STEPS, case
+        np.testing.assert_allclose(ours, theirs, atol=2e-3, rtol=0, err_msg=case)
+        assert theirs[-1] < theirs[0], case  # the five steps do train

@@ -44,46 +44,72 @@ def _data(tmp_path: Path, name: str) -> Path:
     return out
 
 
-def _run(script: Path, *flags: str) -> subprocess.CompletedProcess:
+def _run(runs: list[tuple[Path, list[str]]]) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Runs each (script, flags) as `python script.py FLAGS` does (runpy as __main__ with that
+    argv), one after another in one process (one `import jaxrl`); the process and each run's
+    stdout."""
     env = dict(os.environ, XLA_FLAGS=with_devices(1))
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run(
-        [sys.executable, str(script), *flags], env=env, capture_output=True, text=True, timeout=600
+    driver = (
+        "import json, runpy, sys\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    print(SEP, flush=True)\n"
+        "    sys.argv = argv\n"
+        "    runpy.run_path(argv[0], run_name='__main__')\n"
+    ).replace("SEP", repr(SEP))
+    argvs = [[str(script), *flags] for script, flags in runs]
+    proc = subprocess.run(
+        [sys.executable, "-c", driver, json.dumps(argvs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
+    return proc, proc.stdout.split(SEP + "\n")[1:]
+
+
+SEP = "==== next script ===="
+NAMES = ["sft", "dpo", "reward"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["sft", "dpo", "reward"])
-def test_trl_script_trains_and_exports(tmp_path, name):
+def test_trl_script_trains_and_exports(tmp_path):
+    """The three scripts, one after another in one process (one test: they share it)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    script = _port(tmp_path, name)
-    out = tmp_path / "out"
-    proc = _run(
-        script,
-        "--model_name_or_path", str(MODEL),
-        "--dataset_name", str(_data(tmp_path, "sft" if name == "sft" else "dpo")),
-        "--output_dir", str(out),
-        "--max_steps", "2",
-        "--per_device_train_batch_size", "4",
-        "--eval_strategy", "steps",
-        "--eval_steps", "2",
-        "--dtype", "bfloat16",
-        "--attn_implementation", "sdpa",
-        "--disable_tqdm",
-        "--no_gradient_checkpointing",
-    )  # fmt: skip
+    runs = []
+    for name in NAMES:
+        (tmp_path / name).mkdir()
+        flags = [
+            "--model_name_or_path", str(MODEL),
+            "--dataset_name", str(_data(tmp_path / name, "sft" if name == "sft" else "dpo")),
+            "--output_dir", str(tmp_path / name / "out"),
+            "--max_steps", "2",
+            "--per_device_train_batch_size", "4",
+            "--eval_strategy", "steps",
+            "--eval_steps", "2",
+            "--dtype", "bfloat16",
+            "--attn_implementation", "sdpa",
+            "--disable_tqdm",
+            "--no_gradient_checkpointing",
+        ]  # fmt: skip
+        runs.append((_port(tmp_path / name, name), flags))
+    proc, stdouts = _run(runs)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Training completed" in proc.stdout and "Model saved" in proc.stdout
-    saved = json.loads((out / "jaxrl_config.json").read_text())
-    assert saved["param_dtype"] == "bfloat16"  # --dtype reached the trainer via model_init_kwargs
-    assert saved["gradient_checkpointing"] is False  # --no_X spells a false boolean
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert any("eval_loss" in m for m in metrics)  # the script passed the test split
-    auto = AutoModelForSequenceClassification if name == "reward" else AutoModelForCausalLM
-    model = auto.from_pretrained(out, dtype=torch.float32)
-    assert sum(p.numel() for p in model.parameters()) > 0
+    assert len(stdouts) == len(NAMES)
+    for name, stdout in zip(NAMES, stdouts, strict=True):
+        out = tmp_path / name / "out"
+        assert "Training completed" in stdout and "Model saved" in stdout, name
+        saved = json.loads((out / "jaxrl_config.json").read_text())
+        # --dtype reached the trainer via model_init_kwargs
+        assert saved["param_dtype"] == "bfloat16", name
+        assert saved["gradient_checkpointing"] is False, name  # --no_X spells a false boolean
+        metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert any("eval_loss" in m for m in metrics), name  # the script passed the test split
+        auto = AutoModelForSequenceClassification if name == "reward" else AutoModelForCausalLM
+        model = auto.from_pretrained(out, dtype=torch.float32)
+        assert sum(p.numel() for p in model.parameters()) > 0, name
 
 
 @pytest.mark.parametrize(

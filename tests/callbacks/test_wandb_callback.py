@@ -15,6 +15,7 @@ def test_rewrite_logs_like_hf():
     }
 
 
+@pytest.mark.slow
 def test_offline_run_id_is_persisted_and_reused(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

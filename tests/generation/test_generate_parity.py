@@ -15,7 +15,12 @@ from tests.generation.conftest import PAD, hf_generate, ragged_prompts
 from tests.models.conftest import FAMILIES, _build
 
 N_NEW = 10
-CASES = [(family, False) for family in FAMILIES] + [("mistral", True)]
+# The fast tier keeps one unscanned family and the scanned stack; the rest are slow.
+FAST = {("gpt2", False), ("mistral", True)}
+CASES = [
+    pytest.param(*c, marks=() if c in FAST else pytest.mark.slow)
+    for c in [(family, False) for family in FAMILIES] + [("mistral", True)]
+]
 
 
 def expected_mask(ids_BN: np.ndarray, eos: int) -> np.ndarray:
@@ -82,6 +87,7 @@ def test_greedy_matches_transformers_generate(hf_causal, family, scan):
     )
 
 
+@pytest.mark.slow
 def test_scanned_mix_of_sliding_and_full_layers_matches_transformers(tmp_path):
     config = FAMILIES["qwen2"][0]()
     config.layer_types = ["full_attention", "sliding_attention"]
@@ -93,6 +99,7 @@ def test_scanned_mix_of_sliding_and_full_layers_matches_transformers(tmp_path):
     check_against_transformers(ref, Sampler(model), (0,))
 
 
+@pytest.mark.slow
 def test_min_new_tokens_matches_transformers(hf_causal):
     ref = hf_causal("llama")
     check_against_transformers(ref, Sampler(models.from_pretrained(ref.path)), (6,))

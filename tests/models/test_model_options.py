@@ -109,7 +109,7 @@ def test_bf16_compute_with_f32_params_is_close(hf_causal):
     assert stored.model.norm.scale[...].dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.slow), "gpt2"])
 def test_packed_segments_match_separate_sequences(family, hf_causal):
     model = from_pretrained(hf_causal(family).path)
     rng = np.random.default_rng(0)

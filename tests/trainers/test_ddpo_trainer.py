@@ -121,9 +121,16 @@ def _hand_metrics(tr, params, rest, batch):
         metrics.append(m)
         grads.append(g)
     mean = {k: jnp.mean(jnp.stack([m[k] for m in metrics])) for k in metrics[0]}
-    return mean, jax.tree.map(lambda *g: sum(g) / len(g), *grads)
+    return mean, _mean_tree(grads)
 
 
+@jax.jit
+def _mean_tree(trees):
+    # Jitted: eagerly, each leaf shape of the UNet's gradients would compile its own sum.
+    return jax.tree.map(lambda *g: sum(g) / len(g), *trees)
+
+
+@pytest.mark.slow
 def test_step_metrics_equal_hand_computation(sd_path, tmp_path):
     tr = make(sd_path, tmp_path)
     tr._ensure_state()
@@ -158,8 +165,13 @@ def test_step_metrics_equal_hand_computation(sd_path, tmp_path):
         optax.clip_by_global_norm(c.train_max_grad_norm),
         optax.adamw(c.train_learning_rate, 0.9, 0.999, 1e-8, weight_decay=1e-4),
     )
-    updates, _ = tx.update(g1, tx.init(params0), params0)
-    params1 = optax.apply_updates(params0, updates)
+
+    @jax.jit  # eagerly, every op on every leaf shape would compile on its own
+    def adam_step(grads, params):
+        updates, _ = tx.update(grads, tx.init(params), params)
+        return optax.apply_updates(params, updates)
+
+    params1 = adam_step(g1, params0)
     m2, _ = _hand_metrics(tr, params1, rest, second)
     assert float(m1["approx_kl"]) < 1e-9  # first update: sampling policy == trained policy
     assert float(m2["approx_kl"]) > 0 and float(m2["clipfrac"]) > 0
@@ -170,7 +182,8 @@ def test_step_metrics_equal_hand_computation(sd_path, tmp_path):
     # calculate_loss (TRL signature) with the current params == the pure pieces.
     tr.train_state = tr.train_state.replace(params=params0)
     embeds = jnp.concatenate([first["negative_prompt_embeds"], first["prompt_embeds"]])
-    loss, kl, cf = tr.calculate_loss(
+    # Under jit: the same computation, compiled as one program rather than op by op.
+    loss, kl, cf = jax.jit(tr.calculate_loss)(
         first["latents"][:, 0],
         first["timesteps"][:, 0],
         first["next_latents"][:, 0],
@@ -336,6 +349,7 @@ def test_mesh_equals_one_device(sd_path, tmp_path):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_full_finetune_trains_unet_params(sd_path, tmp_path):
     tr = make(sd_path, tmp_path, use_lora=False, num_epochs=1)
     tr._ensure_state()

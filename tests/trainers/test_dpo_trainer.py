@@ -40,6 +40,7 @@ def dpo(tmp_path, model, tokenizer, data, eval_data=None, callbacks=None, **kw):
 
 
 @pytest.mark.parametrize("prefix_sharing", [False, True])
+@pytest.mark.slow
 def test_matches_trl_dpo_trainer(tmp_path, tokenizer, hf_model_dir, pref_data, prefix_sharing):
     """A few full-batch f32 steps: same losses, rewards and log-probs as TRL (also when jaxrl
     runs each pair as one prefix-shared row)."""
@@ -265,6 +266,7 @@ def test_dataset_missing_columns_is_a_clear_error(tmp_path, tokenizer, hf_model_
         )
 
 
+@pytest.mark.slow
 def test_explicit_ref_model(tmp_path, tokenizer, hf_model_dir, pref_data):
     """An explicit reference different from the policy gives nonzero step-1 rewards, equal to
     beta * (policy - ref) log-probs; the same directory as reference gives zero."""

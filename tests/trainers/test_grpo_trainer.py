@@ -35,6 +35,7 @@ def make(model_dir, tokenizer, tmp_path, reward=None, train=None, callbacks=None
     return trainer, reward
 
 
+@pytest.mark.slow
 def test_one_step_equals_pure_loss_on_the_rollout(hf_model_dir, tokenizer, tmp_path):
     trainer, reward = make(hf_model_dir, tokenizer, tmp_path, beta=0.04, loss_type="dapo")
     trainer.train()
@@ -98,6 +99,7 @@ def test_num_iterations_reuses_generations(hf_model_dir, tokenizer, tmp_path):
     assert "old_logps" in trainer.rollout
 
 
+@pytest.mark.slow
 def test_one_prefill_per_prompt_batch(hf_model_dir, tokenizer, tmp_path):
     trainer, _ = make(hf_model_dir, tokenizer, tmp_path)
     trainer._ensure_state()

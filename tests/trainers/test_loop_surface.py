@@ -26,6 +26,7 @@ def make(tmp_path, tokenizer, sft_data, eval_data=None, **kw):
     )
 
 
+@pytest.mark.slow
 def test_train_output_and_logging_strategies(tmp_path, tokenizer, sft_data, monkeypatch):
     # 64 examples / 16 per step: an epoch is 4 steps; 6 steps end mid-epoch.
     kw = dict(per_device_train_batch_size=16, max_steps=6)
@@ -106,6 +107,7 @@ def test_save_strategy_best_and_load_best_model_at_end(tmp_path, tokenizer, sft_
     )
 
 
+@pytest.mark.slow
 def test_save_only_model_best_checkpoint_survives_rotation(tmp_path, tokenizer, sft_data):
     run = dict(
         eval_strategy="steps",
@@ -178,6 +180,7 @@ class _FakeHub:
 
 
 @pytest.mark.parametrize("strategy", ["checkpoint", "all_checkpoints"])
+@pytest.mark.slow
 def test_hub_strategy_uploads_at_each_save(tmp_path, tokenizer, sft_data, monkeypatch, strategy):
     import huggingface_hub
 

@@ -46,6 +46,7 @@ def _sft(tmp_path, model, tokenizer, data, **kw):
     )
 
 
+@pytest.mark.slow
 def test_sft_lora_matches_merged_model_trains_only_adapters_and_exports(
     tmp_path, tokenizer, hf_model_dir, sft_data
 ):

@@ -31,6 +31,7 @@ def make(model_dir, tokenizer, tmp_path, **kw):
     return trainer, reward
 
 
+@pytest.mark.slow
 def test_one_step_equals_pure_rloo(hf_model_dir, tokenizer, tmp_path):
     trainer, reward = make(
         hf_model_dir, tokenizer, tmp_path, beta=0.05, reward_clip_range=[0.0, 1.0]

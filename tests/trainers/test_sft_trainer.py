@@ -46,6 +46,7 @@ def test_golden_one_step(tmp_path, tokenizer, sft_data):
     np.testing.assert_allclose(gn, GOLDEN_GRAD_NORM, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_accumulation_is_token_weighted(tmp_path, tokenizer, sft_data):
     # Examples have different lengths (2- and 3-digit sums), so micro-batches hold different
     # token counts: a mean of micro-batch means would differ from the full-batch loss.
@@ -79,6 +80,7 @@ def test_mesh_shapes_give_same_metrics(tmp_path, tokenizer, sft_data):
             np.testing.assert_allclose(s[key], o[key], rtol=2e-5, err_msg=key)
 
 
+@pytest.mark.slow
 def test_no_recompilation_across_steps(tmp_path, tokenizer, sft_data):
     trainer, logs = run(tmp_path, tokenizer, sft_data[0], max_steps=4)
     assert len(logs) == 4

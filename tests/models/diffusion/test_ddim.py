@@ -100,6 +100,7 @@ def test_step_needs_exactly_one_source():
         ddim_step_with_logprob(SCHED, STEPS, INPUTS["model_output"], 901, INPUTS["sample"], 1.0)
 
 
+@pytest.mark.slow
 def test_cfg_noise_pred_matches_trl(golden_models):
     unet, _ = golden_models
     graphdef, state = nnx.split(unet)

@@ -35,6 +35,7 @@ def torch_unet(model, sample, t, context) -> np.ndarray:
 
 
 @pytest.mark.parametrize("flavour", ["sd1_unet", "sd2_unet"])
+@pytest.mark.slow
 def test_unet_matches_diffusers(flavour, request):
     ref, path = request.getfixturevalue(flavour)
     unet = load_unet(path)
