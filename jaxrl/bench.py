@@ -821,7 +821,6 @@ def compare(argv: list[str]) -> list[dict]:
             for _ in range(copts["reps"]):
                 loads.append(os.getloadavg()[0])
                 runs["jaxrl"].append(run_child(jaxrl_cmd))
-                # TRL runs in the environment its users have: without jaxrl's malloc tunable.
                 runs["trl"].append(run_child(trl_cmd, _trl_env()))
             step = {k: statistics.median(r["step_s"] for r in v) for k, v in runs.items()}
             rss = {k: max(r["peak_rss_bytes"] for r in v) for k, v in runs.items()}

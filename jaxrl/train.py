@@ -398,13 +398,8 @@ def usage(algo: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
-        algo = DEFAULT_ALGO
-        for a, b in zip(argv, [*argv[1:], ""], strict=True):
-            if a == "--algo" and b in (*ALGOS, "ddpo"):
-                algo = b
-            elif a.startswith("--algo=") and a[7:] in (*ALGOS, "ddpo"):
-                algo = a[7:]
-        print(usage(algo))
+        algo = _flag_value(argv, "algo")
+        print(usage(algo if algo in (*ALGOS, "ddpo") else DEFAULT_ALGO))
         return 0
     pairs = [(a, b) for a, b in zip(argv, argv[1:], strict=False) if a == "--algo"]
     if "--algo=ddpo" in argv or ("--algo", "ddpo") in pairs:
