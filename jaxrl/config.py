@@ -276,7 +276,10 @@ class TrainingConfig(_ForeignTrainingFields):
     # BENCHMARKS.md), True elsewhere (lax.scan: a program whose size does not grow with depth).
     scan_layers: bool | None = None
     remat_policy: str | None = None  # None -> "full" if gradient_checkpointing else "none"
-    logprob_chunk_size: int = 128
+    # jaxrl: positions per log-prob chunk (the LM head runs `[B, chunk, V]` at a time). None =
+    # per backend: 128 on CPU; on GPU/TPU the whole sequence while the chunk's logits stay under
+    # 2**31 elements, else as many positions as fit (`jaxrl.core.logprobs.resolve_chunk_size`).
+    logprob_chunk_size: int | None = None
     # TRL's `pad_to_multiple_of`: the run's one static batch length (the longest example) is
     # rounded up to a multiple of this (e.g. 128 on TPU); None = the longest example exactly.
     pad_to_multiple_of: int | None = None
@@ -293,9 +296,12 @@ class TrainingConfig(_ForeignTrainingFields):
             "per_device_train_batch_size",
             "per_device_eval_batch_size",
             "gradient_accumulation_steps",
-            "logprob_chunk_size",
         ):
             _check(getattr(self, name) >= 1, f"`{name}` must be >= 1; got {getattr(self, name)}.")
+        _check(
+            self.logprob_chunk_size is None or self.logprob_chunk_size >= 1,
+            f"`logprob_chunk_size` must be None or >= 1; got {self.logprob_chunk_size}.",
+        )
         _check(
             self.pad_to_multiple_of is None or self.pad_to_multiple_of >= 1,
             f"`pad_to_multiple_of` must be None or >= 1; got {self.pad_to_multiple_of}.",

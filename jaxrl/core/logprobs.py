@@ -28,6 +28,21 @@ def shift_targets(input_ids_BT: jax.Array, mask_BT: jax.Array) -> tuple[jax.Arra
     return targets_BT, shifted_mask_BT
 
 
+def _logits_dtype(head_dtype) -> jnp.dtype:
+    """The dtype the LM-head GEMM writes: f32 accumulation rounded once to the head's dtype.
+
+    On GPU the GEMM writes the head's dtype itself (cuBLAS and XLA's Triton GEMMs accumulate in
+    f32 and round the result once: bit-identical to an f32 product rounded afterwards, measured
+    on an H100), which halves the logits' write traffic and drops a convert kernel over the
+    whole `[B, T, V]` logits (about 5 ms of a 78 ms Qwen2.5-0.5B step). XLA:CPU's bf16-output dot
+    rounds differently (not bit-identical), and TPU's is unverified: there the GEMM writes f32 and
+    the caller rounds.
+    """
+    if head_dtype == jnp.float32 or jax.default_backend() != "gpu":
+        return jnp.float32
+    return head_dtype
+
+
 def unembed_logits(hidden_BTD: jax.Array, unembed_DV: jax.Array) -> jax.Array:
     """f32 logits `hidden @ unembed` as an LM head in the unembedding's dtype makes them: hidden
     cast to that dtype, the f32 accumulation rounded to it, then upcast for the softmax. A bf16
@@ -45,7 +60,7 @@ def _rounded_logits(hidden_BTD, unembed_DV):
 
 def _rounded_logits_fwd(hidden_BTD, unembed_DV):
     h_BTD = hidden_BTD.astype(unembed_DV.dtype)
-    logits_BTV = jnp.dot(h_BTD, unembed_DV, preferred_element_type=jnp.float32)
+    logits_BTV = jnp.dot(h_BTD, unembed_DV, preferred_element_type=_logits_dtype(unembed_DV.dtype))
     # A 0-d array carries hidden's dtype to the backward (dtypes are not valid residuals).
     res = (h_BTD, unembed_DV, jnp.zeros((), hidden_BTD.dtype))
     return logits_BTV.astype(unembed_DV.dtype).astype(jnp.float32), res
@@ -73,17 +88,21 @@ def _logits(hidden_BCD, unembed_DV, temperature, logit_softcap):
         "bcd,dv->bcv",
         hidden_BCD.astype(unembed_DV.dtype),
         unembed_DV,
-        preferred_element_type=jnp.float32,
+        preferred_element_type=_logits_dtype(unembed_DV.dtype),
     )
     if unembed_DV.dtype != jnp.float32:
         raw_BCV = raw_BCV.astype(unembed_DV.dtype).astype(jnp.float32)
+    return raw_BCV, _final_logits(raw_BCV, temperature, logit_softcap)
+
+
+def _final_logits(raw_BCV, temperature, logit_softcap):
     logits_BCV = raw_BCV
     if logit_softcap is not None:
         # Gemma-style final-logit soft-capping, as in TRL's fused head (scale, softcap, temperature).
         logits_BCV = logit_softcap * jnp.tanh(logits_BCV / logit_softcap)
     if temperature != 1.0:
         logits_BCV = logits_BCV / temperature
-    return raw_BCV, logits_BCV
+    return logits_BCV
 
 
 def _chunk_stats(logits_BCV, log_z_BC, targets_BC):
@@ -114,25 +133,39 @@ def _fused_head(hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_softcap
 
 
 def _fused_head_fwd(hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_softcap, with_stats):
+    # One chunk keeps its logits (in the head's dtype, which holds them exactly) for the
+    # backward instead of recomputing them: the backward runs right after the forward's last
+    # op, so they add nothing to the peak (that chunk's logits gradient is as large), and the
+    # recompute GEMM was 2.9 ms of a 70 ms Qwen2.5-0.5B step on an H100. Several chunks
+    # recompute theirs, so that at most one chunk's logits exist at a time.
+    keep_logits = hidden_NBCD.shape[0] == 1
+
     def step(_, xs):
         hidden_BCD, targets_BC = xs
-        _, logits_BCV = _logits(hidden_BCD, unembed_DV, temperature, logit_softcap)
+        raw_BCV, logits_BCV = _logits(hidden_BCD, unembed_DV, temperature, logit_softcap)
         log_z_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
         target_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
         stats = _chunk_stats(logits_BCV, log_z_BC, targets_BC) if with_stats else {}
-        return None, (target_BC - log_z_BC, stats, log_z_BC)
+        raw = raw_BCV.astype(unembed_DV.dtype) if keep_logits else None
+        return None, (target_BC - log_z_BC, stats, log_z_BC, raw)
 
-    _, (logps_NBC, stats_NBC, log_z_NBC) = jax.lax.scan(step, None, (hidden_NBCD, targets_NBC))
-    return (logps_NBC, stats_NBC), (hidden_NBCD, unembed_DV, targets_NBC, log_z_NBC)
+    _, (logps_NBC, stats_NBC, log_z_NBC, raw_NBCV) = jax.lax.scan(
+        step, None, (hidden_NBCD, targets_NBC)
+    )
+    return (logps_NBC, stats_NBC), (hidden_NBCD, unembed_DV, targets_NBC, log_z_NBC, raw_NBCV)
 
 
 def _fused_head_bwd(temperature, logit_softcap, with_stats, residuals, cotangents):
-    hidden_NBCD, unembed_DV, targets_NBC, log_z_NBC = residuals
+    hidden_NBCD, unembed_DV, targets_NBC, log_z_NBC, raw_NBCV = residuals
     g_NBC = cotangents[0].astype(jnp.float32)  # the statistics are under stop_gradient
 
     def step(d_unembed_DV, xs):
-        hidden_BCD, targets_BC, log_z_BC, g_BC = xs
-        raw_BCV, logits_BCV = _logits(hidden_BCD, unembed_DV, temperature, logit_softcap)
+        hidden_BCD, targets_BC, log_z_BC, g_BC, raw_BCV = xs
+        if raw_BCV is None:
+            raw_BCV, logits_BCV = _logits(hidden_BCD, unembed_DV, temperature, logit_softcap)
+        else:
+            raw_BCV = raw_BCV.astype(jnp.float32)
+            logits_BCV = _final_logits(raw_BCV, temperature, logit_softcap)
         probs_BCV = jnp.exp(logits_BCV - log_z_BC[..., None])
         vocab_BCV = jax.lax.broadcasted_iota(targets_BC.dtype, logits_BCV.shape, 2)
         # d log p(target) / d logits = onehot(target) - softmax
@@ -158,7 +191,7 @@ def _fused_head_bwd(temperature, logit_softcap, with_stats, residuals, cotangent
     d_unembed_DV, d_hidden_NBCD = jax.lax.scan(
         step,
         jnp.zeros(unembed_DV.shape, jnp.float32),
-        (hidden_NBCD, targets_NBC, log_z_NBC, g_NBC),
+        (hidden_NBCD, targets_NBC, log_z_NBC, g_NBC, raw_NBCV),
     )
     return d_hidden_NBCD, d_unembed_DV.astype(unembed_DV.dtype), None
 
@@ -166,12 +199,34 @@ def _fused_head_bwd(temperature, logit_softcap, with_stats, residuals, cotangent
 _fused_head.defvjp(_fused_head_fwd, _fused_head_bwd)
 
 
+# Accelerators: the most logits one chunk may hold (elements of `[B, chunk, V]`; 4 GiB in bf16).
+# One chunk runs fastest there (no f32 weight-gradient carry across a scan, the GEMMs at full
+# size): on an H100 the Qwen2.5-0.5B head at B=8, T=1024 takes 13.1 ms forward + backward as one
+# chunk against 19.3 ms as eight chunks of 128 positions, for about 4 GB more peak memory; TRL
+# holds the whole bf16 logits plus an f32 copy.
+ACCELERATOR_LOGITS_BUDGET = 2**31
+CPU_CHUNK_SIZE = 128  # positions per chunk on CPU (cache-sized blocks are faster there)
+
+
+def resolve_chunk_size(chunk_size: int | None, batch: int, seq_len: int, vocab: int) -> int:
+    """Positions per chunk: `chunk_size` when given, else 128 on CPU and, elsewhere, the whole
+    sequence when `batch * seq_len * vocab` fits `ACCELERATOR_LOGITS_BUDGET`, otherwise as many
+    positions as fit it (at least one)."""
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}.")
+        return chunk_size
+    if jax.default_backend() == "cpu":
+        return CPU_CHUNK_SIZE
+    return max(1, min(seq_len, ACCELERATOR_LOGITS_BUDGET // max(1, batch * vocab)))
+
+
 def token_logprobs(
     hidden_BTD: jax.Array,
     unembed_DV: jax.Array,
     targets_BT: jax.Array,
     *,
-    chunk_size: int = 128,
+    chunk_size: int | None = None,
     with_stats: bool = False,
     temperature: float = 1.0,
     logit_softcap: float | None = None,
@@ -180,13 +235,12 @@ def token_logprobs(
 
     Logits accumulate in f32 (`preferred_element_type`) whatever the input dtypes. T need not be
     a multiple of `chunk_size`: it runs as ceil(T / chunk_size) equal chunks of at most
-    `chunk_size`, padded by less than one position per chunk. With `with_stats=True` also returns
+    `chunk_size`, padded by less than one position per chunk. `chunk_size=None` picks it per
+    backend (`resolve_chunk_size`). With `with_stats=True` also returns
     `[B, T]` statistics under `stop_gradient`: `argmax` (token ids), `argmax_correct` (bool), `entropy` (nats),
     `logit_mean` (mean logit over the vocabulary; TRL's `logits/chosen` is its mean over
     completion tokens) and `log_sum_sq_probs`. For tied embeddings pass `embedding_VD.T`.
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}.")
     if hidden_BTD.shape[-1] != unembed_DV.shape[0]:
@@ -195,6 +249,7 @@ def token_logprobs(
             "pass the unembedding as [hidden, vocab] (for tied embeddings use embedding.T)."
         )
     B, T, D = hidden_BTD.shape
+    chunk_size = resolve_chunk_size(chunk_size, B, T, unembed_DV.shape[1])
     # Balanced chunks: as few as chunk_size allows, all of one size, so the padding is under one
     # row per chunk (T=129 runs as 2 x 65, not 2 x 128).
     num_chunks = -(-T // chunk_size)

@@ -41,7 +41,7 @@ def make_rollout_forward(
     apply_ref: Callable[[Any], Any],
     *,
     kl_kind: str = "kl",
-    chunk_size: int = 128,
+    chunk_size: int | None = None,
 ) -> Callable[..., dict[str, jax.Array]]:
     """Build `forward(params, ref_params, input_ids_BL, attention_mask_BL) -> dict` with
     `logprobs`, `ref_logprobs`, `values` and `kl` (the penalty per token), all f32 `[B, L - 1]`.
@@ -86,7 +86,7 @@ def make_ppo_loss_fn(
     cliprange_value: float,
     vf_coef: float,
     ratio_threshold: float,
-    chunk_size: int = 128,
+    chunk_size: int | None = None,
 ) -> Callable:
     """The `step.make_loss_and_grads` loss of one PPO mini-batch.
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxrl.core.logprobs import unembed_logits
+from jaxrl.core.logprobs import resolve_chunk_size, unembed_logits
 
 KL_PENALTIES = ("kl", "abs", "mse", "full")
 _WHITEN_EPS = 1e-8  # TRL's rsqrt(var + 1e-8)
@@ -126,13 +126,13 @@ def full_kl_from_hidden(
     ref_hidden_BTD: jax.Array,
     ref_unembed_DV: jax.Array,
     *,
-    chunk_size: int = 128,
+    chunk_size: int | None = None,
 ) -> jax.Array:
     """Per-position KL(policy || ref) over the whole vocabulary, `[B, T]` f32, from both models'
     final hidden states and unembeddings (TRL's `kl_penalty="full"`). Logits are formed one
     `[B, chunk, V]` block of T at a time, never for the whole sequence."""
     B, T, _ = hidden_BTD.shape
-    chunk = min(chunk_size, T)
+    chunk = min(resolve_chunk_size(chunk_size, B, T, unembed_DV.shape[1]), T)
     n = -(-T // chunk)
     pad = n * chunk - T
 

@@ -224,7 +224,7 @@ class CausalLMWithValueHead(nnx.Module):
         attention_mask: jax.Array | None = None,
         *,
         positions: jax.Array | None = None,
-        chunk_size: int = 128,
+        chunk_size: int | None = None,
         with_entropy: bool = False,
     ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """TRL's `batched_forward_pass` outputs for one batch, aligned to length T - 1:

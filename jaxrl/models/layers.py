@@ -101,22 +101,14 @@ class Dense(nnx.Module):
         # With a bias, the product stays f32 until the bias is added, then is rounded once to the
         # compute dtype: torch's addmm (nn.Linear / Conv1D under autocast) rounds only its result.
         acc_dtype = self.dtype if self.bias is None else jnp.promote_types(self.dtype, jnp.float32)
-        if jax.default_backend() == "cpu":
-            # As [M, in] @ [in, out] with a backward of standard-layout matmuls (`matmul_2d`).
-            out_shape = kernel.shape[self.n_in :]
-            y = matmul_2d(
-                x.reshape(math.prod(x.shape[:n_batch]), -1),
-                kernel.reshape(math.prod(kernel.shape[: self.n_in]), -1),
-                acc_dtype,
-            ).reshape(*x.shape[:n_batch], *out_shape)
-        else:
-            in_dims = tuple(range(n_batch, x.ndim))
-            y = jax.lax.dot_general(
-                x,
-                kernel,
-                ((in_dims, tuple(range(self.n_in))), ((), ())),
-                preferred_element_type=acc_dtype,
-            )
+        # As [M, in] @ [in, out] whose backward takes the cotangent in the compute dtype
+        # (`matmul_2d`), as torch's addmm does under autocast.
+        out_shape = kernel.shape[self.n_in :]
+        y = matmul_2d(
+            x.reshape(math.prod(x.shape[:n_batch]), -1),
+            kernel.reshape(math.prod(kernel.shape[: self.n_in]), -1),
+            acc_dtype,
+        ).reshape(*x.shape[:n_batch], *out_shape)
         if self.bias is not None:
             y = (y + param_value(self.bias, self.dtype)).astype(self.dtype)
         return y
@@ -124,13 +116,14 @@ class Dense(nnx.Module):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def matmul_2d(x_MI: jax.Array, w_IO: jax.Array, out_dtype: Any) -> jax.Array:
-    """`x @ w` whose backward runs as two matmuls in standard [M, K] @ [K, N] layout.
+    """`x @ w` (f32 accumulation, returned in `out_dtype`) with a hand-written backward.
 
-    Autodiff's weight gradient `x^T @ dy` contracts the rows of both operands; XLA:CPU runs that
-    as a generic dot (~3x slower per FLOP than its fused matmuls here) after transposing copies
-    of the activation gradients; `weight_grad` computes it as a standard-layout matmul instead.
-    Used on CPU only; other backends handle every layout natively. The product is accumulated in
-    f32 and returned in `out_dtype`.
+    The backward casts the cotangent to the inputs' dtype before its two matmuls. With a bias the
+    product leaves in f32 (torch's addmm rounds only after adding the bias), so autodiff would
+    hand the backward an f32 cotangent and run both gradient GEMMs in f32 against a bf16 weight;
+    torch's addmm gets a bf16 gradient and runs them in bf16 (on an H100 the f32 q/k/v weight
+    gradient ran at ~140 TFLOP/s). The weight gradient comes from `weight_grad`, which on CPU
+    avoids XLA:CPU's slow transposed-operand dot (~3x slower per FLOP than its fused matmuls).
     """
     return _matmul_2d_fwd(x_MI, w_IO, out_dtype)[0]
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl.core.logprobs import shift_targets, token_logprobs
+from jaxrl.core.logprobs import resolve_chunk_size, shift_targets, token_logprobs
 
 B, T, D, V = 2, 13, 16, 37
 
@@ -189,3 +189,39 @@ def test_chunks_are_balanced(seq_len, chunk_size, num_chunks, chunk):
     assert scans[0].params["length"] == num_chunks
     hidden_chunks = [v.aval.shape for v in scans[0].invars if v.aval.shape[-1:] == (D,)]
     assert hidden_chunks == [(num_chunks, 1, chunk, D)]
+
+
+@pytest.mark.parametrize(
+    "backend, chunk_size, batch, seq_len, vocab, want",
+    [
+        ("cpu", None, 8, 1024, 151936, 128),  # CPU: cache-sized chunks
+        ("gpu", None, 8, 1024, 151936, 1024),  # 1.24e9 logits fit 2**31: one chunk
+        ("gpu", None, 32, 1024, 151936, 441),  # 2**31 // (32 * 151936) positions
+        ("tpu", None, 4096, 8, 10**6, 1),  # never below one position
+        ("gpu", 64, 8, 1024, 151936, 64),  # an explicit size is kept on every backend
+        ("cpu", 7, 1, 5, 10, 7),
+    ],
+)
+def test_chunk_size_resolves_per_backend(
+    monkeypatch, backend, chunk_size, batch, seq_len, vocab, want
+):
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    assert resolve_chunk_size(chunk_size, batch, seq_len, vocab) == want
+
+
+def test_default_chunk_on_cpu_is_128_positions():
+    """`chunk_size=None` (the config default) on CPU runs 300 positions as 3 x 100."""
+    hidden = jnp.ones((1, 300, D))
+    targets = jnp.zeros((1, 300), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda h: token_logprobs(h, jnp.ones((D, V)), targets))(hidden)
+    (head,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name.startswith("custom_vjp")]
+    (scan,) = [e for e in head.params["call_jaxpr"].jaxpr.eqns if e.primitive.name == "scan"]
+    assert scan.params["length"] == 3
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_chunk_size_below_one_is_rejected(bad):
+    with pytest.raises(ValueError, match="chunk_size must be >= 1 or None"):
+        token_logprobs(
+            jnp.ones((1, 4, D)), jnp.ones((D, V)), jnp.zeros((1, 4), jnp.int32), chunk_size=bad
+        )
