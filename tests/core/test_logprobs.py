@@ -52,10 +52,11 @@ def test_values_and_stats_match_naive(inputs, chunk_size):
         np.testing.assert_allclose(stats[name], ref_stats[name], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_size", [4, 16])  # 4 chunks (recomputed), one chunk (kept logits)
 @pytest.mark.parametrize(
     ("temperature", "softcap", "with_stats"), [(1.0, None, False), (0.7, 3.0, True)]
 )
-def test_gradients_match_naive(inputs, temperature, softcap, with_stats):
+def test_gradients_match_naive(inputs, temperature, softcap, with_stats, chunk_size):
     """The fused head's own VJP (onehot - softmax, through temperature and soft-capping) equals
     autodiff of the full-vocab computation; the statistics add no gradient."""
     hidden, unembed, targets = inputs
@@ -63,8 +64,8 @@ def test_gradients_match_naive(inputs, temperature, softcap, with_stats):
 
     def chunked(h, w):
         out = token_logprobs(
-            h, w, targets, chunk_size=4, temperature=temperature, logit_softcap=softcap,
-            with_stats=with_stats,
+            h, w, targets, chunk_size=chunk_size, temperature=temperature,
+            logit_softcap=softcap, with_stats=with_stats,
         )  # fmt: skip
         logps, stats = out if with_stats else (out, {})
         return jnp.sum(logps * weights) + sum(
@@ -225,3 +226,28 @@ def test_chunk_size_below_one_is_rejected(bad):
         token_logprobs(
             jnp.ones((1, 4, D)), jnp.ones((D, V)), jnp.zeros((1, 4), jnp.int32), chunk_size=bad
         )
+
+
+def _count(jaxpr, name: str) -> int:
+    """Equations named `name` in a jaxpr and every jaxpr nested in its equations' params."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == name
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    n += _count(inner, name)
+    return n
+
+
+@pytest.mark.parametrize(("chunk_size", "matmuls"), [(16, 3), (4, 4)])
+def test_one_chunk_keeps_its_logits_for_the_backward(inputs, chunk_size, matmuls):
+    """The head's forward + backward traces three matmuls (logits; hidden and weight gradients)
+    when the sequence is one chunk, and four (the logits once more) when it is several: each
+    scan body is traced once, so these are the matmuls per chunk."""
+    hidden, unembed, targets = inputs
+    grad = jax.grad(
+        lambda h, w: token_logprobs(h, w, targets, chunk_size=chunk_size).sum(), argnums=(0, 1)
+    )
+    assert _count(jax.make_jaxpr(grad)(hidden, unembed).jaxpr, "dot_general") == matmuls
