@@ -50,7 +50,7 @@ print(jax.devices())'; } 2>&1 | tee "$out/env.log"
             --seq_len "$seq" --bf16 true --gradient_checkpointing false \
             --per_device_train_batch_size "${FWD_BATCH:-8}" --steps 3 --warmup 1 \
             --profile_dir "$out/profile"
-        python3 examples/trace_top.py "$out/profile" --steps 3 --top 50 >"$out/trace_top.txt" 2>&1
+        python3 examples/trace_top.py "$out/profile" --steps 3 --top 50 --gaps 20 >"$out/trace_top.txt" 2>&1
         ;;
     sft)  # whole SFT steps (optimizer included), jaxrl then TRL 1.16 with bf16 autocast
         run sft 500 python3 -m jaxrl.bench --algo sft --compare trl --reps 1 --preset "$preset" \
