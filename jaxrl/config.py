@@ -277,8 +277,8 @@ class TrainingConfig(_ForeignTrainingFields):
     scan_layers: bool | None = None
     remat_policy: str | None = None  # None -> "full" if gradient_checkpointing else "none"
     # jaxrl: positions per log-prob chunk (the LM head runs `[B, chunk, V]` at a time). None =
-    # per backend: 128 on CPU; on GPU/TPU the whole sequence while the chunk's logits stay under
-    # 2**31 elements, else as many positions as fit (`jaxrl.core.logprobs.resolve_chunk_size`).
+    # per backend: 128 on CPU; on GPU/TPU the whole sequence while its logits fit 4 GiB (2**31
+    # bf16 logits on GPU), else as many positions as fit (`jaxrl.core.logprobs.resolve_chunk_size`).
     logprob_chunk_size: int | None = None
     # TRL's `pad_to_multiple_of`: the run's one static batch length (the longest example) is
     # rounded up to a multiple of this (e.g. 128 on TPU); None = the longest example exactly.

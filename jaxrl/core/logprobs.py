@@ -199,26 +199,31 @@ def _fused_head_bwd(temperature, logit_softcap, with_stats, residuals, cotangent
 _fused_head.defvjp(_fused_head_fwd, _fused_head_bwd)
 
 
-# Accelerators: the most logits one chunk may hold (elements of `[B, chunk, V]`; 4 GiB in bf16).
-# One chunk runs fastest there (no f32 weight-gradient carry across a scan, the GEMMs at full
-# size): on an H100 the Qwen2.5-0.5B head at B=8, T=1024 takes 13.1 ms forward + backward as one
-# chunk against 19.3 ms as eight chunks of 128 positions, for about 4 GB more peak memory; TRL
-# holds the whole bf16 logits plus an f32 copy.
-ACCELERATOR_LOGITS_BUDGET = 2**31
+# Accelerators: the most bytes of logits one chunk may write (`[B, chunk, V]` in the dtype the
+# head's GEMM writes: 2**31 bf16 logits on GPU). One chunk runs fastest there (no f32
+# weight-gradient carry across a scan, the GEMMs at full size): on an H100 the Qwen2.5-0.5B head
+# at B=8, T=1024 takes 13.1 ms forward + backward as one chunk against 19.3 ms as eight chunks of
+# 128 positions, for about 3.5 GB more peak memory; TRL holds the whole bf16 logits plus an f32
+# copy.
+ACCELERATOR_LOGITS_BYTES = 2**32
 CPU_CHUNK_SIZE = 128  # positions per chunk on CPU (cache-sized blocks are faster there)
 
 
-def resolve_chunk_size(chunk_size: int | None, batch: int, seq_len: int, vocab: int) -> int:
+def resolve_chunk_size(
+    chunk_size: int | None, batch: int, seq_len: int, vocab: int, head_dtype=jnp.bfloat16
+) -> int:
     """Positions per chunk: `chunk_size` when given, else 128 on CPU and, elsewhere, the whole
-    sequence when `batch * seq_len * vocab` fits `ACCELERATOR_LOGITS_BUDGET`, otherwise as many
-    positions as fit it (at least one)."""
+    sequence when its logits (`batch * seq_len * vocab` in the dtype the head's GEMM writes, see
+    `_logits_dtype`) fit `ACCELERATOR_LOGITS_BYTES`, otherwise as many positions as fit (at
+    least one)."""
     if chunk_size is not None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}.")
         return chunk_size
     if jax.default_backend() == "cpu":
         return CPU_CHUNK_SIZE
-    return max(1, min(seq_len, ACCELERATOR_LOGITS_BUDGET // max(1, batch * vocab)))
+    budget = ACCELERATOR_LOGITS_BYTES // jnp.dtype(_logits_dtype(head_dtype)).itemsize
+    return max(1, min(seq_len, budget // max(1, batch * vocab)))
 
 
 def token_logprobs(
@@ -249,7 +254,7 @@ def token_logprobs(
             "pass the unembedding as [hidden, vocab] (for tied embeddings use embedding.T)."
         )
     B, T, D = hidden_BTD.shape
-    chunk_size = resolve_chunk_size(chunk_size, B, T, unembed_DV.shape[1])
+    chunk_size = resolve_chunk_size(chunk_size, B, T, unembed_DV.shape[1], unembed_DV.dtype)
     # Balanced chunks: as few as chunk_size allows, all of one size, so the padding is under one
     # row per chunk (T=129 runs as 2 x 65, not 2 x 128).
     num_chunks = -(-T // chunk_size)

@@ -193,21 +193,23 @@ def test_chunks_are_balanced(seq_len, chunk_size, num_chunks, chunk):
 
 
 @pytest.mark.parametrize(
-    "backend, chunk_size, batch, seq_len, vocab, want",
+    "backend, head, chunk_size, batch, seq_len, vocab, want",
     [
-        ("cpu", None, 8, 1024, 151936, 128),  # CPU: cache-sized chunks
-        ("gpu", None, 8, 1024, 151936, 1024),  # 1.24e9 logits fit 2**31: one chunk
-        ("gpu", None, 32, 1024, 151936, 441),  # 2**31 // (32 * 151936) positions
-        ("tpu", None, 4096, 8, 10**6, 1),  # never below one position
-        ("gpu", 64, 8, 1024, 151936, 64),  # an explicit size is kept on every backend
-        ("cpu", 7, 1, 5, 10, 7),
+        ("cpu", jnp.bfloat16, None, 8, 1024, 151936, 128),  # CPU: cache-sized chunks
+        ("gpu", jnp.bfloat16, None, 8, 1024, 151936, 1024),  # 2.5 GB of bf16 logits: one chunk
+        ("gpu", jnp.bfloat16, None, 32, 1024, 151936, 441),  # 2**31 // (32 * 151936) positions
+        ("gpu", jnp.float32, None, 8, 1024, 151936, 883),  # f32 logits: 2**30 // (8 * 151936)
+        ("tpu", jnp.bfloat16, None, 8, 1024, 151936, 883),  # TPU's head GEMM writes f32
+        ("tpu", jnp.bfloat16, None, 4096, 8, 10**6, 1),  # never below one position
+        ("gpu", jnp.bfloat16, 64, 8, 1024, 151936, 64),  # an explicit size is kept everywhere
+        ("cpu", jnp.float32, 7, 1, 5, 10, 7),
     ],
 )
 def test_chunk_size_resolves_per_backend(
-    monkeypatch, backend, chunk_size, batch, seq_len, vocab, want
+    monkeypatch, backend, head, chunk_size, batch, seq_len, vocab, want
 ):
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
-    assert resolve_chunk_size(chunk_size, batch, seq_len, vocab) == want
+    assert resolve_chunk_size(chunk_size, batch, seq_len, vocab, head) == want
 
 
 def test_default_chunk_on_cpu_is_128_positions():
