@@ -128,9 +128,9 @@ def _chunk_stats(logits_BCV, log_z_BC, targets_BC):
 # accumulates the weight gradient across chunks in f32.
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _fused_head(hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_softcap, with_stats):
-    return _fused_head_fwd(
-        hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_softcap, with_stats
-    )[0]
+    # Without differentiation (a reference model's forward, say) nothing is kept for a backward.
+    args = (hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_softcap, with_stats)
+    return _head_forward(*args, keep_logits=False)[0]
 
 
 def _fused_head_fwd(hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_softcap, with_stats):
@@ -139,8 +139,13 @@ def _fused_head_fwd(hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_sof
     # where that chunk's logits gradient is as large, so the peak barely moves (+0.3 GB at the
     # Qwen2.5-0.5B point on an H100, where the recompute GEMM alone takes 2.9 ms). Several chunks
     # recompute theirs, so that at most one chunk's logits exist at a time.
-    keep_logits = hidden_NBCD.shape[0] == 1
+    args = (hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_softcap, with_stats)
+    return _head_forward(*args, keep_logits=hidden_NBCD.shape[0] == 1)
 
+
+def _head_forward(
+    hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_softcap, with_stats, *, keep_logits
+):
     def step(_, xs):
         hidden_BCD, targets_BC = xs
         raw_BCV, logits_BCV = _logits(hidden_BCD, unembed_DV, temperature, logit_softcap)

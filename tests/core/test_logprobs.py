@@ -253,3 +253,15 @@ def test_one_chunk_keeps_its_logits_for_the_backward(inputs, chunk_size, matmuls
         lambda h, w: token_logprobs(h, w, targets, chunk_size=chunk_size).sum(), argnums=(0, 1)
     )
     assert _count(jax.make_jaxpr(grad)(hidden, unembed).jaxpr, "dot_general") == matmuls
+
+
+def test_forward_alone_keeps_no_logits(inputs):
+    """Without differentiation (a reference forward) the one-chunk head outputs no logits."""
+    hidden, unembed, targets = inputs
+    jaxpr = jax.make_jaxpr(lambda h, w: token_logprobs(h, w, targets, chunk_size=16))(
+        hidden, unembed
+    )
+    (head,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name.startswith("custom_vjp")]
+    (scan,) = [e for e in head.params["call_jaxpr"].jaxpr.eqns if e.primitive.name == "scan"]
+    assert scan.params["length"] == 1
+    assert all(v.aval.shape[-1:] != (V,) for v in scan.outvars)
