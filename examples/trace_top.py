@@ -79,6 +79,9 @@ def idle_gaps(ops: list[dict]) -> tuple[float, float, list[tuple[float, str, str
 
 
 def print_gaps(ops: list[dict], n: int, steps: int) -> None:
+    if not ops:
+        print("no device ops in the trace: nothing to measure idle time against")
+        return
     span, busy, gaps = idle_gaps(ops)
     print(
         f"traced span {span / 1e3 / steps:.2f} ms per step: device busy {busy / 1e3 / steps:.2f}"

@@ -43,3 +43,16 @@ def test_op_totals_and_idle_gaps(tmp_path):
     assert "device op time: 0.39 ms per step" in out  # 100 + 100 + 100 + 90, host op left out
     assert "host_op" not in out
     assert "gemm_#" in out  # digits dropped: the two GEMMs add up
+
+
+def test_gaps_of_a_trace_without_device_ops_say_so(tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    host_only = [{"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+    with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": host_only}, f)
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLE), str(tmp_path), "--gaps", "3"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "no device ops in the trace" in out

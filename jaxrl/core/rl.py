@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxrl.core.logprobs import CPU_CHUNK_SIZE, resolve_chunk_size, unembed_logits
+from jaxrl.core.logprobs import SMALL_CHUNK_SIZE, resolve_chunk_size, unembed_logits
 
 KL_PENALTIES = ("kl", "abs", "mse", "full")
 _WHITEN_EPS = 1e-8  # TRL's rsqrt(var + 1e-8)
@@ -135,8 +135,8 @@ def full_kl_from_hidden(
     # Each chunk holds both models' f32 log-softmax over the vocabulary, several times what the
     # fused head holds per logit, so None keeps 128-position chunks on every backend here.
     if chunk_size is None:
-        chunk_size = CPU_CHUNK_SIZE
-    chunk = min(resolve_chunk_size(chunk_size, B, T, unembed_DV.shape[1]), T)
+        chunk_size = SMALL_CHUNK_SIZE
+    chunk = min(resolve_chunk_size(chunk_size, B, T, unembed_DV.shape[1], unembed_DV.dtype), T)
     n = -(-T // chunk)
     pad = n * chunk - T
 
