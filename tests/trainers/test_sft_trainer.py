@@ -165,13 +165,17 @@ def test_user_optimizer_pair(tmp_path, tokenizer, sft_data):
 
 @pytest.mark.slow
 def test_builtin_optimizers_train(tmp_path, tokenizer, sft_data):
-    second_losses = {}
-    for optim, lr in (("adamw_torch", 3e-3), ("sgd", 0.3), ("adafactor", 3e-3), ("lion", 1e-3)):
+    last_losses = {}
+    for optim, lr in (("adamw_torch", 3e-3), ("sgd", 0.3), ("adafactor", 3e-3), ("lion", 2e-3)):
         _, logs = run(tmp_path / optim, tokenizer, sft_data[0], optim=optim, max_steps=4, learning_rate=lr)  # fmt: skip
         assert logs[-1]["loss"] < logs[0]["loss"], optim  # each one actually trains
-        second_losses[optim] = logs[1]["loss"]
-    # Same first step (same init and batch), different updates: the option is not ignored.
-    assert len({round(v, 6) for v in second_losses.values()}) == 4, second_losses
+        last_losses[optim] = logs[-1]["loss"]
+    # Same init and batches, different updates: the option is not ignored. (Not the second step's
+    # loss: on this model no weight is large enough for Adafactor to factor, and an unfactored
+    # Adafactor's first update is sign(g) * lr, as Adam's is up to its eps, so the two first
+    # steps can round to the same loss; so can Lion's sign updates at a multiple of Adam's first
+    # step. Momentum and the decay schedules part them by the fourth step.)
+    assert len({round(v, 5) for v in last_losses.values()}) == 4, last_losses
 
 
 @pytest.mark.slow
