@@ -4,6 +4,7 @@ Every model holds only `nnx.Param` state carrying logical axis names, so
 `graphdef, params = nnx.split(model)` / `nnx.merge(graphdef, params)` is the functional API.
 """
 
+from jaxrl.models.causal_lm import CausalLM
 from jaxrl.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, config_from_hf
 from jaxrl.models.gpt2 import GPT2ForCausalLM, GPT2Model
 from jaxrl.models.heads import (
@@ -25,6 +26,7 @@ from jaxrl.models.presets import count_params, flops_per_token, get_preset
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "AutoModelForCausalLMWithValueHead",
+    "CausalLM",
     "CausalLMWithValueHead",
     "GPT2ForCausalLM",
     "GPT2Model",

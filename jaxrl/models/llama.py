@@ -9,9 +9,9 @@ Attribute names follow the HF module tree so checkpoint keys map one to one (see
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.models.causal_lm import CausalLM
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.kv_cache import Cache, CacheView, KVCache, apply_layers_cached, cached_attention
 from jaxrl.models.layers import (
@@ -164,55 +164,8 @@ class LlamaModel(nnx.Module):
         return param_value(self.embed_tokens.embedding)
 
 
-class LlamaForCausalLM(nnx.Module):
+class LlamaForCausalLM(CausalLM):
     """Llama/Mistral/Qwen2/Qwen3 causal LM: `model(input_ids, attention_mask) -> logits_BTV`."""
 
     base_model_prefix = "model"
-
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        self.config = config
-        self.model = LlamaModel(config, rngs)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else Dense(
-                (config.hidden_size,), (config.vocab_size,), ("embed",), ("vocab",), config, rngs
-            )
-        )
-
-    @property
-    def backbone(self) -> LlamaModel:
-        return self.model
-
-    def hidden_states(
-        self,
-        input_ids_BT: jax.Array,
-        attention_mask: jax.Array | None = None,
-        positions: jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
-    ) -> jax.Array:
-        """Final-norm hidden states [B, T, D] (the input of the LM head)."""
-        return self.model(input_ids_BT, attention_mask, positions, segment_ids)
-
-    def cached_hidden_states(
-        self, input_ids_BT: jax.Array, positions_BT: jax.Array, cache: Cache, view: CacheView
-    ) -> tuple[jax.Array, Cache]:
-        """`hidden_states` of new tokens with a KV cache (what `jaxrl.generation` calls)."""
-        return self.model.cached(input_ids_BT, positions_BT, cache, view)
-
-    def unembed_weight(self) -> jax.Array:
-        """W [D, V] in the compute dtype with logits == hidden_states @ W."""
-        if self.lm_head is None:
-            return self.model.input_embedding().T.astype(self.config.dtype)
-        return param_value(self.lm_head.kernel, self.config.dtype)
-
-    def __call__(
-        self,
-        input_ids_BT: jax.Array,
-        attention_mask: jax.Array | None = None,
-        positions: jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
-    ) -> jax.Array:
-        h_BTD = self.hidden_states(input_ids_BT, attention_mask, positions, segment_ids)
-        # The LM head is a compute-dtype matmul (bf16 logits under autocast).
-        return jnp.dot(h_BTD.astype(self.config.dtype), self.unembed_weight())
+    backbone_cls = LlamaModel

@@ -61,15 +61,13 @@ from jaxrl.core.onpolicy import (
 from jaxrl.core.state import TrainState
 from jaxrl.generation import GenerationConfig, Sampler
 from jaxrl.losses.ppo import ppo_loss
-from jaxrl.models.gpt2 import GPT2ForCausalLM
+from jaxrl.models.causal_lm import CausalLM
 from jaxrl.models.heads import CausalLMWithValueHead
 from jaxrl.models.hf import AutoModelForCausalLMWithValueHead, from_pretrained, save_pretrained
-from jaxrl.models.llama import LlamaForCausalLM
 from jaxrl.trainers.loop import TrainLoop
 from jaxrl.trainers.ppo_config import PPOConfig
 
 WANDB_PADDING = -1  # TRL's fill value for NaN advantages in the logged arrays
-LM_TYPES = (GPT2ForCausalLM, LlamaForCausalLM)
 # Columns TRL keeps with remove_unused_columns: the value-head model's forward arguments
 # (input_ids, past_key_values, attention_mask) plus its logging columns.
 SIGNATURE_COLUMNS = ("input_ids", "past_key_values", "attention_mask", "label", "query", "response")
@@ -424,7 +422,7 @@ class PPOTrainer(TrainLoop):
             return from_pretrained(ref_model)
         if isinstance(ref_model, CausalLMWithValueHead):
             return ref_model.pretrained_model
-        if isinstance(ref_model, LM_TYPES):
+        if isinstance(ref_model, CausalLM):
             return ref_model
         raise ValueError(
             "ref_model must be None, a path, or a jaxrl causal LM / CausalLMWithValueHead, got "

@@ -1,0 +1,76 @@
+"""The causal-LM wrapper every family shares: a backbone under HF's attribute name plus an LM head
+(absent when tied to the input embedding), as HF's `XForCausalLM` classes are."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.layers import Dense, param_value
+
+if TYPE_CHECKING:
+    from jaxrl.models.kv_cache import Cache, CacheView
+
+
+class CausalLM(nnx.Module):
+    """`model(input_ids, attention_mask) -> logits_BTV`.
+
+    A family subclasses it with `backbone_cls` (its `XModel`, whose `__call__` gives final-norm
+    hidden states and `cached` the KV-cache path) and `base_model_prefix` (HF's attribute name for
+    it: "model", "transformer"), so parameter paths follow the HF module tree one to one.
+    """
+
+    base_model_prefix: ClassVar[str]
+    backbone_cls: ClassVar[type[nnx.Module]]
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.config = config
+        setattr(self, self.base_model_prefix, self.backbone_cls(config, rngs))
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Dense(
+                (config.hidden_size,), (config.vocab_size,), ("embed",), ("vocab",), config, rngs
+            )
+        )
+
+    @property
+    def backbone(self) -> nnx.Module:
+        return getattr(self, self.base_model_prefix)
+
+    def hidden_states(
+        self,
+        input_ids_BT: jax.Array,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """Final-norm hidden states [B, T, D] (the input of the LM head)."""
+        return self.backbone(input_ids_BT, attention_mask, positions, segment_ids)
+
+    def cached_hidden_states(
+        self, input_ids_BT: jax.Array, positions_BT: jax.Array, cache: Cache, view: CacheView
+    ) -> tuple[jax.Array, Cache]:
+        """`hidden_states` of new tokens with a KV cache (what `jaxrl.generation` calls)."""
+        return self.backbone.cached(input_ids_BT, positions_BT, cache, view)
+
+    def unembed_weight(self) -> jax.Array:
+        """W [D, V] in the compute dtype with logits == hidden_states @ W."""
+        if self.lm_head is None:
+            return self.backbone.input_embedding().T.astype(self.config.dtype)
+        return param_value(self.lm_head.kernel, self.config.dtype)
+
+    def __call__(
+        self,
+        input_ids_BT: jax.Array,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        h_BTD = self.hidden_states(input_ids_BT, attention_mask, positions, segment_ids)
+        # The LM head is a compute-dtype matmul (bf16 logits under autocast).
+        return jnp.dot(h_BTD.astype(self.config.dtype), self.unembed_weight())
