@@ -5,7 +5,10 @@
 #
 # Stages (default: all, in this order): env, forward, sft, dpo, generate; `profile` (not in the
 # default list) traces three forward+backward steps and writes the per-op summary of
-# examples/trace_top.py to OUT_DIR/trace_top.txt. Each writes its JSON lines and log under
+# examples/trace_top.py to OUT_DIR/trace_top.txt (XLA runs op by op while profiling;
+# `profile_cb` traces with its command buffers kept); `flags` (not in the default list) reruns
+# the forward+backward under XLA:GPU runtime variants (command buffers off, more op types in
+# them, smaller graphs, an exclusive GPU lock), one JSON line each after a {"xla_flags": ...} line. Each writes its JSON lines and log under
 # OUT_DIR; a failing stage is logged and the next one runs. Needs jaxrl's dependencies plus the
 # `test` extra (trl) on a machine with one GPU. Run from the repo root.
 set -u
@@ -51,6 +54,30 @@ print(jax.devices())'; } 2>&1 | tee "$out/env.log"
             --per_device_train_batch_size "${FWD_BATCH:-8}" --steps 3 --warmup 1 \
             --profile_dir "$out/profile"
         python3 examples/trace_top.py "$out/profile" --steps 3 --top 50 --gaps 20 >"$out/trace_top.txt" 2>&1
+        ;;
+    profile_cb)  # the same trace with command buffers kept (XLA turns them off while profiling)
+        XLA_FLAGS=$(echo ${XLA_FLAGS:-} --xla_enable_command_buffers_during_profiling=true) \
+            run profile_cb 200 python3 -m jaxrl.bench --algo forward --preset "$preset" \
+            --seq_len "$seq" --bf16 true --gradient_checkpointing false \
+            --per_device_train_batch_size "${FWD_BATCH:-8}" --steps 3 --warmup 1 \
+            --profile_dir "$out/profile_cb"
+        python3 examples/trace_top.py "$out/profile_cb" --steps 3 --top 50 --gaps 20 \
+            >"$out/trace_top_cb.txt" 2>&1
+        ;;
+    flags)  # the forward+backward under XLA:GPU runtime variants: where wall time > device time
+        for flags in "" "--xla_gpu_enable_command_buffer=" \
+            "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL,+DYNAMIC_SLICE_FUSION" \
+            "--xla_gpu_graph_min_graph_size=1" "--xla_gpu_require_exclusive_lock=true"; do
+            echo "{\"xla_flags\": \"$flags\"}" >>"$out/flags.jsonl"
+            (  # XLA reads a blank XLA_FLAGS as a file name: set it only when there are flags
+                xf=$(echo ${XLA_FLAGS:-} $flags)
+                if [ -n "$xf" ]; then export XLA_FLAGS="$xf"; else unset XLA_FLAGS; fi
+                run flags 300 python3 -m jaxrl.bench --algo forward --preset "$preset" \
+                    --seq_len "$seq" --bf16 true --gradient_checkpointing false \
+                    --per_device_train_batch_size "${FWD_BATCH:-8}" --steps "$steps" \
+                    --warmup "$warmup"
+            )
+        done
         ;;
     sft)  # whole SFT steps (optimizer included), jaxrl then TRL 1.16 with bf16 autocast
         run sft 500 python3 -m jaxrl.bench --algo sft --compare trl --reps 1 --preset "$preset" \
