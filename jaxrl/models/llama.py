@@ -38,24 +38,9 @@ class LlamaAttention(nnx.Module):
         self.q_proj = Dense(
             (d,), (n, h), ("embed",), ("heads", "head_dim"), config, rngs, use_bias=config.qkv_bias
         )
-        self.k_proj = Dense(
-            (d,),
-            (k, h),
-            ("embed",),
-            ("kv_heads", "head_dim"),
-            config,
-            rngs,
-            use_bias=config.qkv_bias,
-        )
-        self.v_proj = Dense(
-            (d,),
-            (k, h),
-            ("embed",),
-            ("kv_heads", "head_dim"),
-            config,
-            rngs,
-            use_bias=config.qkv_bias,
-        )
+        kv_axes = (("embed",), ("kv_heads", "head_dim"))
+        self.k_proj = Dense((d,), (k, h), *kv_axes, config, rngs, use_bias=config.qkv_bias)
+        self.v_proj = Dense((d,), (k, h), *kv_axes, config, rngs, use_bias=config.qkv_bias)
         self.o_proj = Dense(
             (n, h), (d,), ("heads", "head_dim"), ("embed",), config, rngs, use_bias=config.o_bias
         )
