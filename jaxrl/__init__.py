@@ -8,7 +8,7 @@ scripts run with their imports changed from `trl` to `jaxrl`.
 """
 
 # ruff: noqa: E402 (the re-exec check runs before the package's imports)
-from jaxrl._malloc import maybe_reexec
+from jaxrl._malloc import maybe_reexec, trim_after_compiles
 
 maybe_reexec()  # the CLIs only: huge pages for XLA:CPU buffers (see jaxrl/_malloc.py)
 
@@ -47,6 +47,8 @@ from jaxrl.trainers.ppo import PPOTrainer
 from jaxrl.trainers.ppo_config import PPOConfig
 
 __version__ = "0.1.0"
+
+trim_after_compiles()  # compiler scratch back to the OS before a step runs (see jaxrl/_malloc.py)
 
 
 def set_seed(seed: int) -> None:

@@ -3,6 +3,7 @@ that the bench gives TRL's side back the environment without it."""
 
 import sys
 
+import numpy as np
 import pytest
 
 from jaxrl import _malloc
@@ -54,3 +55,60 @@ def test_maybe_reexec_runs_the_same_command_with_the_tunable(madvise, monkeypatc
 def test_user_set_tunable_is_kept_for_children():
     env = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}  # set by the user, not by us
     assert _malloc.without_reexec(env) == env
+
+
+@pytest.fixture
+def fresh_trim(monkeypatch):
+    """`trim_after_compiles` as in a new process, with a recording `malloc_trim`; the listener
+    it installs is removed afterwards (listeners are process-global)."""
+    import jax
+
+    calls = []
+    monkeypatch.setattr(_malloc, "_trim_listener", None)
+    monkeypatch.setattr(_malloc, "_libc_malloc_trim", lambda: calls.append)
+    monkeypatch.delenv("JAXRL_MALLOC_TRIM", raising=False)
+    yield calls
+    if _malloc._trim_listener is not None:
+        jax.monitoring.unregister_event_duration_listener(_malloc._trim_listener)
+
+
+def test_trim_runs_after_each_real_compile(fresh_trim, monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.device_put(np.arange(5.0))  # before the listener: a transfer, no compile
+    monkeypatch.setattr(_malloc, "TRIM_MIN_COMPILE_S", 0.0)
+    assert _malloc.trim_after_compiles()
+    assert _malloc.trim_after_compiles()  # idempotent: one listener per process
+    jax.jit(lambda x: jnp.tanh(x) * 3.0 + 1.0)(x).block_until_ready()
+    assert fresh_trim == [0]  # malloc_trim(0) once, for the one compile
+    jax.jit(lambda x: jnp.tanh(x) * 3.0 + 1.0)(x).block_until_ready()
+    assert fresh_trim == [0, 0]  # a new function, a new compile, another trim
+
+
+def test_trim_skips_short_compiles_and_other_events(fresh_trim):
+    import jax
+
+    assert _malloc.trim_after_compiles()
+    record = jax.monitoring.record_event_duration_secs
+    record(_malloc.COMPILE_EVENT, _malloc.TRIM_MIN_COMPILE_S / 2, fun_name="f")
+    record("/jax/core/compile/jaxpr_trace_duration", 5.0, fun_name="f")
+    assert fresh_trim == []
+    record(_malloc.COMPILE_EVENT, _malloc.TRIM_MIN_COMPILE_S, fun_name="f")
+    assert fresh_trim == [0]
+
+
+def test_trim_opt_out_and_non_glibc(fresh_trim, monkeypatch):
+    monkeypatch.setenv("JAXRL_MALLOC_TRIM", "0")
+    assert not _malloc.trim_after_compiles()
+    monkeypatch.delenv("JAXRL_MALLOC_TRIM")
+    monkeypatch.setattr(_malloc, "_libc_malloc_trim", lambda: None)  # not glibc
+    assert not _malloc.trim_after_compiles()
+    assert _malloc._trim_listener is None
+
+
+def test_import_installs_trim_listener():
+    import jaxrl  # noqa: F401  (the package installs it at import)
+
+    assert _malloc._trim_listener is not None
+    assert _malloc._libc_malloc_trim() is not None  # this test machine is Linux/glibc
