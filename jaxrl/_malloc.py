@@ -88,7 +88,7 @@ def maybe_reexec() -> None:
 # ---------------------------------------------------------------- compiler scratch back to the OS
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-TRIM_MIN_COMPILE_S = 0.05  # a shorter compile frees too little to be worth walking the arenas
+TRIM_MIN_COMPILE_S = 0.25  # a shorter compile frees too little to pay for the page faults after
 _trim_listener: Any = None  # the installed `jax.monitoring` listener (one per process)
 
 
