@@ -8,9 +8,10 @@
 # examples/trace_top.py to OUT_DIR/trace_top.txt (XLA runs op by op while profiling;
 # `profile_cb` traces with its command buffers kept); `flags` (not in the default list) reruns
 # the forward+backward under XLA:GPU runtime variants (command buffers off, more op types in
-# them, smaller graphs, an exclusive GPU lock), one JSON line each after a {"xla_flags": ...} line. Each writes its JSON lines and log under
-# OUT_DIR; a failing stage is logged and the next one runs. Needs jaxrl's dependencies plus the
-# `test` extra (trl) on a machine with one GPU. Run from the repo root.
+# them, smaller graphs, an exclusive GPU lock), one JSON line each after a {"xla_flags": ...}
+# line. Each writes its JSON lines and log under OUT_DIR; a failing stage is logged and the next
+# one runs. Needs jaxrl's dependencies plus the `test` extra (trl) on a machine with one GPU.
+# Run from the repo root.
 set -u
 out=${1:?usage: gpu_bench.sh OUT_DIR [STAGE ...]}
 shift

@@ -110,7 +110,7 @@ def trim_after_compiles() -> bool:
     Why: XLA frees a compile's scratch (HLO passes, LLVM modules: 100-250 MB for the issue-14
     models' train steps on CPU) into glibc arenas that keep it, so the first step's buffers come
     from fresh pages and the process peak is compile scratch + step buffers. On the issue-14 SFT
-    point (Llama 4x256, 8 x 128 tokens, CPU) peak RSS was 1.14 GiB, and 0.97 GiB with
+    point (Llama 4x256, 8 x 128 tokens, CPU) peak RSS was 1.11 GiB, and 0.97 GiB with
     `malloc_trim(0)` between the compile and the first execution. This installs a `jax.monitoring`
     listener on the backend-compile event that does that, once per process; glibc only;
     `JAXRL_MALLOC_TRIM=0` turns it off. Returns whether the listener is installed."""
