@@ -107,17 +107,57 @@ def _final_logits(raw_BCV, temperature, logit_softcap):
     return logits_BCV
 
 
-def _chunk_stats(logits_BCV, log_z_BC, targets_BC):
-    probs_BCV = jnp.exp(logits_BCV - log_z_BC[..., None])
-    return {
-        # First-index argmax, like TRL's `is_top1` (ties resolve to the lowest token id).
-        "argmax": jnp.argmax(logits_BCV, axis=-1),
-        "argmax_correct": jnp.argmax(logits_BCV, axis=-1) == targets_BC,
-        "entropy": log_z_BC - jnp.sum(probs_BCV * logits_BCV, axis=-1),
-        "logit_mean": jnp.mean(logits_BCV, axis=-1),
+def _chunk_softmax(logits_BCV, targets_BC, with_stats):
+    """log Z and the target logit of one chunk, plus the statistics when asked, in two reads of
+    the logits: the row max, then every sum under the softmax and the argmax (the first index
+    holding the max). `logsumexp` + `argmax` + a sum per statistic read the `[B, C, V]` logits
+    (2.5 GB in bf16 at Qwen2.5-0.5B's B=8, T=1024) five times.
+
+    On accelerators the second read is one variadic reduce (XLA's GPU backend fuses only some
+    sibling reductions: three reads, not two). On CPU, where the chunk is cache-sized and the
+    cost is arithmetic, separate reductions vectorise and run faster than a variadic one; there
+    the first-index-of-max formulation alone makes the head's statistics about twice as fast as
+    `argmax`'s index-carrying reduce."""
+    max_BC = jnp.max(logits_BCV, axis=-1)
+    shift_BC = jnp.where(jnp.isfinite(max_BC), max_BC, 0.0)  # as jax.nn.logsumexp
+    e_BCV = jnp.exp(logits_BCV - shift_BC[..., None])
+    target_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
+    if not with_stats:
+        log_z_BC = shift_BC + jnp.log(jnp.sum(e_BCV, axis=-1))
+        return log_z_BC, target_BC, {}
+    vocab = logits_BCV.shape[-1]
+    # First index of the max, as `jnp.argmax` and TRL's `is_top1` (ties resolve to the lowest
+    # token id; a row with a NaN has a NaN max and gives its first NaN).
+    index_BCV = jax.lax.broadcasted_iota(jnp.int32, logits_BCV.shape, 2)
+    hit_BCV = (logits_BCV == max_BC[..., None]) | jnp.isnan(logits_BCV)
+    sums = (e_BCV, e_BCV * logits_BCV, jnp.square(e_BCV), logits_BCV)
+    first_BCV = jnp.where(hit_BCV, index_BCV, vocab)
+    if jax.default_backend() == "cpu":
+        s_BC, el_BC, ee_BC, l_BC = (jnp.sum(x, axis=-1) for x in sums)
+        argmax_BC = jnp.min(first_BCV, axis=-1)
+    else:
+        zero = jnp.array(0, logits_BCV.dtype)
+        s_BC, el_BC, ee_BC, l_BC, argmax_BC = jax.lax.reduce(
+            (*sums, first_BCV),
+            (zero, zero, zero, zero, jnp.array(vocab, jnp.int32)),
+            lambda a, b: (
+                *(x + y for x, y in zip(a[:4], b[:4], strict=True)),
+                jnp.minimum(a[4], b[4]),
+            ),
+            (2,),
+        )
+    log_s_BC = jnp.log(s_BC)
+    log_z_BC = shift_BC + log_s_BC
+    stats = {
+        "argmax": argmax_BC,
+        "argmax_correct": argmax_BC == targets_BC,
+        # H = log Z - sum_v p_v l_v, with p_v = e_v / s.
+        "entropy": log_z_BC - el_BC / s_BC,
+        "logit_mean": l_BC / vocab,
         # log sum_v p_v^2, TRL's `log_sum_sq_probs` (WPO weights, `use_weighting=True`).
-        "log_sum_sq_probs": jnp.log(jnp.sum(jnp.square(probs_BCV), axis=-1)),
+        "log_sum_sq_probs": jnp.log(ee_BC) - 2.0 * log_s_BC,
     }
+    return log_z_BC, target_BC, stats
 
 
 # The fused head has its own VJP. Autodiff of the chunked scan would save nothing per chunk but
@@ -150,9 +190,7 @@ def _head_forward(
     def step(_, xs):
         hidden_BCD, targets_BC = xs
         raw_BCV, logits_BCV = _logits(hidden_BCD, unembed_DV, temperature, logit_softcap)
-        log_z_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
-        target_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
-        stats = _chunk_stats(logits_BCV, log_z_BC, targets_BC) if with_stats else {}
+        log_z_BC, target_BC, stats = _chunk_softmax(logits_BCV, targets_BC, with_stats)
         raw = raw_BCV.astype(unembed_DV.dtype) if keep_logits else None
         return None, (target_BC - log_z_BC, stats, log_z_BC, raw)
 

@@ -265,3 +265,76 @@ def test_forward_alone_keeps_no_logits(inputs):
     (scan,) = [e for e in head.params["call_jaxpr"].jaxpr.eqns if e.primitive.name == "scan"]
     assert scan.params["length"] == 1
     assert all(v.aval.shape[-1:] != (V,) for v in scan.outvars)
+
+
+def _vocab_reduction_names(jaxpr) -> list[str]:
+    """Reductions of any kind over a `[..., V]` operand, in a jaxpr and the jaxprs nested in it."""
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name.startswith(("reduce", "argm")) and any(
+            getattr(v.aval, "shape", ())[-1:] == (V,) for v in eqn.invars
+        ):
+            names.append(eqn.primitive.name)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    names += _vocab_reduction_names(inner)
+    return names
+
+
+def _stats_fn(targets):
+    return lambda h, w: token_logprobs(h, w, targets, chunk_size=16, with_stats=True)
+
+
+def test_head_statistics_without_argmax_reduce(inputs):
+    """On CPU the statistics are the row max, then plain sums and a first-index-of-max `min`
+    (vectorised reductions), no `argmax` (an index-carrying reduce about twice as slow there)."""
+    hidden, unembed, targets = inputs
+    names = _vocab_reduction_names(jax.make_jaxpr(_stats_fn(targets))(hidden, unembed).jaxpr)
+    assert names.count("reduce_max") == 1
+    assert sorted(set(names)) == ["reduce_max", "reduce_min", "reduce_sum"]
+
+
+def test_head_reads_the_logits_twice_on_accelerators(inputs, monkeypatch):
+    """On GPU/TPU the forward reduces over the vocabulary twice: the row max, then one variadic
+    reduce for log Z, every statistic and the argmax (`logsumexp` + `argmax` + a sum per
+    statistic made five reads of the logits). Same values as the CPU path and the naive one."""
+    hidden, unembed, targets = inputs
+    cpu_logps, cpu_stats = jax.jit(_stats_fn(targets))(hidden, unembed)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    fn = _stats_fn(targets)
+    names = _vocab_reduction_names(jax.make_jaxpr(fn)(hidden, unembed).jaxpr)
+    assert names == ["reduce_max", "reduce"]
+    logps, stats = fn(hidden, unembed)
+    ref, ref_stats = naive(hidden, unembed, targets)
+    np.testing.assert_allclose(logps, ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(logps, cpu_logps, atol=1e-6, rtol=1e-6)
+    np.testing.assert_array_equal(stats["argmax"], cpu_stats["argmax"])
+    assert bool(jnp.all(stats["argmax_correct"] == ref_stats["argmax_correct"]))
+    for name in ("entropy", "logit_mean", "log_sum_sq_probs"):
+        np.testing.assert_allclose(stats[name], ref_stats[name], atol=1e-5, rtol=1e-5)
+
+
+def test_argmax_statistic_ties_nans_and_infinities(monkeypatch):
+    """`argmax` agrees with `jnp.argmax`: first index on ties, a row with NaNs gives its first
+    NaN, a row of -inf gives index 0."""
+    from jaxrl.core.logprobs import _chunk_softmax
+
+    nan, inf = jnp.nan, jnp.inf
+    rows = jnp.array(
+        [
+            [1.0, 3.0, 3.0, 2.0, 3.0],
+            [-inf, -inf, -inf, -inf, -inf],
+            [0.0, nan, 5.0, nan, 1.0],
+            [inf, 2.0, inf, -inf, 0.0],
+            [-1.0, -2.0, -3.0, -0.5, -0.5],
+        ]
+    )[None]
+    rand = jax.random.normal(jax.random.key(1), (3, 7, 301)).round(1)  # many ties
+    for backend in ("cpu", "gpu"):  # separate reductions; one variadic reduce
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        for x in (rows, rand):
+            targets = jnp.zeros(x.shape[:2], jnp.int32)
+            stats = _chunk_softmax(x, targets, True)[2]
+            np.testing.assert_array_equal(stats["argmax"], jnp.argmax(x, -1))
