@@ -1,0 +1,223 @@
+"""Compile a training program for an H100 on a machine without a GPU, and see where its memory
+traffic goes.
+
+    python examples/gpu_aot.py [--preset qwen2.5-0.5b] [--seq_len 1024] [--batch 8]
+        [--residual_dtype bfloat16] [--attention_impl cudnn] [--out program.hlo.txt]
+    python examples/gpu_aot.py --hlo program.hlo.txt [--bandwidth 3.0e12] [--top 25]
+
+The first form builds the forward + backward of the SFT loss (what `python -m jaxrl.bench --algo
+forward --bf16 true --gradient_checkpointing false` times) for a random model of the preset's
+shape, bf16 compute over f32 params, and compiles it with XLA's GPU compiler for the H100 target
+below (`jax.experimental.topologies`: no device, no autotuning), with jaxrl's per-backend
+choices made as on a GPU (cuDNN attention, one LM-head chunk, bf16 head GEMM output). It needs
+JAX's CUDA plugin, best in a separate environment so that the project's own stays CPU-only:
+
+    python -m venv --system-site-packages /tmp/gpuvenv
+    /tmp/gpuvenv/bin/pip install "jax-cuda12-plugin[with-cuda]==$(python -c 'import jax; print(jax.__version__)')"
+    JAX_PLATFORMS=cpu PYTHONPATH=. /tmp/gpuvenv/bin/python examples/gpu_aot.py --out /tmp/p.hlo
+
+Both forms print, for the optimized program's top-level kernels, the bytes each reads and writes
+(its operands and results) grouped by fusion kind, with the time they would take at
+`--bandwidth` bytes/s, and the largest memory-bound kernels. Without autotuning the GEMM
+fusions may differ from a real run's; the elementwise and reduction kernels (the memory-bound
+part of the step) are what this is for. Operand bytes overcount kernels that read only part of
+an operand (a gather, a slice): read the largest rows with that in mind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+import time
+from pathlib import Path
+
+# An H100 SXM (80 GB HBM3) as XLA's GPU compiler describes a device (`GpuTargetConfig`).
+H100_TARGET = """
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 3352320000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 84929347584
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+runtime_version { major: 12 minor: 8 patch: 0 }
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 8 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
+_BYTES.update({"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8})
+_ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\]")
+_INSTR = re.compile(r"(?:ROOT )?%?([\w.\-]+) = (\([^=]*?\)|\S+) ([\w\-]+)\((.*)")
+# Not kernels: bookkeeping the runtime does without a launch.
+_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "copy-start"}
+_FREE |= {"copy-done", "after-all", "partition-id", "replica-id"}
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of every array in an HLO shape string (a tuple counts all its elements)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _BYTES[dtype]
+    return total
+
+
+def kernels(hlo: str) -> list[dict]:
+    """The entry computation's kernels: name, kind (`fusion:<name without digits>`,
+    `custom-call:<target>` or the opcode), bytes read (operands) and written (results)."""
+    start = hlo.index("\nENTRY")
+    entry = hlo[start : hlo.index("\n}", start)]
+    header, body = entry.split("{\n", 1)
+    sizes = {
+        name: shape_bytes(shape)
+        for name, shape in re.findall(r"([\w.\-]+): (\w+\[[0-9,]*\])", header)
+    }
+    out = []
+    for line in body.splitlines():
+        line = re.sub(r"/\*.*?\*/", "", line)  # `/*index=5*/` comments in long tuples
+        m = _INSTR.match(line.strip())
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        sizes[name] = shape_bytes(shape)
+        if op in _FREE:
+            continue
+        operands = [a.strip().lstrip("%") for a in rest.split(")", 1)[0].split(",")]
+        if op == "fusion":
+            kind = "fusion:" + re.sub(r"[.\d]+$", "", name)
+        elif op == "custom-call":
+            kind = "custom-call:" + re.search(r'custom_call_target="([^"]+)"', line).group(1)
+        else:
+            kind = op
+        read = sum(sizes.get(a, 0) for a in operands)
+        out.append(
+            {"name": name, "kind": kind, "read": read, "written": sizes[name], "shape": shape}
+        )
+    return out
+
+
+def is_compute_bound(kind: str) -> bool:
+    """GEMMs and attention kernels (their time is arithmetic, not bytes)."""
+    return "gemm" in kind or "cublas" in kind or "cudnn" in kind or "triton" in kind
+
+
+def report(hlo: str, bandwidth: float, top: int) -> str:
+    ks = kernels(hlo)
+    by_kind: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
+    for k in ks:
+        row = by_kind[k["kind"]]
+        row[0] += 1
+        row[1] += k["read"]
+        row[2] += k["written"]
+    lines = [f"{'kind':50s} {'kernels':>7s} {'GB read':>8s} {'GB written':>10s} {'ms':>8s}"]
+    memory_ms = 0.0
+    for kind, (n, read, written) in sorted(by_kind.items(), key=lambda kv: -sum(kv[1][1:])):
+        ms = (read + written) / bandwidth * 1e3
+        memory_ms += 0.0 if is_compute_bound(kind) else ms
+        lines.append(f"{kind[:50]:50s} {n:7d} {read / 1e9:8.3f} {written / 1e9:10.3f} {ms:8.3f}")
+    lines.append(
+        f"{len(ks)} kernels; memory-bound kernels (all but GEMMs and attention): "
+        f"{memory_ms:.2f} ms at {bandwidth / 1e9:.0f} GB/s"
+    )
+    lines.append(f"largest memory-bound kernels (ms at {bandwidth / 1e9:.0f} GB/s):")
+    memory_bound = [k for k in ks if not is_compute_bound(k["kind"])]
+    for k in sorted(memory_bound, key=lambda k: -(k["read"] + k["written"]))[:top]:
+        ms = (k["read"] + k["written"]) / bandwidth * 1e3
+        lines.append(
+            f"  {ms:7.3f}  read {k['read'] / 1e6:9.1f} MB  written {k['written'] / 1e6:9.1f} MB"
+            f"  {k['name'][:44]:44s} {k['shape'][:60]}"
+        )
+    return "\n".join(lines)
+
+
+def compile_forward(opts: argparse.Namespace) -> str:
+    """The optimized HLO of the SFT loss's forward + backward, compiled for `H100_TARGET`."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.experimental.topologies import get_topology_desc
+
+    try:
+        topology = get_topology_desc("h100", "cuda", target_config=H100_TARGET, topology="1x1x1")
+    except Exception as e:  # no CUDA plugin in this environment
+        raise SystemExit(
+            f"Could not make a CUDA compile target ({type(e).__name__}: {e}). Install JAX's "
+            "CUDA plugin in a separate environment (see this script's docstring)."
+        ) from e
+    jax.default_backend = lambda: "gpu"  # jaxrl's per-backend choices, as on a GPU
+    from jaxrl.losses.sft import entropy, mean_token_accuracy, sft_loss_sum
+    from jaxrl.models import presets
+    from jaxrl.models.config import config_from_hf
+    from jaxrl.models.hf import _prepare_hf_config, build_model
+    from jaxrl.trainers.sft import example_weighted_mask, lm_forward
+
+    config = config_from_hf(
+        _prepare_hf_config(presets.get_preset(opts.preset), "causal_lm", None),
+        dtype=jnp.bfloat16,
+        param_dtype=jnp.float32,
+        residual_dtype=opts.residual_dtype,
+        attention_impl=opts.attention_impl,
+    )
+    graphdef, params = nnx.split(
+        nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0), "causal_lm", None, None))
+    )
+
+    def loss(params, mb):  # as SFTTrainer's loss, with its statistics
+        logps_BT, stats = lm_forward(nnx.merge(graphdef, params), mb, None, with_stats=True)
+        mask_BT = example_weighted_mask(mb)
+        loss_sum, n_tok = sft_loss_sum(logps_BT, mask_BT, loss_type="nll")
+        correct, _ = mean_token_accuracy(stats["argmax_correct"], mask_BT)
+        ent, _ = entropy(stats["entropy"], mask_BT)
+        return loss_sum, (correct, ent, n_tok)
+
+    device = jax.sharding.SingleDeviceSharding(topology.devices[0])
+    shape = (opts.batch, opts.seq_len)
+    keys = ("input_ids", "targets", "attention_mask", "positions", "segment_ids")
+    mb = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=device) for k in keys}
+    mb["loss_mask"] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=device)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), params)
+    t0 = time.perf_counter()
+    compiled = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(params, mb).compile()
+    print(f"compiled in {time.perf_counter() - t0:.1f} s (no autotuning)", file=sys.stderr)
+    return compiled.as_text()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hlo", help="analyse this optimized HLO text instead of compiling")
+    p.add_argument("--preset", default="qwen2.5-0.5b")
+    p.add_argument("--seq_len", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--residual_dtype", default=None)
+    p.add_argument("--attention_impl", default=None)
+    p.add_argument("--out", help="also write the compiled program's HLO text here")
+    p.add_argument("--bandwidth", type=float, default=3.0e12, help="bytes/s (H100 HBM3: ~3e12)")
+    p.add_argument("--top", type=int, default=25)
+    opts = p.parse_args(argv)
+    hlo = Path(opts.hlo).read_text() if opts.hlo else compile_forward(opts)
+    if opts.out:
+        Path(opts.out).write_text(hlo)
+    print(report(hlo, opts.bandwidth, opts.top))
+
+
+if __name__ == "__main__":
+    main()
