@@ -108,46 +108,38 @@ def _final_logits(raw_BCV, temperature, logit_softcap):
 
 
 def _chunk_softmax(logits_BCV, targets_BC, with_stats):
-    """log Z and the target logit of one chunk, plus the statistics when asked, in two reads of
-    the logits: the row max, then every sum under the softmax and the argmax (the first index
-    holding the max). `logsumexp` + `argmax` + a sum per statistic read the `[B, C, V]` logits
-    (2.5 GB in bf16 at Qwen2.5-0.5B's B=8, T=1024) five times.
+    """log Z and the target logit of one chunk, plus the statistics when asked (entropy, mean
+    logit, log sum of squared probs, argmax = the first index holding the max, as `jnp.argmax`
+    and TRL's `is_top1`). `logsumexp` + `argmax` + a sum per statistic would read the `[B, C, V]`
+    logits (2.5 GB in bf16 at Qwen2.5-0.5B's B=8, T=1024) five times.
 
-    On accelerators the second read is one variadic reduce (XLA's GPU backend fuses only some
-    sibling reductions: three reads, not two). On CPU, where the chunk is cache-sized and the
-    cost is arithmetic, separate reductions vectorise and run faster than a variadic one; there
-    the first-index-of-max formulation alone makes the head's statistics about twice as fast as
-    `argmax`'s index-carrying reduce."""
-    max_BC = jnp.max(logits_BCV, axis=-1)
-    shift_BC = jnp.where(jnp.isfinite(max_BC), max_BC, 0.0)  # as jax.nn.logsumexp
-    e_BCV = jnp.exp(logits_BCV - shift_BC[..., None])
+    On GPU/TPU, where reading the logits is the cost, one online-softmax reduce reads them once
+    (`_online_softmax`). On CPU, where the chunk is cache-sized and the cost is arithmetic, two
+    passes of plain reductions (the max, then the sums) vectorise and run faster; finding the
+    argmax as the first index equal to the max, not with `argmax`'s index-carrying reduce, makes
+    the head's statistics about twice as fast there."""
     target_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
-    if not with_stats:
-        log_z_BC = shift_BC + jnp.log(jnp.sum(e_BCV, axis=-1))
-        return log_z_BC, target_BC, {}
     vocab = logits_BCV.shape[-1]
-    # First index of the max, as `jnp.argmax` and TRL's `is_top1` (ties resolve to the lowest
-    # token id; a row with a NaN has a NaN max and gives its first NaN).
-    index_BCV = jax.lax.broadcasted_iota(jnp.int32, logits_BCV.shape, 2)
-    hit_BCV = (logits_BCV == max_BC[..., None]) | jnp.isnan(logits_BCV)
-    sums = (e_BCV, e_BCV * logits_BCV, jnp.square(e_BCV), logits_BCV)
-    first_BCV = jnp.where(hit_BCV, index_BCV, vocab)
-    if jax.default_backend() == "cpu":
-        s_BC, el_BC, ee_BC, l_BC = (jnp.sum(x, axis=-1) for x in sums)
-        argmax_BC = jnp.min(first_BCV, axis=-1)
+    if jax.default_backend() != "cpu":
+        max_BC, s_BC, el_BC, ee_BC, l_BC, argmax_BC = _online_softmax(logits_BCV, with_stats)
+        shift_BC = max_BC
     else:
-        zero = jnp.array(0, logits_BCV.dtype)
-        s_BC, el_BC, ee_BC, l_BC, argmax_BC = jax.lax.reduce(
-            (*sums, first_BCV),
-            (zero, zero, zero, zero, jnp.array(vocab, jnp.int32)),
-            lambda a, b: (
-                *(x + y for x, y in zip(a[:4], b[:4], strict=True)),
-                jnp.minimum(a[4], b[4]),
-            ),
-            (2,),
-        )
+        max_BC = jnp.max(logits_BCV, axis=-1)
+        shift_BC = jnp.where(jnp.isfinite(max_BC), max_BC, 0.0)  # as jax.nn.logsumexp
+        e_BCV = jnp.exp(logits_BCV - shift_BC[..., None])
+        s_BC = jnp.sum(e_BCV, axis=-1)
+        if with_stats:
+            # A row with a NaN has a NaN max: its argmax is its first NaN.
+            hit_BCV = (logits_BCV == max_BC[..., None]) | jnp.isnan(logits_BCV)
+            index_BCV = jax.lax.broadcasted_iota(jnp.int32, logits_BCV.shape, 2)
+            argmax_BC = jnp.min(jnp.where(hit_BCV, index_BCV, vocab), axis=-1)
+            el_BC = jnp.sum(e_BCV * logits_BCV, axis=-1)
+            ee_BC = jnp.sum(jnp.square(e_BCV), axis=-1)
+            l_BC = jnp.sum(logits_BCV, axis=-1)
     log_s_BC = jnp.log(s_BC)
     log_z_BC = shift_BC + log_s_BC
+    if not with_stats:
+        return log_z_BC, target_BC, {}
     stats = {
         "argmax": argmax_BC,
         "argmax_correct": argmax_BC == targets_BC,
@@ -158,6 +150,48 @@ def _chunk_softmax(logits_BCV, targets_BC, with_stats):
         "log_sum_sq_probs": jnp.log(ee_BC) - 2.0 * log_s_BC,
     }
     return log_z_BC, target_BC, stats
+
+
+def _online_softmax(logits_BCV, with_stats):
+    """One read of the logits for the row max m and, relative to it, s = sum_v e_v with
+    e_v = exp(l_v - m); with statistics also sum_v e_v l_v, sum_v e_v^2, sum_v l_v and the
+    argmax. A single reduce whose accumulator is (m, s, ...): merging two partial rows rescales
+    each one's exp-weighted sums by exp(m_part - m) (online softmax, as flash attention's).
+    Without statistics the last four are None."""
+    m_BCV = logits_BCV
+    ones_BCV = jnp.ones_like(logits_BCV)  # one element alone: e = exp(l - l) = 1
+    operands = (m_BCV, ones_BCV)
+    inits = (jnp.array(-jnp.inf, logits_BCV.dtype), jnp.array(0, logits_BCV.dtype))
+    if with_stats:
+        vocab = logits_BCV.shape[-1]
+        index_BCV = jax.lax.broadcasted_iota(jnp.int32, logits_BCV.shape, 2)
+        operands += (logits_BCV, ones_BCV, logits_BCV, index_BCV)
+        inits += (inits[1], inits[1], inits[1], jnp.array(vocab, jnp.int32))
+
+    def merge(a, b):
+        m = jnp.maximum(a[0], b[0])  # NaN if either is
+        # Each part's weight is exp(m_part - m): 1 for the part holding the max, and one exp,
+        # exp(-|difference|), for the other (equal maxima, -inf ones too, weigh 1 each).
+        a_holds = a[0] >= b[0]
+        e = jnp.where(a[0] == b[0], 1.0, jnp.exp(-jnp.abs(a[0] - b[0])))
+        wa, wb = jnp.where(a_holds, 1.0, e), jnp.where(a_holds, e, 1.0)
+        out = (m, a[1] * wa + b[1] * wb)
+        if not with_stats:
+            return out
+        a_nan, b_nan = jnp.isnan(a[0]), jnp.isnan(b[0])
+        first = a[5] < b[5]
+        take_a = jnp.where(
+            a_nan | b_nan, a_nan & (~b_nan | first), (a[0] > b[0]) | ((a[0] == b[0]) & first)
+        )
+        return out + (
+            a[2] * wa + b[2] * wb,
+            a[3] * wa * wa + b[3] * wb * wb,
+            a[4] + b[4],
+            jnp.where(take_a, a[5], b[5]),
+        )
+
+    out = jax.lax.reduce(operands, inits, merge, (2,))
+    return out if with_stats else (*out, None, None, None, None)
 
 
 # The fused head has its own VJP. Autodiff of the chunked scan would save nothing per chunk but
