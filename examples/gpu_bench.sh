@@ -3,8 +3,10 @@
 #
 #   bash examples/gpu_bench.sh OUT_DIR [STAGE ...]
 #
-# Stages (default: all, in this order): env, forward, sft, dpo, generate; `profile` (not in the
-# default list) traces three forward+backward steps and writes the per-op summary of
+# Stages (default: all, in this order): env, forward, attention, sft, dpo, generate.
+# `attention` times cuDNN attention forward + backward with the mask passed as a bias, with
+# causality only, and with sequence lengths (examples/attention_mask_bench.py). `profile` (not
+# in the default list) traces three forward+backward steps and writes the per-op summary of
 # examples/trace_top.py to OUT_DIR/trace_top.txt (XLA runs op by op while profiling;
 # `profile_cb` traces with its command buffers kept); `flags` (not in the default list) reruns
 # the forward+backward under XLA:GPU runtime variants (command buffers off, more op types in
@@ -16,7 +18,7 @@ set -u
 out=${1:?usage: gpu_bench.sh OUT_DIR [STAGE ...]}
 shift
 mkdir -p "$out"
-stages=${*:-env forward sft dpo generate}
+stages=${*:-env forward attention sft dpo generate}
 preset=${PRESET:-qwen2.5-0.5b}
 seq=${SEQ_LEN:-1024}
 steps=${STEPS:-10}
@@ -48,6 +50,10 @@ print(jax.devices())'; } 2>&1 | tee "$out/env.log"
         run forward 400 python3 -m jaxrl.bench --algo forward --preset "$preset" \
             --seq_len "$seq" --bf16 true --gradient_checkpointing false \
             --per_device_train_batch_size "${FWD_BATCH:-8}" --steps "$steps" --warmup "$warmup"
+        ;;
+    attention)  # does the mask, passed to cuDNN as a [B, 1, T, S] bias, cost attention time?
+        run attention 200 python3 examples/attention_mask_bench.py --batch "${FWD_BATCH:-8}" \
+            --seq_len "$seq"
         ;;
     profile)  # where the forward+backward's device time goes, op by op
         run profile 200 python3 -m jaxrl.bench --algo forward --preset "$preset" \
