@@ -158,9 +158,8 @@ def _online_softmax(logits_BCV, with_stats):
     argmax. A single reduce whose accumulator is (m, s, ...): merging two partial rows rescales
     each one's exp-weighted sums by exp(m_part - m) (online softmax, as flash attention's).
     Without statistics the last four are None."""
-    m_BCV = logits_BCV
-    ones_BCV = jnp.ones_like(logits_BCV)  # one element alone: e = exp(l - l) = 1
-    operands = (m_BCV, ones_BCV)
+    ones_BCV = jnp.ones_like(logits_BCV)  # one element alone: m = l, e = exp(l - l) = 1
+    operands = (logits_BCV, ones_BCV)
     inits = (jnp.array(-jnp.inf, logits_BCV.dtype), jnp.array(0, logits_BCV.dtype))
     if with_stats:
         vocab = logits_BCV.shape[-1]
