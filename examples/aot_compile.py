@@ -1,27 +1,34 @@
-"""Compile a training program for an H100 on a machine without a GPU, and see where its memory
-traffic goes.
+"""Compile a training program for a GPU or TPU on a machine without one, and see where its
+memory traffic goes.
 
-    python examples/gpu_aot.py [--preset qwen2.5-0.5b] [--seq_len 1024] [--batch 8]
-        [--residual_dtype bfloat16] [--attention_impl cudnn] [--out program.hlo.txt]
-    python examples/gpu_aot.py --hlo program.hlo.txt [--bandwidth 3.0e12] [--top 25]
+    python examples/aot_compile.py [--target h100|tpu-v5e|tpu-v5p|tpu-v6e] [--preset qwen2.5-0.5b]
+        [--seq_len 1024] [--batch 8] [--scan_layers BOOL] [--remat_policy none|full|...]
+        [--residual_dtype bfloat16]
+        [--attention_impl IMPL] [--out program.hlo.txt]
+    python examples/aot_compile.py --hlo program.hlo.txt [--bandwidth 3.0e12] [--top 25]
 
 The first form builds the forward + backward of the SFT loss (what `python -m jaxrl.bench --algo
 forward --bf16 true --gradient_checkpointing false` times) for a random model of the preset's
-shape, bf16 compute over f32 params, and compiles it with XLA's GPU compiler for the H100 target
-below (`jax.experimental.topologies`: no device, no autotuning), with jaxrl's per-backend
-choices made as on a GPU (cuDNN attention, one LM-head chunk, bf16 head GEMM output). It needs
-JAX's CUDA plugin, best in a separate environment so that the project's own stays CPU-only:
+shape, bf16 compute over f32 params, and compiles it with XLA's compiler for one device of the
+target (`jax.experimental.topologies`: no device, no autotuning): the H100 described below, or a
+TPU chip. jaxrl's per-backend choices are made as on that device (GPU: cuDNN attention, one
+LM-head chunk, bf16 head GEMM output, unrolled layers; TPU: splash attention, scanned layers).
+So it also checks that the program compiles for hardware this machine does not have. It needs
+JAX's CUDA plugin or libtpu, best in a separate environment so that the project's own stays
+CPU-only:
 
-    python -m venv --system-site-packages /tmp/gpuvenv
-    /tmp/gpuvenv/bin/pip install "jax-cuda12-plugin[with-cuda]==$(python -c 'import jax; print(jax.__version__)')"
-    JAX_PLATFORMS=cpu PYTHONPATH=. /tmp/gpuvenv/bin/python examples/gpu_aot.py --out /tmp/p.hlo
+    python -m venv --system-site-packages /tmp/aotvenv
+    /tmp/aotvenv/bin/pip install "jax-cuda12-plugin[with-cuda]==$(python -c 'import jax; print(jax.__version__)')"
+    /tmp/aotvenv/bin/pip install "jax[tpu]==$(python -c 'import jax; print(jax.__version__)')"
+    JAX_PLATFORMS=cpu PYTHONPATH=. /tmp/aotvenv/bin/python examples/aot_compile.py --out /tmp/p.hlo
 
 Both forms print, for the optimized program's top-level kernels, the bytes each reads and writes
 (its operands and results) grouped by fusion kind, with the time they would take at
-`--bandwidth` bytes/s, and the largest memory-bound kernels. Without autotuning the GEMM
-fusions may differ from a real run's; the elementwise and reduction kernels (the memory-bound
-part of the step) are what this is for. Operand bytes overcount kernels that read only part of
-an operand (a gather, a slice): read the largest rows with that in mind.
+`--bandwidth` bytes/s, and the largest memory-bound kernels (all but matmuls and attention).
+Without autotuning the GEMM fusions may differ from a real run's; the elementwise and reduction
+kernels are what this is for. Operand bytes overcount kernels that read only part of an operand
+(a gather, a slice): read the largest rows with that in mind. Kernels inside while loops (a
+scanned layer stack) are not counted: compile with `--scan_layers false` to see them.
 """
 
 from __future__ import annotations
@@ -81,9 +88,21 @@ def shape_bytes(shape: str) -> int:
     return total
 
 
+def _matmul_computations(hlo: str) -> set[str]:
+    """Names of the computations that hold a dot or convolution (a fusion calling one is a
+    matmul kernel, whatever its name: XLA:TPU names every fusion `fusion.N`)."""
+    names = set()
+    for m in re.finditer(r"^%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.M | re.S):
+        if re.search(r" (dot|convolution)\(", m.group(2)):
+            names.add(m.group(1))
+    return names
+
+
 def kernels(hlo: str) -> list[dict]:
     """The entry computation's kernels: name, kind (`fusion:<name without digits>`,
-    `custom-call:<target>` or the opcode), bytes read (operands) and written (results)."""
+    `custom-call:<target>` or the opcode), bytes read (operands) and written (results), and
+    whether it is a matmul (a fusion whose computation holds a dot or convolution)."""
+    matmuls = _matmul_computations(hlo)
     start = hlo.index("\nENTRY")
     entry = hlo[start : hlo.index("\n}", start)]
     header, body = entry.split("{\n", 1)
@@ -102,6 +121,8 @@ def kernels(hlo: str) -> list[dict]:
         if op in _FREE:
             continue
         operands = [a.strip().lstrip("%") for a in rest.split(")", 1)[0].split(",")]
+        calls = re.search(r"calls=%?([\w.\-]+)", line)
+        matmul = op in ("dot", "convolution") or (calls is not None and calls.group(1) in matmuls)
         if op == "fusion":
             kind = "fusion:" + re.sub(r"[.\d]+$", "", name)
         elif op == "custom-call":
@@ -109,37 +130,55 @@ def kernels(hlo: str) -> list[dict]:
         else:
             kind = op
         read = sum(sizes.get(a, 0) for a in operands)
+        if op in ("while", "conditional", "call"):  # control flow: its bodies run the kernels
+            read = sizes[name] = 0
         out.append(
-            {"name": name, "kind": kind, "read": read, "written": sizes[name], "shape": shape}
+            {
+                "name": name,
+                "kind": kind,
+                "read": read,
+                "written": sizes[name],
+                "shape": shape,
+                "matmul": matmul,
+            }
         )
     return out
 
 
-def is_compute_bound(kind: str) -> bool:
-    """GEMMs and attention kernels (their time is arithmetic, not bytes)."""
-    return "gemm" in kind or "cublas" in kind or "cudnn" in kind or "triton" in kind
+def is_compute_bound(kernel: dict) -> bool:
+    """Matmuls and attention kernels (their time is arithmetic, not bytes): fusions holding a
+    dot, cuBLAS/cuDNN/Triton calls and TPU custom calls (Pallas kernels: splash attention)."""
+    kind = kernel["kind"]
+    names = ("gemm", "cublas", "cudnn", "triton", "tpu_custom_call")
+    return kernel.get("matmul", False) or any(n in kind for n in names)
 
 
 def report(hlo: str, bandwidth: float, top: int) -> str:
     ks = kernels(hlo)
-    by_kind: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
+    by_kind: dict[str, list] = collections.defaultdict(lambda: [0, 0, 0, False])
     for k in ks:
         row = by_kind[k["kind"]]
         row[0] += 1
         row[1] += k["read"]
         row[2] += k["written"]
+        row[3] = row[3] or is_compute_bound(k)
     lines = [f"{'kind':50s} {'kernels':>7s} {'GB read':>8s} {'GB written':>10s} {'ms':>8s}"]
-    memory_ms = 0.0
-    for kind, (n, read, written) in sorted(by_kind.items(), key=lambda kv: -sum(kv[1][1:])):
+    for kind, (n, read, written, _) in sorted(by_kind.items(), key=lambda kv: -sum(kv[1][1:3])):
         ms = (read + written) / bandwidth * 1e3
-        memory_ms += 0.0 if is_compute_bound(kind) else ms
         lines.append(f"{kind[:50]:50s} {n:7d} {read / 1e9:8.3f} {written / 1e9:10.3f} {ms:8.3f}")
+    memory_bound = [k for k in ks if not is_compute_bound(k)]
+    memory_ms = sum(k["read"] + k["written"] for k in memory_bound) / bandwidth * 1e3
     lines.append(
-        f"{len(ks)} kernels; memory-bound kernels (all but GEMMs and attention): "
+        f"{len(ks)} kernels; memory-bound kernels (all but matmuls and attention): "
         f"{memory_ms:.2f} ms at {bandwidth / 1e9:.0f} GB/s"
     )
+    loops = sum(k["kind"] == "while" for k in ks)
+    if loops:
+        lines.append(
+            f"{loops} while loop(s) (a scanned layer stack, chunked scans): the kernels inside"
+            " their bodies are not counted above (compile with --scan_layers false)"
+        )
     lines.append(f"largest memory-bound kernels (ms at {bandwidth / 1e9:.0f} GB/s):")
-    memory_bound = [k for k in ks if not is_compute_bound(k["kind"])]
     for k in sorted(memory_bound, key=lambda k: -(k["read"] + k["written"]))[:top]:
         ms = (k["read"] + k["written"]) / bandwidth * 1e3
         lines.append(
@@ -149,21 +188,39 @@ def report(hlo: str, bandwidth: float, top: int) -> str:
     return "\n".join(lines)
 
 
+def _topology(target: str):
+    """A compile-only device for `target`, and the backend name jaxrl's choices follow."""
+    from jax.experimental.topologies import get_topology_desc
+
+    if target == "h100":
+        return get_topology_desc("h100", "cuda", target_config=H100_TARGET, topology="1x1x1"), "gpu"
+    chip = target.removeprefix("tpu-")  # e.g. v5e
+    topology = get_topology_desc(
+        topology_name=f"{chip}:1x1",
+        platform="tpu",
+        chip_config_name="default",
+        chips_per_host_bounds=(1, 1, 1),
+        num_slices=1,
+        wrap=(False, False, False),
+    )
+    return topology, "tpu"
+
+
 def compile_forward(opts: argparse.Namespace) -> str:
-    """The optimized HLO of the SFT loss's forward + backward, compiled for `H100_TARGET`."""
+    """The optimized HLO of the SFT loss's forward + backward, compiled for `opts.target`."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from jax.experimental.topologies import get_topology_desc
 
     try:
-        topology = get_topology_desc("h100", "cuda", target_config=H100_TARGET, topology="1x1x1")
-    except Exception as e:  # no CUDA plugin in this environment
+        topology, backend = _topology(opts.target)
+    except Exception as e:  # no CUDA plugin / libtpu in this environment
         raise SystemExit(
-            f"Could not make a CUDA compile target ({type(e).__name__}: {e}). Install JAX's "
-            "CUDA plugin in a separate environment (see this script's docstring)."
+            f"Could not make a {opts.target} compile target ({type(e).__name__}: {e}). Install "
+            "JAX's CUDA plugin or libtpu in a separate environment (see this script's docstring)."
         ) from e
-    jax.default_backend = lambda: "gpu"  # jaxrl's per-backend choices, as on a GPU
+    jax.default_backend = lambda: backend  # jaxrl's per-backend choices, as on that device
+    scan = opts.scan_layers if opts.scan_layers is not None else backend != "gpu"
     from jaxrl.losses.sft import entropy, mean_token_accuracy, sft_loss_sum
     from jaxrl.models import presets
     from jaxrl.models.config import config_from_hf
@@ -176,6 +233,8 @@ def compile_forward(opts: argparse.Namespace) -> str:
         param_dtype=jnp.float32,
         residual_dtype=opts.residual_dtype,
         attention_impl=opts.attention_impl,
+        scan_layers=scan,
+        remat_policy=opts.remat_policy,
     )
     graphdef, params = nnx.split(
         nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0), "causal_lm", None, None))
@@ -197,17 +256,32 @@ def compile_forward(opts: argparse.Namespace) -> str:
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), params)
     t0 = time.perf_counter()
     compiled = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(params, mb).compile()
-    print(f"compiled in {time.perf_counter() - t0:.1f} s (no autotuning)", file=sys.stderr)
+    print(
+        f"compiled for {opts.target} in {time.perf_counter() - t0:.1f} s (no autotuning)",
+        file=sys.stderr,
+    )
     return compiled.as_text()
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hlo", help="analyse this optimized HLO text instead of compiling")
+    p.add_argument("--target", default="h100", choices=("h100", "tpu-v5e", "tpu-v5p", "tpu-v6e"))
+    p.add_argument(
+        "--scan_layers",
+        type=lambda v: v.lower() in ("1", "true", "yes"),
+        default=None,
+        help="default: as the trainers choose (unrolled on GPU, scanned elsewhere)",
+    )
     p.add_argument("--preset", default="qwen2.5-0.5b")
     p.add_argument("--seq_len", type=int, default=1024)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--residual_dtype", default=None)
+    p.add_argument(
+        "--remat_policy",
+        default="none",
+        help="none (the bench's --gradient_checkpointing false), full, dots_saveable, ...",
+    )
     p.add_argument("--attention_impl", default=None)
     p.add_argument("--out", help="also write the compiled program's HLO text here")
     p.add_argument("--bandwidth", type=float, default=3.0e12, help="bytes/s (H100 HBM3: ~3e12)")

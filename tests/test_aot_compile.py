@@ -1,11 +1,11 @@
-"""examples/gpu_aot.py: bytes per kernel of an optimized GPU program (the analysis half; the
-compile half needs JAX's CUDA plugin, which CI does not install)."""
+"""examples/aot_compile.py: bytes per kernel of an optimized GPU/TPU program (the analysis half;
+the compile half needs JAX's CUDA plugin or libtpu, which CI does not install)."""
 
 import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpu_aot.py"
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "aot_compile.py"
 
 HLO = """HloModule jit_loss
 
@@ -14,35 +14,47 @@ HLO = """HloModule jit_loss
   ROOT %c = bf16[1024,256]{1,0} convert(%p0)
 }
 
-ENTRY %main.1 (x.1: f32[1024,256], w.1: bf16[256,512], big.1: bf16[64,1000]) -> (f32[], bf16[1024,512]) {
+%fused_computation.9 (p0: bf16[1024,512], p1: bf16[512,64]) -> bf16[1024,64] {
+  %p0 = bf16[1024,512]{1,0} parameter(0)
+  %p1 = bf16[512,64]{1,0} parameter(1)
+  ROOT %d = bf16[1024,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main.1 (x.1: f32[1024,256], w.1: bf16[256,512], big.1: bf16[64,1000], v.1: bf16[512,64]) -> (f32[], bf16[1024,512]) {
   %x.1 = f32[1024,256]{1,0} parameter(0)
   %w.1 = bf16[256,512]{1,0} parameter(1)
   %big.1 = bf16[64,1000]{1,0} parameter(2)
+  %v.1 = bf16[512,64]{1,0} parameter(3)
   %loop_convert_fusion.3 = bf16[1024,256]{1,0} fusion(%x.1), kind=kLoop, calls=%fused_convert
   %gemm_fusion_dot.7 = bf16[1024,512]{1,0} fusion(%loop_convert_fusion.3, %w.1), kind=kCustom, calls=%g
   %bitcast.2 = bf16[512,1024]{0,1} bitcast(%gemm_fusion_dot.7)
+  %fusion.9 = bf16[1024,64]{1,0} fusion(%gemm_fusion_dot.7, %v.1), kind=kOutput, calls=%fused_computation.9
   %input_reduce_fusion = (f32[64]{0}, s32[64]{0}, /*index=2*/f32[]) fusion(%big.1), kind=kInput, calls=%r
   %fmha.1 = (bf16[8,2,16,4]{3,2,1,0}, u8[0]{0}) custom-call(%gemm_fusion_dot.7), custom_call_target="__cudnn$fmhaScaleBiasSoftmax"
+  %while.4 = (s32[], f32[8]{0}) while(%tuple.0), condition=%cond, body=%body
   %gte = f32[] get-tuple-element(%input_reduce_fusion), index=2
   ROOT %tuple = (f32[], bf16[1024,512]{1,0}) tuple(%gte, %gemm_fusion_dot.7)
 }
 """
 
 
-def test_kernel_bytes_and_kinds():
+def _module():
     sys.path.insert(0, str(EXAMPLE.parent))
     try:
-        import gpu_aot
+        import aot_compile
     finally:
         sys.path.pop(0)
-    ks = {k["name"]: k for k in gpu_aot.kernels(HLO)}
+    return aot_compile
+
+
+def test_kernel_bytes_and_kinds():
+    aot = _module()
+    ks = {k["name"]: k for k in aot.kernels(HLO)}
     # Parameters, bitcasts, get-tuple-element and tuple launch nothing.
     assert set(ks) == {
-        "loop_convert_fusion.3",
-        "gemm_fusion_dot.7",
-        "input_reduce_fusion",
-        "fmha.1",
-    }
+        "loop_convert_fusion.3", "gemm_fusion_dot.7", "fusion.9", "input_reduce_fusion",
+        "fmha.1", "while.4",
+    }  # fmt: skip
     convert = ks["loop_convert_fusion.3"]
     assert (convert["kind"], convert["read"], convert["written"]) == (
         "fusion:loop_convert_fusion",
@@ -55,9 +67,15 @@ def test_kernel_bytes_and_kinds():
     assert ks["input_reduce_fusion"]["written"] == 64 * 4 + 64 * 4 + 4
     assert ks["input_reduce_fusion"]["read"] == 64 * 1000 * 2
     assert ks["fmha.1"]["kind"] == "custom-call:__cudnn$fmhaScaleBiasSoftmax"
-    assert gpu_aot.is_compute_bound("custom-call:__cudnn$fmhaScaleBiasSoftmax")
-    assert gpu_aot.is_compute_bound("fusion:gemm_fusion_dot")
-    assert not gpu_aot.is_compute_bound("fusion:loop_convert_fusion")
+    assert (ks["while.4"]["kind"], ks["while.4"]["read"], ks["while.4"]["written"]) == (
+        "while",
+        0,
+        0,
+    )
+    # Compute-bound: cuDNN, GEMM fusions by name, and a plain `fusion.N` (XLA:TPU's naming)
+    # whose computation holds a dot; the convert and the reduce are memory-bound.
+    bound = {name for name, k in ks.items() if aot.is_compute_bound(k)}
+    assert bound == {"gemm_fusion_dot.7", "fusion.9", "fmha.1"}
 
 
 def test_report_from_an_hlo_file(tmp_path):
@@ -67,7 +85,11 @@ def test_report_from_an_hlo_file(tmp_path):
         [sys.executable, str(EXAMPLE), "--hlo", str(path), "--bandwidth", "1e9", "--top", "1"],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
-    # Memory-bound: the convert (1,048,576 + 524,288 B) and the reduce (128,000 + 516 B).
-    assert "4 kernels; memory-bound kernels (all but GEMMs and attention): 1.70 ms at 1 GB/s" in out
+    # Memory-bound: the convert (1,048,576 + 524,288 B) and the reduce (128,000 + 516 B); the
+    # while loop moves no bytes itself and its body is not counted.
+    assert (
+        "6 kernels; memory-bound kernels (all but matmuls and attention): 1.70 ms at 1 GB/s" in out
+    )
+    assert "1 while loop(s)" in out and "--scan_layers false" in out
     largest = out.split("largest memory-bound kernels")[1].splitlines()[1]
     assert "loop_convert_fusion.3" in largest and largest.split()[0] == "1.573"
