@@ -150,20 +150,19 @@ def is_compute_bound(kernel: dict) -> bool:
     dot, cuBLAS/cuDNN/Triton calls and TPU custom calls (Pallas kernels: splash attention)."""
     kind = kernel["kind"]
     names = ("gemm", "cublas", "cudnn", "triton", "tpu_custom_call")
-    return kernel.get("matmul", False) or any(n in kind for n in names)
+    return kernel["matmul"] or any(n in kind for n in names)
 
 
 def report(hlo: str, bandwidth: float, top: int) -> str:
     ks = kernels(hlo)
-    by_kind: dict[str, list] = collections.defaultdict(lambda: [0, 0, 0, False])
+    by_kind: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
     for k in ks:
         row = by_kind[k["kind"]]
         row[0] += 1
         row[1] += k["read"]
         row[2] += k["written"]
-        row[3] = row[3] or is_compute_bound(k)
     lines = [f"{'kind':50s} {'kernels':>7s} {'GB read':>8s} {'GB written':>10s} {'ms':>8s}"]
-    for kind, (n, read, written, _) in sorted(by_kind.items(), key=lambda kv: -sum(kv[1][1:3])):
+    for kind, (n, read, written) in sorted(by_kind.items(), key=lambda kv: -sum(kv[1][1:])):
         ms = (read + written) / bandwidth * 1e3
         lines.append(f"{kind[:50]:50s} {n:7d} {read / 1e9:8.3f} {written / 1e9:10.3f} {ms:8.3f}")
     memory_bound = [k for k in ks if not is_compute_bound(k)]

@@ -289,15 +289,17 @@ def _vocab_reduction_names(jaxpr) -> list[str]:
     return names
 
 
-def _stats_fn(targets):
-    return lambda h, w: token_logprobs(h, w, targets, chunk_size=16, with_stats=True)
+def _head_fn(targets, with_stats=True):
+    """A new function per call: JAX caches traces per function, and the tests below trace the
+    same head under two backends."""
+    return lambda h, w: token_logprobs(h, w, targets, chunk_size=16, with_stats=with_stats)
 
 
 def test_head_statistics_without_argmax_reduce(inputs):
     """On CPU the statistics are the row max, then plain sums and a first-index-of-max `min`
     (vectorised reductions), no `argmax` (an index-carrying reduce about twice as slow there)."""
     hidden, unembed, targets = inputs
-    names = _vocab_reduction_names(jax.make_jaxpr(_stats_fn(targets))(hidden, unembed).jaxpr)
+    names = _vocab_reduction_names(jax.make_jaxpr(_head_fn(targets))(hidden, unembed).jaxpr)
     assert names.count("reduce_max") == 1
     assert sorted(set(names)) == ["reduce_max", "reduce_min", "reduce_sum"]
 
@@ -308,13 +310,9 @@ def test_head_reads_the_logits_once_on_accelerators(inputs, monkeypatch, with_st
     log Z, every statistic and the argmax (`logsumexp` + `argmax` + a sum per statistic made
     five reads of the logits). Same values as the CPU path and the naive one."""
     hidden, unembed, targets = inputs
-
-    def make_run():  # a new function per backend: JAX caches traces per function
-        return lambda h, w: token_logprobs(h, w, targets, chunk_size=16, with_stats=with_stats)
-
-    cpu_out = jax.jit(make_run())(hidden, unembed)
+    cpu_out = jax.jit(_head_fn(targets, with_stats))(hidden, unembed)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    run = make_run()
+    run = _head_fn(targets, with_stats)
     names = _vocab_reduction_names(jax.make_jaxpr(run)(hidden, unembed).jaxpr)
     assert names == ["reduce"]
     out = run(hidden, unembed)
