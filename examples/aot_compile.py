@@ -249,7 +249,7 @@ def compile_forward(opts: argparse.Namespace) -> str:
 
     device = jax.sharding.SingleDeviceSharding(topology.devices[0])
     shape = (opts.batch, opts.seq_len)
-    keys = ("input_ids", "targets", "attention_mask", "positions", "segment_ids")
+    keys = ("input_ids", "targets", "attention_mask", "positions")  # collate_sft, not packed
     mb = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=device) for k in keys}
     mb["loss_mask"] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=device)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), params)

@@ -4,10 +4,12 @@ stating the same visibility, forward + backward:
     python examples/attention_mask_bench.py [--impl cudnn] [--batch 8] [--seq_len 1024]
         [--heads 14] [--kv_heads 2] [--head_dim 64] [--steps 20] [--warmup 3]
 
-- `dense_mask`: causal plus a `[B, 1, T, S]` boolean mask, as jaxrl's models pass a padding or
-  packing mask today (cuDNN receives it as a bias, `fmhaScaleBiasSoftmax`, read per head);
+- `dense_mask`: causal plus a `[B, 1, T, S]` boolean mask, as jaxrl's models pass a packing or
+  left-padding mask (cuDNN receives it as a bias, `fmhaScaleBiasSoftmax`, read per head, and
+  writes its gradient);
 - `causal_only`: causality alone (`fmhaSoftmax`), which for right-padded rows holding one
-  document each is exact at every real token (their keys never lie after a real query);
+  document each is exact at every real token (their keys never lie after a real query): what
+  the SFT, DPO and reward trainers now run for unpacked batches (`collate.model_masks`);
 - `seq_lengths`: causality plus per-row lengths (cuDNN's padding-causal mask, no bias).
 
 Every row is full length here, so the three must agree: each line reports the largest

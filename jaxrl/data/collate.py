@@ -1,7 +1,14 @@
 """Collators: lists of tokenized examples -> fixed-shape numpy batches for a jitted step.
 
 Every batch has the static shape `[rows, seq_len]` so the train step compiles once per run.
-Padding is on the right with `pad_token_id`, `segment_ids == 0` and `attention_mask == 0`.
+Padding is on the right with `pad_token_id` and `attention_mask == 0` (and `segment_ids == 0`).
+
+Only packed rows carry `segment_ids` (1..n per document, 0 on padding). A batch without them holds
+one document per row followed by padding, so causal attention alone is exact at every real token
+(no real query ever has a padding key before it), and the trainers call the model without a mask
+(`model_masks`). On GPU that lets cuDNN run its causal kernel instead of reading a `[B, 1, T, S]`
+bias and writing its gradient; the hidden states of padding positions change, and none of them
+is scored or reaches a real token.
 
 Target alignment (shared by every collator that emits `loss_mask`):
     targets[b, t]   = input_ids[b, t + 1]           (last position: pad_token_id)
@@ -66,21 +73,33 @@ def _rows_to_batch(
     same_doc = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
     loss_mask = np.zeros((n, seq_len), dtype=np.float32)
     loss_mask[:, :-1] = trained[:, 1:] & same_doc
-    return {
+    batch = {
         "input_ids": input_ids,
         "targets": targets,
         "attention_mask": (segment_ids > 0).astype(np.int32),
         "positions": positions,
-        "segment_ids": segment_ids,
         "loss_mask": loss_mask,
     }
+    if segment_rows is not None:  # packed rows; see the module docstring
+        batch["segment_ids"] = segment_ids
+    return batch
+
+
+def model_masks(batch: Mapping[str, Any]) -> tuple[Any, Any]:
+    """`(attention_mask, segment_ids)` to call a model with on a collated batch: both for packed
+    rows, `(None, None)` for one right-padded document per row (causal attention is exact at
+    every real token there; see the module docstring). Works on numpy and jax arrays."""
+    if "segment_ids" in batch:
+        return batch["attention_mask"], batch["segment_ids"]
+    return None, None
 
 
 def collate_sft(
     examples: Sequence[Example], seq_len: int, pad_token_id: int
 ) -> dict[str, np.ndarray]:
     """SFT batch `[B, seq_len]`: `input_ids`, `targets`, `attention_mask`, `positions`,
-    `segment_ids` (int32) and `loss_mask` (float32), aligned as in the module docstring.
+    `segment_ids` (packed rows only; int32) and `loss_mask` (float32), aligned as in the module
+    docstring.
 
     Examples carry `input_ids` and optionally `loss_mask` (per input token: 1 = trained; default
     all ones), `positions` and `segment_ids` (packed rows; default one document per row).
@@ -185,8 +204,8 @@ def prefix_tree_mask(branch_ids_BT):
 def collate_reward(
     examples: Sequence[Example], seq_len: int, pad_token_id: int
 ) -> dict[str, np.ndarray]:
-    """Reward batch: `[2B, seq_len]` `input_ids`, `attention_mask`, `positions`, `segment_ids`
-    (chosen rows then rejected rows) and `margin` `[B]` float32 (zeros when the data has none).
+    """Reward batch: `[2B, seq_len]` `input_ids`, `attention_mask`, `positions` (chosen rows then
+    rejected rows) and `margin` `[B]` float32 (zeros when the data has none).
 
     The score of a row is read at its last real token, index `attention_mask.sum(-1) - 1`.
     """

@@ -101,8 +101,12 @@ class SequenceClassificationModel(nnx.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
     ) -> jax.Array:
-        batch, seq_len = input_ids_BT.shape
         h_BTD = self.hidden_states(input_ids_BT, attention_mask, positions, segment_ids)
+        return self.last_token_scores(h_BTD, attention_mask)
+
+    def last_token_scores(self, h_BTD: jax.Array, attention_mask: jax.Array | None) -> jax.Array:
+        """Scores [B, num_labels] of hidden states `h_BTD` at each row's last non-pad token."""
+        batch, seq_len = h_BTD.shape[:2]
         last_B = last_token_index(attention_mask, seq_len, batch)
         h_BD = jnp.take_along_axis(h_BTD, last_B[:, None, None], axis=1)[:, 0]
         return self.score(h_BD)

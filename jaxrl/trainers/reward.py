@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config import RewardConfig
-from jaxrl.data.collate import collate_reward
+from jaxrl.data.collate import collate_reward, model_masks
 from jaxrl.data.reward import prepare_reward_dataset
 from jaxrl.losses.reward import reward_loss
 from jaxrl.trainers.base import Trainer
@@ -29,10 +29,12 @@ def pair_scores(model, mb: dict) -> tuple[dict, jax.Array]:
         for k, v in mb.items()
         if v.ndim >= 3 or k in ("input_ids", "attention_mask")
     }
-    scores_2B = model(
-        rows["input_ids"], rows["attention_mask"], rows["positions"], rows["segment_ids"]
-    )[:, 0].astype(jnp.float32)
-    return rows, scores_2B
+    # Right-padded single-document rows run unmasked (`model_masks`); the score is still read
+    # at each row's last real token.
+    attention_mask, segment_ids = model_masks(rows)
+    h_2BTD = model.hidden_states(rows["input_ids"], attention_mask, rows["positions"], segment_ids)
+    scores_2B = model.last_token_scores(h_2BTD, rows["attention_mask"])[:, 0]
+    return rows, scores_2B.astype(jnp.float32)
 
 
 class RewardTrainer(Trainer):

@@ -16,18 +16,22 @@ import numpy as np
 
 from jaxrl.config import SFTConfig
 from jaxrl.core.logprobs import token_logprobs, unembed_logits
-from jaxrl.data.collate import collate_sft
+from jaxrl.data.collate import collate_sft, model_masks
 from jaxrl.data.sft import prepare_sft_dataset
 from jaxrl.losses.sft import entropy, mean_token_accuracy, sft_loss_sum
 from jaxrl.trainers.base import Trainer
 from jaxrl.trainers.evaluation import label_ids_from_loss_mask
 
 
+def lm_hidden_states(model, mb: dict) -> jnp.ndarray:
+    """Final hidden states [B, T, D] of a collated LM batch (masked only when packed)."""
+    attention_mask, segment_ids = model_masks(mb)
+    return model.hidden_states(mb["input_ids"], attention_mask, mb["positions"], segment_ids)
+
+
 def lm_forward(model, mb: dict, chunk_size: int, with_stats: bool):
     """Per-token target log-probs (and stats) of a collated LM batch."""
-    h_BTD = model.hidden_states(
-        mb["input_ids"], mb["attention_mask"], mb["positions"], mb["segment_ids"]
-    )
+    h_BTD = lm_hidden_states(model, mb)
     return token_logprobs(
         h_BTD, model.unembed_weight(), mb["targets"], chunk_size=chunk_size, with_stats=with_stats
     )
@@ -36,10 +40,7 @@ def lm_forward(model, mb: dict, chunk_size: int, with_stats: bool):
 def full_logits(model, mb: dict) -> jnp.ndarray:
     """f32 logits [B, T, V] of a collated LM batch (eval predictions only; training never
     builds them)."""
-    h_BTD = model.hidden_states(
-        mb["input_ids"], mb["attention_mask"], mb["positions"], mb["segment_ids"]
-    )
-    return unembed_logits(h_BTD, model.unembed_weight())
+    return unembed_logits(lm_hidden_states(model, mb), model.unembed_weight())
 
 
 def example_weighted_mask(mb: dict) -> jnp.ndarray:

@@ -11,6 +11,7 @@ from jaxrl.data import (
     collate_sft,
     prefix_tree_mask,
 )
+from jaxrl.data.collate import model_masks
 
 
 def test_collate_sft_alignment_hand_computed():
@@ -25,7 +26,8 @@ def test_collate_sft_alignment_hand_computed():
     # loss_mask[t] = token t+1 is trained: predicts 9 and <eos> in row 0, <eos> in row 1
     np.testing.assert_array_equal(b["loss_mask"], [[0, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0]])
     np.testing.assert_array_equal(b["attention_mask"], [[1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]])
-    np.testing.assert_array_equal(b["segment_ids"], b["attention_mask"])
+    # One document per row: no segment ids, so the model runs without a mask (`model_masks`).
+    assert "segment_ids" not in b and model_masks(b) == (None, None)
     np.testing.assert_array_equal(b["positions"], [[0, 1, 2, 3, 0, 0], [0, 1, 0, 0, 0, 0]])
     assert b["input_ids"].dtype == np.int32 and b["loss_mask"].dtype == np.float32
 
@@ -41,6 +43,8 @@ def test_collate_sft_packed_masks_document_boundaries():
     np.testing.assert_array_equal(b["loss_mask"], [[1, 0, 1, 0, 0]])
     np.testing.assert_array_equal(b["positions"], [[0, 1, 0, 1, 0]])
     np.testing.assert_array_equal(b["segment_ids"], [[1, 1, 2, 2, 0]])
+    mask, seg = model_masks(b)
+    assert mask is b["attention_mask"] and seg is b["segment_ids"]
 
 
 def test_collate_sft_too_long_is_a_clear_error():

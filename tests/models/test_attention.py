@@ -323,3 +323,65 @@ def test_splash_model_on_a_mesh_equals_reference():
     model = models.from_config(hf, mesh=mesh, scan_layers=True, attention_impl="splash")
     got = jax.jit(lambda ids, seg: model(ids, segment_ids=seg))(ids, seg)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "family, impl",
+    [("llama", "blockwise"), ("llama", "xla"), ("mistral", "blockwise"), ("gpt2", "xla")],
+)
+def test_right_padded_rows_run_unmasked_exactly(family, impl):
+    """Collated rows holding one document each carry no segment ids and the trainers run them
+    without a mask (`model_masks`): at every scored token the log-probs, and the parameter
+    gradients, equal those of the masked call (sliding window included: mistral's is 3); reward
+    scores at the last real token likewise."""
+    import transformers
+    from flax import nnx
+
+    from jaxrl import models
+    from jaxrl.data import collate_sft
+    from jaxrl.trainers.reward import pair_scores
+    from jaxrl.trainers.sft import lm_forward
+
+    tiny = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    hf = {
+        "llama": lambda: transformers.LlamaConfig(**tiny),
+        "mistral": lambda: transformers.MistralConfig(**tiny, sliding_window=3),
+        "gpt2": lambda: transformers.GPT2Config(
+            vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64
+        ),
+    }[family]()
+    rng = np.random.default_rng(0)
+    lengths = (11, 4, 7, 1)
+    examples = [{"input_ids": rng.integers(3, 64, n).tolist()} for n in lengths]
+    batch = {k: jnp.asarray(v) for k, v in collate_sft(examples, 12, pad_token_id=0).items()}
+    masked = dict(batch, segment_ids=batch["attention_mask"])  # the masked call, as before
+    graphdef, params = nnx.split(models.from_config(hf, attention_impl=impl))
+
+    def loss_and_logps(params, mb):
+        logps_BT = lm_forward(nnx.merge(graphdef, params), mb, None, with_stats=False)
+        return jnp.sum(logps_BT * mb["loss_mask"]), logps_BT
+
+    run = jax.jit(jax.value_and_grad(loss_and_logps, has_aux=True))
+    (_, got), got_grads = run(params, batch)
+    (_, want), want_grads = run(params, masked)
+    scored = np.asarray(batch["loss_mask"]) > 0
+    assert scored.sum() == sum(lengths) - len(lengths)
+    np.testing.assert_allclose(np.asarray(got)[scored], np.asarray(want)[scored], atol=1e-6)
+    assert not np.allclose(np.asarray(got)[~scored], np.asarray(want)[~scored])  # padding moved
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+
+    if family == "gpt2":
+        return
+    hf.num_labels = 1
+    scorer = models.from_config(hf, task="sequence_classification", attention_impl=impl)
+    pairs = {k: v.reshape(2, 2, *v.shape[1:]) for k, v in batch.items()}  # [B, 2, T]
+    _, scores = pair_scores(scorer, pairs)
+    rows = jnp.concatenate([batch["input_ids"][0::2], batch["input_ids"][1::2]])
+    mask = jnp.concatenate([batch["attention_mask"][0::2], batch["attention_mask"][1::2]])
+    pos = jnp.concatenate([batch["positions"][0::2], batch["positions"][1::2]])
+    want_scores = scorer(rows, mask, pos, mask)[:, 0]
+    np.testing.assert_allclose(np.asarray(scores), np.asarray(want_scores), atol=1e-6)
