@@ -88,20 +88,91 @@ def shape_bytes(shape: str) -> int:
     return total
 
 
+def _computations(hlo: str) -> dict[str, str]:
+    """Every computation's body by name."""
+    return {
+        m.group(1): m.group(2)
+        for m in re.finditer(r"^%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.M | re.S)
+    }
+
+
 def _matmul_computations(hlo: str) -> set[str]:
     """Names of the computations that hold a dot or convolution (a fusion calling one is a
     matmul kernel, whatever its name: XLA:TPU names every fusion `fusion.N`)."""
-    names = set()
-    for m in re.finditer(r"^%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.M | re.S):
-        if re.search(r" (dot|convolution)\(", m.group(2)):
-            names.add(m.group(1))
-    return names
+    return {
+        name
+        for name, body in _computations(hlo).items()
+        if re.search(r" (dot|convolution)\(", body)
+    }
+
+
+# Ops through which a fused parameter reaches a gather without being read in full.
+_PASS_THROUGH = {"bitcast", "convert", "reshape", "copy"}
+
+
+def _instructions(body: str) -> dict[str, tuple[str, str, list[str], str]]:
+    """A computation's instructions: name -> (shape, opcode, operand names, text after `op(`)."""
+    out = {}
+    for line in body.splitlines():
+        m = _INSTR.match(re.sub(r"/\*.*?\*/", "", line).strip())
+        if m:
+            name, shape, op, rest = m.groups()
+            out[name] = (
+                shape,
+                op,
+                [a.strip().lstrip("%") for a in rest.split(")", 1)[0].split(",")],
+                rest,
+            )
+    return out
+
+
+def _param_index(instrs: dict, name: str) -> int | None:
+    """The parameter number of `name` in a fused computation (None: not a parameter)."""
+    shape, op, _, rest = instrs.get(name, ("", "", [], ""))
+    return int(rest.split(")", 1)[0]) if op == "parameter" else None
+
+
+def _gathered_bytes(instrs: dict, index: int) -> int | None:
+    """Bytes a fused computation reads of its parameter `index` when every use of it reaches a
+    gather's operand (through bitcasts, converts, reshapes): the gathered elements in the
+    parameter's dtype, not the whole array. None when the parameter is read otherwise."""
+    param = next(
+        (
+            n
+            for n, (_, op, _, rest) in instrs.items()
+            if op == "parameter" and rest.startswith(f"{index})")
+        ),
+        None,
+    )
+    if param is None:
+        return None
+    dtype = _ARRAY.search(instrs[param][0]).group(1)
+    total, frontier = 0, [param]
+    while frontier:
+        value = frontier.pop()
+        users = [(n, i) for n, i in instrs.items() if value in i[2] and n != value]
+        if not users:
+            return None  # the fusion's result itself: read in full
+        for user, (shape, op, args, _) in users:
+            if op == "gather" and args[0] == value and value not in args[1:]:
+                elements = shape_bytes(shape) // _BYTES[_ARRAY.search(shape).group(1)]
+                total += elements * _BYTES[dtype]
+            elif op in _PASS_THROUGH:
+                frontier.append(user)
+            else:
+                return None
+    return total
 
 
 def kernels(hlo: str) -> list[dict]:
     """The entry computation's kernels: name, kind (`fusion:<name without digits>`,
     `custom-call:<target>` or the opcode), bytes read (operands) and written (results), and
-    whether it is a matmul (a fusion whose computation holds a dot or convolution)."""
+    whether it is a matmul (a fusion whose computation holds a dot or convolution).
+
+    A fused operand that only feeds gathers counts the gathered elements; a scatter fusion
+    updates its first operand in place, so that operand counts as neither read nor written in
+    full: the updates are read, and written back, instead."""
+    bodies = _computations(hlo)
     matmuls = _matmul_computations(hlo)
     start = hlo.index("\nENTRY")
     entry = hlo[start : hlo.index("\n}", start)]
@@ -129,15 +200,35 @@ def kernels(hlo: str) -> list[dict]:
             kind = "custom-call:" + re.search(r'custom_call_target="([^"]+)"', line).group(1)
         else:
             kind = op
-        read = sum(sizes.get(a, 0) for a in operands)
+        read_each = [sizes.get(a, 0) for a in operands]
+        written = sizes[name]
+        body = bodies.get(calls.group(1), "") if op == "fusion" and calls else ""
+        fused = _instructions(body)
+        root = re.search(r"ROOT %?[\w.\-]+ = \S+ ([\w\-]+)\(", body)
+        if any(i[1] == "gather" for i in fused.values()):
+            for i in range(len(operands)):
+                gathered = _gathered_bytes(fused, i)
+                read_each[i] = read_each[i] if gathered is None else gathered
+        if op == "scatter" or (root and root.group(1) == "scatter"):
+            # In place: only the updated elements are read, combined and written back.
+            if op == "scatter":
+                updates = sizes.get(operands[2], 0)
+            else:
+                scatter = next(i for i in fused.values() if i[1] == "scatter")
+                updates = shape_bytes(fused[scatter[2][2]][0])
+            operand = 0 if op == "scatter" else _param_index(fused, scatter[2][0])
+            if operand is not None:
+                read_each[operand] = updates
+                written = updates
+        read = sum(read_each)
         if op in ("while", "conditional", "call"):  # control flow: its bodies run the kernels
-            read = sizes[name] = 0
+            read = written = sizes[name] = 0
         out.append(
             {
                 "name": name,
                 "kind": kind,
                 "read": read,
-                "written": sizes[name],
+                "written": written,
                 "shape": shape,
                 "matmul": matmul,
             }

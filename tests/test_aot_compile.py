@@ -93,3 +93,53 @@ def test_report_from_an_hlo_file(tmp_path):
     assert "1 while loop(s)" in out and "--scan_layers false" in out
     largest = out.split("largest memory-bound kernels")[1].splitlines()[1]
     assert "loop_convert_fusion.3" in largest and largest.split()[0] == "1.573"
+
+
+GATHER_SCATTER = """HloModule jit_embed
+
+%fused_gather (p0: f32[1000,64], p1: s32[8,1]) -> bf16[8,64] {
+  %p0 = f32[1000,64]{1,0} parameter(0)
+  %p1 = s32[8,1]{1,0} parameter(1)
+  %c = bf16[1000,64]{1,0} convert(%p0)
+  %b = bf16[1000,64]{1,0} bitcast(%c)
+  ROOT %g = bf16[8,64]{1,0} gather(%b, %p1), offset_dims={1}, slice_sizes={1,64}
+}
+
+%fused_gather_and_reduce (p0: f32[1000,64], p1: s32[8,1]) -> (bf16[8,64], f32[64]) {
+  %p0 = f32[1000,64]{1,0} parameter(0)
+  %p1 = s32[8,1]{1,0} parameter(1)
+  %g = f32[8,64]{1,0} gather(%p0, %p1), offset_dims={1}, slice_sizes={1,64}
+  %r = f32[64]{0} reduce(%p0, %z), dimensions={0}, to_apply=%add
+  ROOT %t = (f32[8,64]{1,0}, f32[64]{0}) tuple(%g, %r)
+}
+
+%fused_scatter (p0: f32[1000,64], p1: s32[8,1], p2: bf16[8,64]) -> f32[1000,64] {
+  %p0 = f32[1000,64]{1,0} parameter(0)
+  %p1 = s32[8,1]{1,0} parameter(1)
+  %p2 = bf16[8,64]{1,0} parameter(2)
+  %u = f32[8,64]{1,0} convert(%p2)
+  ROOT %s = f32[1000,64]{1,0} scatter(%p0, %p1, %u), update_window_dims={1}, to_apply=%add
+}
+
+ENTRY %main (table: f32[1000,64], ids: s32[8,1], g: bf16[8,64]) -> f32[1000,64] {
+  %table = f32[1000,64]{1,0} parameter(0)
+  %ids = s32[8,1]{1,0} parameter(1)
+  %g = bf16[8,64]{1,0} parameter(2)
+  %input_gather_fusion = bf16[8,64]{1,0} fusion(%table, %ids), kind=kInput, calls=%fused_gather
+  %input_reduce_fusion = (f32[8,64]{1,0}, f32[64]{0}) fusion(%table, %ids), kind=kInput, calls=%fused_gather_and_reduce
+  ROOT %input_scatter_fusion = f32[1000,64]{1,0} fusion(%table, %ids, %g), kind=kInput, calls=%fused_scatter
+}
+"""
+
+
+def test_gathers_and_scatters_count_the_touched_rows():
+    """An embedding lookup reads the 8 gathered rows of its table (in the table's dtype, through
+    the convert), not the table; a table also reduced whole is read whole; the scatter of a
+    gradient updates 8 rows in place (read and written back), not the table."""
+    ks = {k["name"]: k for k in _module().kernels(GATHER_SCATTER)}
+    ids, rows_f32, rows_bf16 = 8 * 4, 8 * 64 * 4, 8 * 64 * 2
+    assert ks["input_gather_fusion"]["read"] == rows_f32 + ids
+    assert ks["input_gather_fusion"]["written"] == rows_bf16
+    assert ks["input_reduce_fusion"]["read"] == 1000 * 64 * 4 + ids
+    scatter = ks["input_scatter_fusion"]
+    assert (scatter["read"], scatter["written"]) == (rows_f32 + ids + rows_bf16, rows_f32)
