@@ -117,3 +117,26 @@ def test_gated_product_equals_autodiff_and_saves_only_its_inputs(act, dtype):
 
     assert len(saved(lambda g, u: gated(fn, g, u))) == 2
     assert len(saved(lambda g, u: fn(g) * u)) > 2
+
+
+def test_gated_backward_is_one_kernel_on_gpu(monkeypatch):
+    """On GPU the backward reads its three inputs through an optimization barrier (XLA:GPU then
+    computes both gradients in one multi-output fusion: it never sibling-fuses consumers of a
+    GEMM fusion's output); values equal the other backends' exactly, which have no barrier."""
+    fn = activation("silu")
+    kg, ku, kw = jax.random.split(jax.random.key(1), 3)
+    g, u = (jax.random.normal(k, (4, 32), jnp.float32).astype(jnp.bfloat16) for k in (kg, ku))
+    w = jax.random.normal(kw, (4, 32))
+
+    def grads():
+        loss = lambda g, u: jnp.sum(gated(fn, g, u).astype(jnp.float32) * w)  # noqa: E731
+        jaxpr = str(jax.make_jaxpr(jax.grad(loss, (0, 1)))(g, u))
+        return jax.jit(jax.grad(loss, (0, 1)))(g, u), jaxpr
+
+    (dg_cpu, du_cpu), jaxpr_cpu = grads()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    (dg_gpu, du_gpu), jaxpr_gpu = grads()
+    assert "optimization_barrier" not in jaxpr_cpu
+    assert jaxpr_gpu.count("optimization_barrier") == 1
+    for a, b in ((dg_gpu, dg_cpu), (du_gpu, du_cpu)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
