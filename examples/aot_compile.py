@@ -106,7 +106,7 @@ def _matmul_computations(hlo: str) -> set[str]:
     }
 
 
-# Ops through which a fused parameter reaches a gather without being read in full.
+# Ops through which a fused parameter reaches a gather or slice without being read in full.
 _PASS_THROUGH = {"bitcast", "convert", "reshape", "copy"}
 
 
@@ -132,10 +132,14 @@ def _param_index(instrs: dict, name: str) -> int | None:
     return int(rest.split(")", 1)[0]) if op == "parameter" else None
 
 
-def _gathered_bytes(instrs: dict, index: int) -> int | None:
-    """Bytes a fused computation reads of its parameter `index` when every use of it reaches a
-    gather's operand (through bitcasts, converts, reshapes): the gathered elements in the
-    parameter's dtype, not the whole array. None when the parameter is read otherwise."""
+# Ops that read only the elements they output from their first operand.
+_PARTIAL_READS = {"gather", "slice", "dynamic-slice"}
+
+
+def _partial_read_bytes(instrs: dict, index: int) -> int | None:
+    """Bytes a fused computation reads of its parameter `index` when every use of it reaches the
+    first operand of a gather or slice (through bitcasts, converts, reshapes): the elements those
+    output, in the parameter's dtype, at most the whole array. None when it is read otherwise."""
     param = next(
         (
             n
@@ -154,14 +158,14 @@ def _gathered_bytes(instrs: dict, index: int) -> int | None:
         if not users:
             return None  # the fusion's result itself: read in full
         for user, (shape, op, args, _) in users:
-            if op == "gather" and args[0] == value and value not in args[1:]:
+            if op in _PARTIAL_READS and args[0] == value and value not in args[1:]:
                 elements = shape_bytes(shape) // _BYTES[_ARRAY.search(shape).group(1)]
                 total += elements * _BYTES[dtype]
             elif op in _PASS_THROUGH:
                 frontier.append(user)
             else:
                 return None
-    return total
+    return min(total, shape_bytes(instrs[param][0]))
 
 
 def kernels(hlo: str) -> list[dict]:
@@ -169,9 +173,9 @@ def kernels(hlo: str) -> list[dict]:
     `custom-call:<target>` or the opcode), bytes read (operands) and written (results), and
     whether it is a matmul (a fusion whose computation holds a dot or convolution).
 
-    A fused operand that only feeds gathers counts the gathered elements; a scatter fusion
-    updates its first operand in place, so that operand counts as neither read nor written in
-    full: the updates are read, and written back, instead."""
+    A fused operand that only feeds gathers or slices counts the elements they take; a scatter
+    fusion updates its first operand in place, so that operand counts as neither read nor
+    written in full: the updates are read, and written back, instead."""
     bodies = _computations(hlo)
     matmuls = _matmul_computations(hlo)
     start = hlo.index("\nENTRY")
@@ -205,10 +209,10 @@ def kernels(hlo: str) -> list[dict]:
         body = bodies.get(calls.group(1), "") if op == "fusion" and calls else ""
         fused = _instructions(body)
         root = re.search(r"ROOT %?[\w.\-]+ = \S+ ([\w\-]+)\(", body)
-        if any(i[1] == "gather" for i in fused.values()):
+        if any(i[1] in _PARTIAL_READS for i in fused.values()):
             for i in range(len(operands)):
-                gathered = _gathered_bytes(fused, i)
-                read_each[i] = read_each[i] if gathered is None else gathered
+                partial = _partial_read_bytes(fused, i)
+                read_each[i] = read_each[i] if partial is None else partial
         if op == "scatter" or (root and root.group(1) == "scatter"):
             # In place: only the updated elements are read, combined and written back.
             if op == "scatter":

@@ -121,25 +121,36 @@ GATHER_SCATTER = """HloModule jit_embed
   ROOT %s = f32[1000,64]{1,0} scatter(%p0, %p1, %u), update_window_dims={1}, to_apply=%add
 }
 
+%fused_slices (p0: f32[1000,64]) -> (bf16[100,64], bf16[100,64]) {
+  %p0 = f32[1000,64]{1,0} parameter(0)
+  %q = f32[100,64]{1,0} slice(%p0), slice={[0:100], [0:64]}
+  %k = f32[100,64]{1,0} slice(%p0), slice={[100:200], [0:64]}
+  %qc = bf16[100,64]{1,0} convert(%q)
+  %kc = bf16[100,64]{1,0} convert(%k)
+  ROOT %t = (bf16[100,64]{1,0}, bf16[100,64]{1,0}) tuple(%qc, %kc)
+}
+
 ENTRY %main (table: f32[1000,64], ids: s32[8,1], g: bf16[8,64]) -> f32[1000,64] {
   %table = f32[1000,64]{1,0} parameter(0)
   %ids = s32[8,1]{1,0} parameter(1)
   %g = bf16[8,64]{1,0} parameter(2)
   %input_gather_fusion = bf16[8,64]{1,0} fusion(%table, %ids), kind=kInput, calls=%fused_gather
   %input_reduce_fusion = (f32[8,64]{1,0}, f32[64]{0}) fusion(%table, %ids), kind=kInput, calls=%fused_gather_and_reduce
+  %loop_slice_fusion = (bf16[100,64]{1,0}, bf16[100,64]{1,0}) fusion(%table), kind=kLoop, calls=%fused_slices
   ROOT %input_scatter_fusion = f32[1000,64]{1,0} fusion(%table, %ids, %g), kind=kInput, calls=%fused_scatter
 }
 """
 
 
-def test_gathers_and_scatters_count_the_touched_rows():
+def test_gathers_slices_and_scatters_count_the_touched_rows():
     """An embedding lookup reads the 8 gathered rows of its table (in the table's dtype, through
-    the convert), not the table; a table also reduced whole is read whole; the scatter of a
-    gradient updates 8 rows in place (read and written back), not the table."""
+    the convert), not the table; a table also reduced whole is read whole; two slices read their
+    200 rows; the scatter of a gradient updates 8 rows in place (read and written back)."""
     ks = {k["name"]: k for k in _module().kernels(GATHER_SCATTER)}
     ids, rows_f32, rows_bf16 = 8 * 4, 8 * 64 * 4, 8 * 64 * 2
     assert ks["input_gather_fusion"]["read"] == rows_f32 + ids
     assert ks["input_gather_fusion"]["written"] == rows_bf16
     assert ks["input_reduce_fusion"]["read"] == 1000 * 64 * 4 + ids
+    assert ks["loop_slice_fusion"]["read"] == 200 * 64 * 4
     scatter = ks["input_scatter_fusion"]
     assert (scatter["read"], scatter["written"]) == (rows_f32 + ids + rows_bf16, rows_f32)
