@@ -220,6 +220,8 @@ def run(argv: list[str]) -> dict:
         host = trainer._collate_micro(next(iter(trainer._train_iterator())), accum)
     else:
         ex = _synthetic_examples(algo, n, opts["seq_len"], opts["vocab"], a.seed)
+        if algo == "dpo":  # the head's span follows the data, as the trainer's datasets set it
+            trainer.score_span = trainer._score_span([ex])
         host = trainer._collate_micro(ex, accum)
     model_config = trainer.model.config.hf_config
     state = trainer._build_state()
@@ -262,12 +264,18 @@ def run(argv: list[str]) -> dict:
     # Training FLOPs: 6N per token (+ attention) for the policy; DPO adds the reference forward
     # (a third of that); forward-only is fwd+bwd = the same 6N without the optimizer.
     fpt = presets.flops_per_token(model_config, seq_len)
+    flops = fpt * computed
+    span = getattr(trainer, "score_span", None)  # SFT / DPO: the LM head's positions per row
+    if span is not None:  # the LM head ran on `span` positions per row, not on every token
+        head_pt = 6.0 * presets.head_params(model_config)
+        rows = host["input_ids"].size // seq_len * jax.process_count()
+        flops -= head_pt * (computed - rows * span)
     if algo == "dpo" and trainer.uses_ref_params:
-        fpt *= 4 / 3
+        flops *= 4 / 3
     devices = jax.devices()
     peak = peak_flops(devices[0])
     tps = tokens / step_s
-    mfu = (fpt * computed / step_s / (peak * len(devices))) if peak else None
+    mfu = (flops / step_s / (peak * len(devices))) if peak else None
     peak_bytes, peak_src = _peak_bytes()
     return {
         "algo": algo,
@@ -283,6 +291,7 @@ def run(argv: list[str]) -> dict:
         "tokens_per_step": tokens,
         "computed_tokens_per_step": computed,
         "seq_len": seq_len,
+        "score_span": span,
         "global_batch": n,
         "preset": opts["preset"],
         "compute_dtype": jnp.dtype(trainer.compute_dtype).name,

@@ -121,6 +121,13 @@ def count_params(model: nnx.Module) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
+def head_params(config: Any) -> int:
+    """Weights of the unembedding (hidden x vocabulary), the LM head's share of `flops_per_token`'s
+    N."""
+    c = config if isinstance(config, ModelConfig) else config_from_hf(config)
+    return c.hidden_size * c.vocab_size
+
+
 def flops_per_token(config: Any, seq_len: int) -> float:
     """Training FLOPs per token: 6 * N_matmul + 12 * L * heads * head_dim * seq_len.
 

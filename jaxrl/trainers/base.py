@@ -508,7 +508,7 @@ class Trainer(TrainLoop):
         ds = (
             self.eval_dataset
             if eval_dataset is None
-            else self._prepare_dataset(eval_dataset, "eval")
+            else self._admit(self._prepare_dataset(eval_dataset, "eval"))
         )
         if ds is None:
             raise ValueError("evaluate() needs an eval_dataset.")
@@ -533,10 +533,22 @@ class Trainer(TrainLoop):
         the `prompt + rejected` rows `[2N, ...]`; reward, the `[N, 2]` (chosen, rejected) scores
         with label 0 (the chosen column). Not logged; callbacks get `on_predict`."""
         self._ensure_state()
-        ds = self._prepare_dataset(test_dataset, "test")
+        ds = self._admit(self._prepare_dataset(test_dataset, "test"))
         metrics, (preds, labels) = self._evaluation_loop(ds, metric_key_prefix, ignore_keys, True)
         self._event("on_predict", metrics=metrics)
         return PredictionOutput(preds, labels, metrics)
+
+    def _admit(self, ds: Any) -> Any:
+        """A dataset given to `evaluate`/`predict` after the steps were compiled: where the LM
+        head runs on a `score_span` (SFT, DPO) too short for it, the span widens and the steps
+        are compiled again."""
+        span = getattr(self, "score_span", None)
+        if span is not None and ds is not None:
+            needed = self._score_span([ds])
+            if needed is None or needed > span:
+                self.score_span = needed
+                self._compile(self.train_state)
+        return ds
 
     def _evaluation_loop(
         self, ds: Any, prefix: str, ignore_keys: list[str] | None, want_predictions: bool

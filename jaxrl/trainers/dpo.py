@@ -34,7 +34,7 @@ from jaxrl.data.preference import prepare_preference_dataset
 from jaxrl.losses.dpo import dpo_multi_loss
 from jaxrl.trainers.base import Trainer
 from jaxrl.trainers.evaluation import label_ids_from_loss_mask, label_ids_from_trained
-from jaxrl.trainers.sft import full_logits, lm_forward
+from jaxrl.trainers.sft import check_score_span, choose_score_span, full_logits, lm_forward
 
 logger = logging.getLogger("jaxrl")
 
@@ -58,10 +58,14 @@ def shared_token_logps(model, mb: dict, chunk: int, with_stats: bool):
     )
 
 
-def pair_logps(model, mb: dict, chunk: int, with_stats: bool) -> dict:
+def pair_logps(
+    model, mb: dict, chunk: int, with_stats: bool, score_span: int | None = None
+) -> dict:
     """Per-pair quantities of a DPO micro-batch in either layout, all [B]: `chosen`/`rejected`
     summed completion log-probs and token counts, and (with stats) per-pair sums over the
-    scored tokens of `logits/*` (mean logit), `argmax_correct/chosen` and `entropy/*`."""
+    scored tokens of `logits/*` (mean logit), `argmax_correct/chosen` and `entropy/*`.
+    `score_span`: pair rows run the LM head on that many positions from their first completion
+    target only (`DPOTrainer.score_span`; see `lm_forward`)."""
     if "branch_ids" in mb:  # prefix-shared rows [B, T]
         out = shared_token_logps(model, mb, chunk, with_stats)
         logps_BT, stats = out if with_stats else (out, None)
@@ -69,7 +73,7 @@ def pair_logps(model, mb: dict, chunk: int, with_stats: bool) -> dict:
         per_side = {side: (logps_BT, stats, m) for side, m in masks.items()}
     else:  # pair rows [B, 2, T]
         rows = pairs_to_rows(mb)
-        out = lm_forward(model, rows, chunk, with_stats)
+        out = lm_forward(model, rows, chunk, with_stats, score_span)
         logps_2BT, stats_2B = out if with_stats else (out, None)
         b = logps_2BT.shape[0] // 2
         halves = {"chosen": slice(None, b), "rejected": slice(b, None)}
@@ -149,6 +153,7 @@ class DPOTrainer(Trainer):
         args = args if args is not None else DPOConfig(output_dir="trainer_output")
         self._validate(args, ref_model)
         super().__init__(model, args, *a, **kw)
+        self.score_span = self._score_span([self.train_dataset, self.eval_dataset])
         if self.is_peft:
             self._validate_peft(args, ref_model)
         self._explicit_ref = None
@@ -231,6 +236,23 @@ class DPOTrainer(Trainer):
             return [len(pi) + len(ci) + len(ri) for pi, ci, ri in zip(p, c, r, strict=True)]
         return [len(pi) + max(len(ci), len(ri)) for pi, ci, ri in zip(p, c, r, strict=True)]
 
+    def _score_span(self, sources: list) -> int | None:
+        """How many positions of a `prompt + completion` row the LM head must run on: the longest
+        completion of `sources` (datasets or lists of examples), rounded up to a multiple of 8. A row's scored targets are its completion's, from the last prompt token
+        on, so skipping the prompt's positions leaves every log-prob and statistic unchanged
+        while the head (a large share of a step at big vocabularies) runs on the completions
+        only. None (the whole row) for prefix sharing or when it would not save anything."""
+        if self.args.prefix_sharing:
+            return None
+        longest = 0
+        for ds in sources:
+            if ds is None:
+                continue
+            for key in ("chosen_input_ids", "rejected_input_ids"):
+                column = ds[key] if isinstance(ds, datasets.Dataset) else [ex[key] for ex in ds]
+                longest = max(longest, max(map(len, column), default=0))
+        return choose_score_span(longest, self.seq_len)
+
     def _max_length(self) -> int | None:
         # Each prompt + completion is already cut to max_length; a prefix-shared row holds two
         # completions, so its static length is the longest prompt + chosen + rejected, uncapped.
@@ -245,6 +267,7 @@ class DPOTrainer(Trainer):
             batch = collate_preference_shared(examples, self.seq_len, self._pad_id())
         else:
             rows = collate_preference(examples, self.seq_len, self._pad_id())
+            check_score_span(rows["loss_mask"], getattr(self, "score_span", None))
             b = len(examples)
             batch = {k: np.stack([v[:b], v[b:]], axis=1) for k, v in rows.items()}
         if "ref_chosen_logps" in examples[0]:  # precomputed reference log-probs
@@ -303,10 +326,10 @@ class DPOTrainer(Trainer):
                 adapter = nnx.merge_state(adapter, state.frozen["ref_saved"])
             with lora.disable_adapter():  # read when traced: the call must be inside
                 model = nnx.merge(self.graphdef, adapter, state.frozen["base"])
-                out = pair_logps(model, mb, chunk, with_stats=False)
+                out = pair_logps(model, mb, chunk, with_stats=False, score_span=self.score_span)
         else:
             model = self.ref_model_apply(state.ref_params)
-            out = pair_logps(model, mb, chunk, with_stats=False)
+            out = pair_logps(model, mb, chunk, with_stats=False, score_span=self.score_span)
         return jax.lax.stop_gradient(out["chosen"]), jax.lax.stop_gradient(out["rejected"])
 
     # ----------------------------------------------------------------- loss
@@ -317,7 +340,7 @@ class DPOTrainer(Trainer):
 
         def loss_fn(params, state, mb, rng, extras):
             model = self.apply_model(params, state)
-            out = pair_logps(model, mb, chunk, with_stats=True)
+            out = pair_logps(model, mb, chunk, with_stats=True, score_span=self.score_span)
             logps_c, logps_r = out["chosen"], out["rejected"]
             if a.precompute_ref_log_probs:
                 ref_c, ref_r = mb["ref_logps"][:, 0], mb["ref_logps"][:, 1]
@@ -483,6 +506,7 @@ class DPOTrainer(Trainer):
                     "ref": str(self._ref_model_arg),
                     "seq_len": self.seq_len,
                     "chunk": self.args.logprob_chunk_size,
+                    "score_span": self.score_span,
                     "prefix_sharing": self.args.prefix_sharing,
                     "dtype": str(self.compute_dtype),
                     "data": dataset._fingerprint,
@@ -509,7 +533,9 @@ class DPOTrainer(Trainer):
         @jax.jit
         def ref_logps(params, batch):
             with adapter_off():
-                out = pair_logps(nnx.merge(graphdef, params), batch, chunk, with_stats=False)
+                out = pair_logps(
+                    nnx.merge(graphdef, params), batch, chunk, False, score_span=self.score_span
+                )
             return jnp.stack([out["chosen"], out["rejected"]], axis=1)
 
         bs = (

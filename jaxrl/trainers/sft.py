@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import datasets
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -29,12 +30,67 @@ def lm_hidden_states(model, mb: dict) -> jnp.ndarray:
     return model.hidden_states(mb["input_ids"], attention_mask, mb["positions"], segment_ids)
 
 
-def lm_forward(model, mb: dict, chunk_size: int, with_stats: bool):
-    """Per-token target log-probs (and stats) of a collated LM batch."""
+def lm_forward(model, mb: dict, chunk_size: int, with_stats: bool, score_span: int | None = None):
+    """Per-token target log-probs (and stats) `[B, T]` of a collated LM batch.
+
+    `score_span` (static): every row's scored targets (`loss_mask`) lie within this many
+    positions from its first one, so only those positions go through the LM head (a DPO row's
+    completion, not its prompt); the others come back as 0. Values at scored positions are those
+    of the full head."""
     h_BTD = lm_hidden_states(model, mb)
-    return token_logprobs(
-        h_BTD, model.unembed_weight(), mb["targets"], chunk_size=chunk_size, with_stats=with_stats
+    targets_BT = mb["targets"]
+    if score_span is None or score_span >= targets_BT.shape[1]:
+        return token_logprobs(
+            h_BTD, model.unembed_weight(), targets_BT, chunk_size=chunk_size, with_stats=with_stats
+        )
+    B, T = targets_BT.shape
+    first_B = jnp.argmax(mb["loss_mask"] > 0, axis=1)
+    idx_BS = jnp.minimum(first_B[:, None] + jnp.arange(score_span), T - 1)
+    h_BSD = jnp.take_along_axis(h_BTD, idx_BS[..., None], axis=1)
+    out = token_logprobs(
+        h_BSD,
+        model.unembed_weight(),
+        jnp.take_along_axis(targets_BT, idx_BS, axis=1),
+        chunk_size=chunk_size,
+        with_stats=with_stats,
     )
+    rows_B1 = jnp.arange(B)[:, None]
+    # Positions clamped to T - 1 repeat the same computation, so whichever write lands is right.
+    return jax.tree.map(lambda v: jnp.zeros((B, T), v.dtype).at[rows_B1, idx_BS].set(v), out)
+
+
+def trained_width(mask_rows: Any) -> int:
+    """The widest stretch, first to last trained token inclusive, of any row of per-token
+    `loss_mask` lists (0 when none is trained)."""
+    widest = 0
+    for row in mask_rows:
+        row = list(row)
+        if 1 in row:
+            widest = max(widest, len(row) - row[::-1].index(1) - row.index(1))
+    return widest
+
+
+def choose_score_span(width: int, seq_len: int) -> int | None:
+    """`lm_forward`'s `score_span` for rows whose scored targets lie within `width` positions:
+    `width` rounded up to a multiple of 8, or None when that would not be shorter than a row."""
+    span = -(-max(width, 1) // 8) * 8
+    return span if span < seq_len else None
+
+
+def check_score_span(loss_mask: np.ndarray, span: int | None) -> None:
+    """Host-side guard of a collated `[rows, T]` batch: every row's scored targets fit `span`."""
+    if span is None:
+        return
+    scored = loss_mask > 0
+    first = np.argmax(scored, axis=1)
+    last = scored.shape[1] - 1 - np.argmax(scored[:, ::-1], axis=1)
+    widest = int(np.max(np.where(scored.any(axis=1), last - first + 1, 0)))
+    if widest > span:
+        raise ValueError(
+            f"A row's scored tokens span {widest} positions but the LM head runs on {span} "
+            "(`score_span`, from the widest completion of the train and eval sets); set "
+            "trainer.score_span = None or collate only examples of those datasets."
+        )
 
 
 def full_logits(model, mb: dict) -> jnp.ndarray:
@@ -61,6 +117,13 @@ class SFTTrainer(Trainer):
     def __init__(self, model: Any, args: SFTConfig | None = None, *a, formatting_func=None, **kw):
         self.formatting_func = formatting_func
         super().__init__(model, args, *a, **kw)
+        # Completion-only / assistant-only losses score part of each row: the LM head runs on
+        # the widest trained stretch of the data only (`lm_forward`'s `score_span`).
+        self.score_span = self._score_span([self.train_dataset, self.eval_dataset])
+
+    def _score_span(self, sources: list) -> int | None:
+        widths = [trained_width(ds["loss_mask"]) for ds in sources if ds is not None]
+        return choose_score_span(max(widths, default=self.seq_len), self.seq_len)
 
     def _prepare_dataset(self, dataset: Any, split: str) -> datasets.Dataset:
         a = self.args
@@ -83,7 +146,9 @@ class SFTTrainer(Trainer):
         return [len(x) for x in dataset["input_ids"]]
 
     def _collate(self, examples: list[dict]) -> dict[str, np.ndarray]:
-        return collate_sft(examples, self.seq_len, self.processing_class.pad_token_id)
+        batch = collate_sft(examples, self.seq_len, self.processing_class.pad_token_id)
+        check_score_span(batch["loss_mask"], getattr(self, "score_span", None))
+        return batch
 
     def _loss_fn(self):
         chunk = self.args.logprob_chunk_size
@@ -91,7 +156,7 @@ class SFTTrainer(Trainer):
 
         def loss_fn(params, state, mb, rng, extras):
             model = self.apply_model(params, state)
-            logps_BT, stats = lm_forward(model, mb, chunk, with_stats=True)
+            logps_BT, stats = lm_forward(model, mb, chunk, True, self.score_span)
             mask_BT = example_weighted_mask(mb)
             loss_sum, n_tok = sft_loss_sum(logps_BT, mask_BT, loss_type=loss_type)
             correct, _ = mean_token_accuracy(stats["argmax_correct"], mask_BT)

@@ -436,3 +436,36 @@ def test_prefix_sharing_rejects_sliding_window_models(tmp_path, tokenizer):
             args=DPOConfig(**base_args(tmp_path / "o", prefix_sharing=True)),
             processing_class=tokenizer,
         )
+
+
+def test_head_runs_on_the_completions_only(tmp_path, tokenizer, hf_model_dir, pref_data):
+    """`score_span`: the LM head runs on the longest completion's positions of each pair row,
+    not on the prompt; every per-pair sum (log-probs, token counts, logits, argmax, entropy)
+    equals the whole-row head's. Training with it gives TRL-equal metrics (see the parity test);
+    a batch whose completion is wider than the span is refused on the host."""
+    import jax.numpy as jnp
+
+    from jaxrl.trainers.dpo import pair_logps
+
+    data = pref_data[0].select(range(8))
+    trainer = DPOTrainer(
+        hf_model_dir,
+        args=DPOConfig(**base_args(tmp_path, max_length=64)),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
+    longest = max(len(x) for k in ("chosen_input_ids", "rejected_input_ids")
+                  for x in trainer.train_dataset[k])  # fmt: skip
+    assert trainer.score_span == -(-longest // 8) * 8 < trainer.seq_len
+    examples = [trainer.train_dataset[i] for i in range(8)]
+    mb = {k: jnp.asarray(v) for k, v in trainer._collate(examples).items()}
+    model = trainer.model
+    full = jax.jit(lambda mb: pair_logps(model, mb, None, True))(mb)
+    spanned = jax.jit(lambda mb: pair_logps(model, mb, None, True, trainer.score_span))(mb)
+    assert set(full) == set(spanned) and "entropy/chosen" in full
+    for key in full:
+        np.testing.assert_allclose(spanned[key], full[key], rtol=1e-6, atol=1e-6, err_msg=key)
+
+    trainer.score_span = longest - 1
+    with pytest.raises(ValueError, match="score_span"):
+        trainer._collate(examples)

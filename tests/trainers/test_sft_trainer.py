@@ -248,3 +248,52 @@ def test_bema_callback_works_with_sft(tmp_path, tokenizer, sft_data):
     trainer.train()
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "bema")
     assert exported.config.num_hidden_layers == 2
+
+
+def test_completion_only_loss_runs_the_head_on_completions(tmp_path, tokenizer, sft_data):
+    """Prompt-completion rows score only their completion: `score_span` (the widest trained
+    stretch of the data, rounded up to 8) is shorter than a row, and `lm_forward` restricted to
+    it gives the full head's log-probs and statistics at every scored position (0 elsewhere); a
+    batch wider than the span is refused on the host."""
+    from jaxrl.data import collate_sft
+    from jaxrl.trainers.sft import lm_forward, trained_width
+
+    trainer = make(tmp_path, tokenizer, sft_data[0])
+    width = trained_width(trainer.train_dataset["loss_mask"])
+    assert trainer.score_span == -(-width // 8) * 8 < trainer.seq_len
+    examples = [trainer.train_dataset[i] for i in range(8)]
+    host = collate_sft(examples, trainer.seq_len, tokenizer.pad_token_id)
+    mb = {k: jnp.asarray(v) for k, v in host.items()}
+    model = trainer.model
+    full = jax.jit(lambda mb: lm_forward(model, mb, None, True))(mb)
+    spanned = jax.jit(lambda mb: lm_forward(model, mb, None, True, trainer.score_span))(mb)
+    scored = host["loss_mask"] > 0
+    prompt = np.arange(trainer.seq_len) < np.argmax(scored, axis=1)[:, None]
+    assert prompt.any()
+    for a, b in zip(jax.tree.leaves(spanned), jax.tree.leaves(full), strict=True):
+        np.testing.assert_allclose(np.asarray(a)[scored], np.asarray(b)[scored], rtol=1e-6)
+        assert not np.any(np.asarray(a)[prompt])  # the prompt's positions were not computed
+    assert trained_width([[0, 1, 1, 0], [1, 0, 0, 1, 0], [0, 0]]) == 4
+
+    trainer.score_span = width - 1
+    with pytest.raises(ValueError, match="score_span"):
+        trainer._collate(examples)
+
+
+def test_evaluate_on_wider_completions_widens_the_span(tmp_path, tokenizer, sft_data):
+    """`evaluate(eval_dataset=...)` with completions wider than the training data's span
+    compiles the steps again with a wider one instead of refusing the batch; the loss equals
+    the one with the whole-row head."""
+    import datasets
+
+    trainer = make(tmp_path, tokenizer, sft_data[0])
+    assert trainer.score_span == 8
+    wide = datasets.Dataset.from_list([{"prompt": "9", "completion": "12345678"}] * 8)
+    got = trainer.evaluate(eval_dataset=wide)["eval_loss"]
+    assert trainer.score_span is None  # 9 trained tokens round up to 16 >= the row length
+    trainer.score_span = 8  # the narrow span, forced: the host guard refuses these rows
+    with pytest.raises(ValueError, match="score_span"):
+        trainer._collate([trainer._prepare_dataset(wide, "eval")[0]])
+    trainer.score_span = None
+    trainer._compile(trainer.train_state)
+    np.testing.assert_allclose(trainer.evaluate(eval_dataset=wide)["eval_loss"], got, rtol=1e-6)
