@@ -24,7 +24,7 @@ from flax import nnx
 from jaxrl import lora, parallel
 from jaxrl.config import DPOConfig
 from jaxrl.core import quant
-from jaxrl.core.logprobs import token_logprobs, unembed_logits
+from jaxrl.core.logprobs import unembed_logits
 from jaxrl.data.collate import (
     collate_preference,
     collate_preference_shared,
@@ -34,7 +34,13 @@ from jaxrl.data.preference import prepare_preference_dataset
 from jaxrl.losses.dpo import dpo_multi_loss
 from jaxrl.trainers.base import Trainer
 from jaxrl.trainers.evaluation import label_ids_from_loss_mask, label_ids_from_trained
-from jaxrl.trainers.sft import check_score_span, choose_score_span, full_logits, lm_forward
+from jaxrl.trainers.sft import (
+    check_score_span,
+    choose_score_span,
+    full_logits,
+    lm_forward,
+    scored_logprobs,
+)
 
 logger = logging.getLogger("jaxrl")
 
@@ -44,17 +50,19 @@ def pairs_to_rows(mb: dict) -> dict:
     return {k: jnp.concatenate([v[:, 0], v[:, 1]], axis=0) for k, v in mb.items() if v.ndim >= 2}
 
 
-def shared_token_logps(model, mb: dict, chunk: int, with_stats: bool):
+def shared_token_logps(model, mb: dict, chunk: int, with_stats: bool, score_span=None):
     """Per-slot log-probs [B, T] (and stats) of prefix-shared rows (`collate_preference_shared`).
 
     One forward over `prompt + chosen + rejected` with the prefix-tree mask; the slot of the
     first rejected token takes its hidden state from the last prompt token (`source_index`).
+    `score_span`: the head runs on that many slots from the first scored one (`scored_logprobs`).
     """
     mask_BTS = prefix_tree_mask(mb["branch_ids"])
     h_BTD = model.hidden_states(mb["input_ids"], mask_BTS, mb["positions"], None)
     h_BTD = jnp.take_along_axis(h_BTD, mb["source_index"][..., None], axis=1)
-    return token_logprobs(
-        h_BTD, model.unembed_weight(), mb["targets"], chunk_size=chunk, with_stats=with_stats
+    scored_BT = (mb["chosen_mask"] > 0) | (mb["rejected_mask"] > 0)
+    return scored_logprobs(
+        h_BTD, model.unembed_weight(), mb["targets"], scored_BT, chunk, with_stats, score_span
     )
 
 
@@ -67,7 +75,7 @@ def pair_logps(
     `score_span`: pair rows run the LM head on that many positions from their first completion
     target only (`DPOTrainer.score_span`; see `lm_forward`)."""
     if "branch_ids" in mb:  # prefix-shared rows [B, T]
-        out = shared_token_logps(model, mb, chunk, with_stats)
+        out = shared_token_logps(model, mb, chunk, with_stats, score_span)
         logps_BT, stats = out if with_stats else (out, None)
         masks = {"chosen": mb["chosen_mask"], "rejected": mb["rejected_mask"]}
         per_side = {side: (logps_BT, stats, m) for side, m in masks.items()}
@@ -237,20 +245,25 @@ class DPOTrainer(Trainer):
         return [len(pi) + max(len(ci), len(ri)) for pi, ci, ri in zip(p, c, r, strict=True)]
 
     def _score_span(self, sources: list) -> int | None:
-        """How many positions of a `prompt + completion` row the LM head must run on: the longest
-        completion of `sources` (datasets or lists of examples), rounded up to a multiple of 8. A row's scored targets are its completion's, from the last prompt token
-        on, so skipping the prompt's positions leaves every log-prob and statistic unchanged
-        while the head (a large share of a step at big vocabularies) runs on the completions
-        only. None (the whole row) for prefix sharing or when it would not save anything."""
-        if self.args.prefix_sharing:
-            return None
+        """How many slots of a row the LM head must run on: the longest completion of `sources`
+        (datasets or lists of examples), or with prefix sharing the longest chosen + rejected,
+        rounded up to a multiple of 8. A row's scored targets are its completions', from the
+        last prompt token on, so skipping the prompt's positions leaves every log-prob and
+        statistic unchanged while the head (a large share of a step at big vocabularies) runs
+        on the completions only. None (the whole row) when it would not save anything."""
         longest = 0
         for ds in sources:
             if ds is None:
                 continue
-            for key in ("chosen_input_ids", "rejected_input_ids"):
-                column = ds[key] if isinstance(ds, datasets.Dataset) else [ex[key] for ex in ds]
-                longest = max(longest, max(map(len, column), default=0))
+            c, r = (
+                ds[k] if isinstance(ds, datasets.Dataset) else [ex[k] for ex in ds]
+                for k in ("chosen_input_ids", "rejected_input_ids")
+            )
+            if self.args.prefix_sharing:
+                widths = (len(ci) + len(ri) for ci, ri in zip(c, r, strict=True))
+            else:
+                widths = (max(len(ci), len(ri)) for ci, ri in zip(c, r, strict=True))
+            longest = max(longest, max(widths, default=0))
         return choose_score_span(longest, self.seq_len)
 
     def _max_length(self) -> int | None:
@@ -265,6 +278,8 @@ class DPOTrainer(Trainer):
     def _collate(self, examples: list[dict]) -> dict[str, np.ndarray]:
         if self.args.prefix_sharing:
             batch = collate_preference_shared(examples, self.seq_len, self._pad_id())
+            scored = (batch["chosen_mask"] > 0) | (batch["rejected_mask"] > 0)
+            check_score_span(scored, getattr(self, "score_span", None))
         else:
             rows = collate_preference(examples, self.seq_len, self._pad_id())
             check_score_span(rows["loss_mask"], getattr(self, "score_span", None))

@@ -31,25 +31,40 @@ def lm_hidden_states(model, mb: dict) -> jnp.ndarray:
 
 
 def lm_forward(model, mb: dict, chunk_size: int, with_stats: bool, score_span: int | None = None):
-    """Per-token target log-probs (and stats) `[B, T]` of a collated LM batch.
-
-    `score_span` (static): every row's scored targets (`loss_mask`) lie within this many
-    positions from its first one, so only those positions go through the LM head (a DPO row's
-    completion, not its prompt); the others come back as 0. Values at scored positions are those
-    of the full head."""
-    h_BTD = lm_hidden_states(model, mb)
-    targets_BT = mb["targets"]
-    if score_span is None or score_span >= targets_BT.shape[1]:
-        return token_logprobs(
-            h_BTD, model.unembed_weight(), targets_BT, chunk_size=chunk_size, with_stats=with_stats
-        )
-    B, T = targets_BT.shape
-    first_B = jnp.argmax(mb["loss_mask"] > 0, axis=1)
-    idx_BS = jnp.minimum(first_B[:, None] + jnp.arange(score_span), T - 1)
-    h_BSD = jnp.take_along_axis(h_BTD, idx_BS[..., None], axis=1)
-    out = token_logprobs(
-        h_BSD,
+    """Per-token target log-probs (and stats) `[B, T]` of a collated LM batch; `score_span`
+    as in `scored_logprobs` (rows scored where `loss_mask` is set)."""
+    return scored_logprobs(
+        lm_hidden_states(model, mb),
         model.unembed_weight(),
+        mb["targets"],
+        mb["loss_mask"] > 0,
+        chunk_size,
+        with_stats,
+        score_span,
+    )
+
+
+def scored_logprobs(
+    h_BTD: jnp.ndarray,
+    w_DV: jnp.ndarray,
+    targets_BT: jnp.ndarray,
+    scored_BT: jnp.ndarray,
+    chunk_size: int | None,
+    with_stats: bool,
+    score_span: int | None = None,
+):
+    """`token_logprobs` of every position, or with `score_span` (static) only of the
+    `score_span` positions from each row's first scored one (`scored_BT`), which must hold all
+    of that row's scored positions (a DPO row's completion, not its prompt): those go through
+    the LM head, the others come back as 0. Values at scored positions are the full head's."""
+    if score_span is None or score_span >= targets_BT.shape[1]:
+        return token_logprobs(h_BTD, w_DV, targets_BT, chunk_size=chunk_size, with_stats=with_stats)
+    B, T = targets_BT.shape
+    first_B = jnp.argmax(scored_BT, axis=1)
+    idx_BS = jnp.minimum(first_B[:, None] + jnp.arange(score_span), T - 1)
+    out = token_logprobs(
+        jnp.take_along_axis(h_BTD, idx_BS[..., None], axis=1),
+        w_DV,
         jnp.take_along_axis(targets_BT, idx_BS, axis=1),
         chunk_size=chunk_size,
         with_stats=with_stats,

@@ -438,11 +438,15 @@ def test_prefix_sharing_rejects_sliding_window_models(tmp_path, tokenizer):
         )
 
 
-def test_head_runs_on_the_completions_only(tmp_path, tokenizer, hf_model_dir, pref_data):
-    """`score_span`: the LM head runs on the longest completion's positions of each pair row,
-    not on the prompt; every per-pair sum (log-probs, token counts, logits, argmax, entropy)
-    equals the whole-row head's. Training with it gives TRL-equal metrics (see the parity test);
-    a batch whose completion is wider than the span is refused on the host."""
+@pytest.mark.parametrize("prefix_sharing", [False, True])
+def test_head_runs_on_the_completions_only(
+    tmp_path, tokenizer, hf_model_dir, pref_data, prefix_sharing
+):
+    """`score_span`: the LM head runs on the longest completion's positions of each pair row
+    (prefix sharing: the longest chosen + rejected slots), not on the prompt; every per-pair sum
+    (log-probs, token counts, logits, argmax, entropy) equals the whole-row head's. Training
+    with it gives TRL-equal metrics (see the parity test); a batch whose completions are wider
+    than the span is refused on the host."""
     import jax.numpy as jnp
 
     from jaxrl.trainers.dpo import pair_logps
@@ -450,12 +454,14 @@ def test_head_runs_on_the_completions_only(tmp_path, tokenizer, hf_model_dir, pr
     data = pref_data[0].select(range(8))
     trainer = DPOTrainer(
         hf_model_dir,
-        args=DPOConfig(**base_args(tmp_path, max_length=64)),
+        args=DPOConfig(**base_args(tmp_path, max_length=64, prefix_sharing=prefix_sharing)),
         train_dataset=data,
         processing_class=tokenizer,
     )
-    longest = max(len(x) for k in ("chosen_input_ids", "rejected_input_ids")
-                  for x in trainer.train_dataset[k])  # fmt: skip
+    c, r = (trainer.train_dataset[k] for k in ("chosen_input_ids", "rejected_input_ids"))
+    pairs = zip(c, r, strict=True)
+    widths = [len(a) + len(b) if prefix_sharing else max(len(a), len(b)) for a, b in pairs]
+    longest = max(widths)
     assert trainer.score_span == -(-longest // 8) * 8 < trainer.seq_len
     examples = [trainer.train_dataset[i] for i in range(8)]
     mb = {k: jnp.asarray(v) for k, v in trainer._collate(examples).items()}
