@@ -265,7 +265,7 @@ def run(argv: list[str]) -> dict:
     # (a third of that); forward-only is fwd+bwd = the same 6N without the optimizer.
     fpt = presets.flops_per_token(model_config, seq_len)
     flops = fpt * computed
-    span = getattr(trainer, "score_span", None)  # SFT / DPO: the LM head's positions per row
+    span = trainer.score_span  # SFT / DPO: the LM head's positions per row
     if span is not None:  # the LM head ran on `span` positions per row, not on every token
         head_pt = 6.0 * presets.head_params(model_config)
         rows = host["input_ids"].size // seq_len * jax.process_count()

@@ -358,3 +358,33 @@ def token_logprobs(
     if not with_stats:
         return logps_BT
     return logps_BT, {name: unchunk(x) for name, x in stats_NBC.items()}
+
+
+def scored_logprobs(
+    h_BTD: jax.Array,
+    w_DV: jax.Array,
+    targets_BT: jax.Array,
+    scored_BT: jax.Array,
+    chunk_size: int | None,
+    with_stats: bool,
+    score_span: int | None = None,
+):
+    """`token_logprobs` of every position, or with `score_span` (static) only of the
+    `score_span` positions from each row's first scored one (`scored_BT`), which must hold all
+    of that row's scored positions (a DPO row's completion, not its prompt): those go through
+    the LM head, the others come back as 0. Values at scored positions are the full head's."""
+    if score_span is None or score_span >= targets_BT.shape[1]:
+        return token_logprobs(h_BTD, w_DV, targets_BT, chunk_size=chunk_size, with_stats=with_stats)
+    B, T = targets_BT.shape
+    first_B = jnp.argmax(scored_BT, axis=1)
+    idx_BS = jnp.minimum(first_B[:, None] + jnp.arange(score_span), T - 1)
+    out = token_logprobs(
+        jnp.take_along_axis(h_BTD, idx_BS[..., None], axis=1),
+        w_DV,
+        jnp.take_along_axis(targets_BT, idx_BS, axis=1),
+        chunk_size=chunk_size,
+        with_stats=with_stats,
+    )
+    rows_B1 = jnp.arange(B)[:, None]
+    # Positions clamped to T - 1 repeat the same computation, so whichever write lands is right.
+    return jax.tree.map(lambda v: jnp.zeros((B, T), v.dtype).at[rows_B1, idx_BS].set(v), out)

@@ -57,6 +57,9 @@ class Trainer(TrainLoop):
 
     config_class: type[TrainingConfig] = TrainingConfig
     model_task = "causal_lm"
+    # Positions per row the LM head runs on, from each row's first scored target (None: all);
+    # SFT and DPO set it from their data (`_score_span`, `jaxrl.core.logprobs.scored_logprobs`).
+    score_span: int | None = None
 
     def __init__(
         self,
@@ -542,13 +545,16 @@ class Trainer(TrainLoop):
         """A dataset given to `evaluate`/`predict` after the steps were compiled: where the LM
         head runs on a `score_span` (SFT, DPO) too short for it, the span widens and the steps
         are compiled again."""
-        span = getattr(self, "score_span", None)
-        if span is not None and ds is not None:
+        if self.score_span is not None and ds is not None:
             needed = self._score_span([ds])
-            if needed is None or needed > span:
+            if needed is None or needed > self.score_span:
                 self.score_span = needed
                 self._compile(self.train_state)
         return ds
+
+    def _score_span(self, sources: list) -> int | None:
+        """The `score_span` the datasets in `sources` need (None: the whole row)."""
+        return None
 
     def _evaluation_loop(
         self, ds: Any, prefix: str, ignore_keys: list[str] | None, want_predictions: bool

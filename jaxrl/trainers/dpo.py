@@ -24,7 +24,7 @@ from flax import nnx
 from jaxrl import lora, parallel
 from jaxrl.config import DPOConfig
 from jaxrl.core import quant
-from jaxrl.core.logprobs import unembed_logits
+from jaxrl.core.logprobs import scored_logprobs, unembed_logits
 from jaxrl.data.collate import (
     collate_preference,
     collate_preference_shared,
@@ -39,7 +39,6 @@ from jaxrl.trainers.sft import (
     choose_score_span,
     full_logits,
     lm_forward,
-    scored_logprobs,
 )
 
 logger = logging.getLogger("jaxrl")
@@ -279,10 +278,10 @@ class DPOTrainer(Trainer):
         if self.args.prefix_sharing:
             batch = collate_preference_shared(examples, self.seq_len, self._pad_id())
             scored = (batch["chosen_mask"] > 0) | (batch["rejected_mask"] > 0)
-            check_score_span(scored, getattr(self, "score_span", None))
+            check_score_span(scored, self.score_span)
         else:
             rows = collate_preference(examples, self.seq_len, self._pad_id())
-            check_score_span(rows["loss_mask"], getattr(self, "score_span", None))
+            check_score_span(rows["loss_mask"], self.score_span)
             b = len(examples)
             batch = {k: np.stack([v[:b], v[b:]], axis=1) for k, v in rows.items()}
         if "ref_chosen_logps" in examples[0]:  # precomputed reference log-probs

@@ -11,12 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import datasets
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config import SFTConfig
-from jaxrl.core.logprobs import token_logprobs, unembed_logits
+from jaxrl.core.logprobs import scored_logprobs, unembed_logits
 from jaxrl.data.collate import collate_sft, model_masks
 from jaxrl.data.sft import prepare_sft_dataset
 from jaxrl.losses.sft import entropy, mean_token_accuracy, sft_loss_sum
@@ -42,36 +41,6 @@ def lm_forward(model, mb: dict, chunk_size: int, with_stats: bool, score_span: i
         with_stats,
         score_span,
     )
-
-
-def scored_logprobs(
-    h_BTD: jnp.ndarray,
-    w_DV: jnp.ndarray,
-    targets_BT: jnp.ndarray,
-    scored_BT: jnp.ndarray,
-    chunk_size: int | None,
-    with_stats: bool,
-    score_span: int | None = None,
-):
-    """`token_logprobs` of every position, or with `score_span` (static) only of the
-    `score_span` positions from each row's first scored one (`scored_BT`), which must hold all
-    of that row's scored positions (a DPO row's completion, not its prompt): those go through
-    the LM head, the others come back as 0. Values at scored positions are the full head's."""
-    if score_span is None or score_span >= targets_BT.shape[1]:
-        return token_logprobs(h_BTD, w_DV, targets_BT, chunk_size=chunk_size, with_stats=with_stats)
-    B, T = targets_BT.shape
-    first_B = jnp.argmax(scored_BT, axis=1)
-    idx_BS = jnp.minimum(first_B[:, None] + jnp.arange(score_span), T - 1)
-    out = token_logprobs(
-        jnp.take_along_axis(h_BTD, idx_BS[..., None], axis=1),
-        w_DV,
-        jnp.take_along_axis(targets_BT, idx_BS, axis=1),
-        chunk_size=chunk_size,
-        with_stats=with_stats,
-    )
-    rows_B1 = jnp.arange(B)[:, None]
-    # Positions clamped to T - 1 repeat the same computation, so whichever write lands is right.
-    return jax.tree.map(lambda v: jnp.zeros((B, T), v.dtype).at[rows_B1, idx_BS].set(v), out)
 
 
 def trained_width(mask_rows: Any) -> int:
@@ -162,7 +131,7 @@ class SFTTrainer(Trainer):
 
     def _collate(self, examples: list[dict]) -> dict[str, np.ndarray]:
         batch = collate_sft(examples, self.seq_len, self.processing_class.pad_token_id)
-        check_score_span(batch["loss_mask"], getattr(self, "score_span", None))
+        check_score_span(batch["loss_mask"], self.score_span)
         return batch
 
     def _loss_fn(self):
