@@ -248,3 +248,38 @@ def test_rotation_spares_the_protected_best_step_as_hf(tmp_path, mesh):
     ckpt.keep_only(4)
     assert ckpt.all_steps() == [4] and [p.name for p in tmp_path.iterdir()] == ["checkpoint-4"]
     ckpt.close()
+
+
+def test_small_replicated_arrays_are_written_whole_large_ones_split(tmp_path, monkeypatch):
+    """Orbax's replica-parallel save slices each replicated array per replica (an eager device op,
+    compiled per shape: seconds for a whole state's small leaves). Under
+    `MIN_REPLICA_SLICE_BYTES` per replica an array is written whole; above it, still split."""
+    from jaxrl.checkpoint import MIN_REPLICA_SLICE_BYTES
+
+    sliced = []
+    slice_in_dim = jax.lax.slice_in_dim
+
+    def spy(x, *args, **kwargs):
+        sliced.append(x.shape)
+        return slice_in_dim(x, *args, **kwargs)
+
+    monkeypatch.setattr(jax.lax, "slice_in_dim", spy)
+    replicated = NamedSharding(jax.make_mesh((8,), ("data",)), P())
+    large = 8 * MIN_REPLICA_SLICE_BYTES // 4 + 64  # f32 elements: each replica's slice is larger
+    state = {
+        # Dimensions divisible by the 8 replicas: orbax would split these.
+        "small": jax.device_put(jnp.arange(16.0 * 8).reshape(16, 8), replicated),
+        "bias": jax.device_put(jnp.ones(24), replicated),
+        "large": jax.device_put(jnp.arange(large, dtype=jnp.float32), replicated),
+    }
+    saver = Checkpointer(tmp_path / "ckpt")
+    saver.save(1, state, {})
+    saver.wait_until_finished()
+    assert sliced and set(sliced) == {(large,)}, sliced
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
+    restored, _ = saver.restore(abstract_state=abstract)
+    saver.close()
+    for key in state:
+        np.testing.assert_array_equal(restored[key], state[key], err_msg=key)
