@@ -1,18 +1,20 @@
 """Compile a training program for a GPU or TPU on a machine without one, and see where its
 memory traffic goes.
 
-    python examples/aot_compile.py [--target h100|tpu-v5e|tpu-v5p|tpu-v6e] [--preset qwen2.5-0.5b]
-        [--seq_len 1024] [--batch 8] [--scan_layers BOOL] [--remat_policy none|full|...]
-        [--residual_dtype bfloat16]
-        [--attention_impl IMPL] [--out program.hlo.txt]
+    python examples/aot_compile.py [--target h100|tpu-v5e|tpu-v5p|tpu-v6e] [--algo forward|dpo]
+        [--preset qwen2.5-0.5b] [--seq_len 1024] [--batch 8] [--scan_layers BOOL]
+        [--remat_policy none|full|...] [--residual_dtype bfloat16] [--attention_impl IMPL]
+        [--out program.hlo.txt]
     python examples/aot_compile.py --hlo program.hlo.txt [--bandwidth 3.0e12] [--top 25]
 
 The first form builds the forward + backward of the SFT loss (what `python -m jaxrl.bench --algo
 forward --bf16 true --gradient_checkpointing false` times) for a random model of the preset's
 shape, bf16 compute over f32 params, and compiles it with XLA's compiler for one device of the
 target (`jax.experimental.topologies`: no device, no autotuning): the H100 described below, or a
-TPU chip. jaxrl's per-backend choices are made as on that device (GPU: cuDNN attention, one
-LM-head chunk, bf16 head GEMM output, unrolled layers; TPU: splash attention, scanned layers).
+TPU chip. `--algo dpo` builds a DPO step's loss and gradients instead (`--batch` pairs in TRL's
+layout, the policy and its frozen f32 reference copy, the LM head on the completion span).
+jaxrl's per-backend choices are made as on that device (GPU: cuDNN attention, one LM-head chunk,
+bf16 head GEMM output, unrolled layers; TPU: splash attention, scanned layers).
 So it also checks that the program compiles for hardware this machine does not have. It needs
 JAX's CUDA plugin or libtpu, best in a separate environment so that the project's own stays
 CPU-only:
@@ -300,8 +302,9 @@ def _topology(target: str):
     return topology, "tpu"
 
 
-def compile_forward(opts: argparse.Namespace) -> str:
-    """The optimized HLO of the SFT loss's forward + backward, compiled for `opts.target`."""
+def _model(opts: argparse.Namespace):
+    """(compile device, graphdef, abstract params) of a random `opts.preset` model, bf16 compute
+    over f32 params, with jaxrl's choices for the target's backend."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -315,11 +318,9 @@ def compile_forward(opts: argparse.Namespace) -> str:
         ) from e
     jax.default_backend = lambda: backend  # jaxrl's per-backend choices, as on that device
     scan = opts.scan_layers if opts.scan_layers is not None else backend != "gpu"
-    from jaxrl.losses.sft import entropy, mean_token_accuracy, sft_loss_sum
     from jaxrl.models import presets
     from jaxrl.models.config import config_from_hf
     from jaxrl.models.hf import _prepare_hf_config, build_model
-    from jaxrl.trainers.sft import example_weighted_mask, lm_forward
 
     config = config_from_hf(
         _prepare_hf_config(presets.get_preset(opts.preset), "causal_lm", None),
@@ -333,6 +334,43 @@ def compile_forward(opts: argparse.Namespace) -> str:
     graphdef, params = nnx.split(
         nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0), "causal_lm", None, None))
     )
+    device = jax.sharding.SingleDeviceSharding(topology.devices[0])
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), params)
+    return device, graphdef, params
+
+
+def _lm_batch(shape: tuple[int, ...], device) -> dict:
+    """Abstract collated rows of `shape` (`collate_sft` / pair rows: right-padded, not packed)."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = ("input_ids", "targets", "attention_mask", "positions")
+    mb = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=device) for k in keys}
+    mb["loss_mask"] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=device)
+    return mb
+
+
+def _compile(opts: argparse.Namespace, fn, *args) -> str:
+    import jax
+
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    print(
+        f"compiled for {opts.target} in {time.perf_counter() - t0:.1f} s (no autotuning)",
+        file=sys.stderr,
+    )
+    return compiled.as_text()
+
+
+def compile_forward(opts: argparse.Namespace) -> str:
+    """The optimized HLO of the SFT loss's forward + backward, compiled for `opts.target`."""
+    import jax
+    from flax import nnx
+
+    from jaxrl.losses.sft import entropy, mean_token_accuracy, sft_loss_sum
+    from jaxrl.trainers.sft import example_weighted_mask, lm_forward
+
+    device, graphdef, params = _model(opts)
 
     def loss(params, mb):  # as SFTTrainer's loss, with its statistics
         logps_BT, stats = lm_forward(nnx.merge(graphdef, params), mb, None, with_stats=True)
@@ -342,19 +380,39 @@ def compile_forward(opts: argparse.Namespace) -> str:
         ent, _ = entropy(stats["entropy"], mask_BT)
         return loss_sum, (correct, ent, n_tok)
 
-    device = jax.sharding.SingleDeviceSharding(topology.devices[0])
-    shape = (opts.batch, opts.seq_len)
-    keys = ("input_ids", "targets", "attention_mask", "positions")  # collate_sft, not packed
-    mb = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=device) for k in keys}
-    mb["loss_mask"] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=device)
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), params)
-    t0 = time.perf_counter()
-    compiled = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(params, mb).compile()
+    mb = _lm_batch((opts.batch, opts.seq_len), device)
+    return _compile(opts, jax.value_and_grad(loss, has_aux=True), params, mb)
+
+
+def compile_dpo(opts: argparse.Namespace) -> str:
+    """The optimized HLO of a DPO step's loss and gradients in TRL's layout (what `python -m
+    jaxrl.bench --algo dpo` times, less the optimizer): `opts.batch` pairs of rows of
+    `opts.seq_len` (prompt and completion half each, as the bench's synthetic pairs), the policy
+    with statistics and the frozen f32 reference copy, the LM head on the completion span only,
+    TRL's sigmoid loss."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxrl.trainers.dpo import pair_logps
+    from jaxrl.trainers.sft import choose_score_span
+
+    device, graphdef, params = _model(opts)
+    span = choose_score_span(opts.seq_len - opts.seq_len // 2, opts.seq_len)
+
+    def loss(params, ref_params, mb):
+        policy = pair_logps(nnx.merge(graphdef, params), mb, None, True, span)
+        ref = pair_logps(nnx.merge(graphdef, ref_params), mb, None, False, span)
+        ref = jax.lax.stop_gradient(ref)
+        margin = (policy["chosen"] - ref["chosen"]) - (policy["rejected"] - ref["rejected"])
+        stats = {k: jnp.sum(v) for k, v in policy.items() if "/" in k}
+        return -jnp.sum(jax.nn.log_sigmoid(0.1 * margin)), stats
+
+    mb = _lm_batch((opts.batch, 2, opts.seq_len), device)
     print(
-        f"compiled for {opts.target} in {time.perf_counter() - t0:.1f} s (no autotuning)",
-        file=sys.stderr,
+        f"DPO: {opts.batch} pairs, LM head on {span} of {opts.seq_len} positions", file=sys.stderr
     )
-    return compiled.as_text()
+    return _compile(opts, jax.value_and_grad(loss, has_aux=True), params, params, mb)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -366,6 +424,12 @@ def main(argv: list[str] | None = None) -> None:
         type=lambda v: v.lower() in ("1", "true", "yes"),
         default=None,
         help="default: as the trainers choose (unrolled on GPU, scanned elsewhere)",
+    )
+    p.add_argument(
+        "--algo",
+        default="forward",
+        choices=("forward", "dpo"),
+        help="forward: the SFT loss's forward + backward; dpo: a DPO step's (--batch pairs)",
     )
     p.add_argument("--preset", default="qwen2.5-0.5b")
     p.add_argument("--seq_len", type=int, default=1024)
@@ -381,7 +445,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bandwidth", type=float, default=3.0e12, help="bytes/s (H100 HBM3: ~3e12)")
     p.add_argument("--top", type=int, default=25)
     opts = p.parse_args(argv)
-    hlo = Path(opts.hlo).read_text() if opts.hlo else compile_forward(opts)
+    compile_fn = compile_dpo if opts.algo == "dpo" else compile_forward
+    hlo = Path(opts.hlo).read_text() if opts.hlo else compile_fn(opts)
     if opts.out:
         Path(opts.out).write_text(hlo)
     print(report(hlo, opts.bandwidth, opts.top))
