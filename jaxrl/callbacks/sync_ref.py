@@ -45,10 +45,21 @@ class SyncRefModelCallback(TrainerCallback):
 
     def state_update(self, trainer) -> Callable[[TrainState], TrainState]:
         args = trainer.args
-        if trainer.train_state is not None and trainer.train_state.ref_params is None:
+        state = trainer.train_state
+        if state is not None and state.ref_params is None:
             raise ValueError("sync_ref_model=True but the train state holds no reference params.")
+        int8 = getattr(args, "ref_model_quantization", None) == "int8"
+        if state is not None and not int8:
+            ref_dtypes = [x.dtype for x in jax.tree.leaves(state.ref_params)]
+            if ref_dtypes != [x.dtype for x in jax.tree.leaves(state.params)]:
+                raise ValueError(
+                    "SyncRefModelCallback was added after the train state was built, whose "
+                    "frozen reference keeps its matmul weights in the compute dtype; the sync "
+                    "mixes in the params' dtype. Pass it in `callbacks=` (or set "
+                    "sync_ref_model=True) when creating the trainer."
+                )
         return make_sync_ref_update(
             args.ref_model_mixup_alpha,
             args.ref_model_sync_steps,
-            int8=getattr(args, "ref_model_quantization", None) == "int8",
+            int8=int8,
         )

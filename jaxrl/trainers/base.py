@@ -33,6 +33,7 @@ from jaxrl.callbacks.base import (
     TrainerCallback,
 )
 from jaxrl.config import TrainingConfig
+from jaxrl.core import frozen as frozen_weights
 from jaxrl.core import optim
 from jaxrl.core.state import TrainState
 from jaxrl.core.step import make_eval_step, make_train_step
@@ -278,6 +279,23 @@ class Trainer(TrainLoop):
         """Named frozen models for the train state (e.g. {"ref": ...}); none by default."""
         return {}
 
+    def _frozen_copy(self, params: Any) -> Any:
+        """A frozen copy of the whole model state `params` (a reference model as the policy
+        starts). Under mixed precision, the weights its forward only reads in the compute dtype
+        (the matmul kernels and biases) are stored in that dtype: the same forward bit for bit,
+        without casting them every step, in less memory (`jaxrl.core.frozen`). The others (norm
+        scales, an embedding table also read into an f32 residual stream) keep their dtype."""
+        from jaxrl.callbacks.sync_ref import SyncRefModelCallback
+
+        syncs = any(isinstance(cb, SyncRefModelCallback) for cb in self.callback_handler.callbacks)
+        if syncs or self.compute_dtype == self._param_dtype():
+            # TRL's reference sync mixes the policy into the reference in the params' dtype.
+            return jax.tree.map(jnp.copy, params)
+        graphdef, ids = self.graphdef, jnp.zeros((1, 8), jnp.int32)
+        return frozen_weights.in_compute_dtype(
+            lambda p: nnx.merge(graphdef, p)(ids), params, self.compute_dtype
+        )
+
     def _prediction_fn(self) -> Callable | None:
         """`(model, micro_batch) -> (logits, label_ids)` of one eval batch in HF's layout (see
         `jaxrl.trainers.evaluation`); traced inside the jitted predict step. None: no
@@ -411,6 +429,10 @@ class Trainer(TrainLoop):
     def _ensure_state(self) -> None:
         if self.train_state is None:
             self.train_state = self._build_state()
+            self._compile(self.train_state)
+
+    def _state_updates_changed(self) -> None:
+        if self.train_state is not None:  # else the first `_ensure_state` compiles them
             self._compile(self.train_state)
 
     def _train_iteration(self, examples: list[dict]) -> dict:

@@ -320,8 +320,11 @@ class DPOTrainer(Trainer):
             ref = nnx.state(self._explicit_ref)
             self._ref_graphdef = nnx.graphdef(self._explicit_ref)
         else:
-            ref = jax.tree.map(jnp.copy, params)  # frozen copy, sharded like the policy
             self._ref_graphdef = None
+            if self.args.ref_model_quantization is not None:  # from the full-precision weights
+                ref = jax.tree.map(jnp.copy, params)  # frozen copy, sharded like the policy
+            else:
+                ref = self._frozen_copy(params)
         if self.args.ref_model_quantization == "int8":
             ref = quant.quantize_params(ref)
         return {"ref": ref}

@@ -128,15 +128,36 @@ class TrainLoop:
 
     def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
         """Add a callback (an instance or a class), as HF's `Trainer.add_callback`."""
+        before = self._state_update_callbacks()
         self.callback_handler.add_callback(callback)
+        self._check_state_updates(before)
 
     def pop_callback(self, callback: TrainerCallback | type[TrainerCallback]):
         """Remove and return a callback (by instance or class); None if absent (HF)."""
-        return self.callback_handler.pop_callback(callback)
+        before = self._state_update_callbacks()
+        popped = self.callback_handler.pop_callback(callback)
+        self._check_state_updates(before)
+        return popped
 
     def remove_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
         """Remove a callback (by instance or class), as HF's `Trainer.remove_callback`."""
+        before = self._state_update_callbacks()
         self.callback_handler.remove_callback(callback)
+        self._check_state_updates(before)
+
+    def _state_update_callbacks(self) -> list[TrainerCallback]:
+        return [cb for cb in self.callback_handler.callbacks if hasattr(cb, "state_update")]
+
+    def _check_state_updates(self, before: list[TrainerCallback]) -> None:
+        """A callback with an in-step `state_update` added or removed after the train step was
+        compiled: compile it again, so the change is not silently ignored."""
+        after = self._state_update_callbacks()
+        if len(after) != len(before) or any(a is not b for a, b in zip(after, before, strict=True)):
+            self._state_updates_changed()
+
+    def _state_updates_changed(self) -> None:
+        """Hook: the callbacks' `state_update`s changed (trainers with a compiled step rebuild
+        it)."""
 
     def _wandb_options(self) -> dict:
         """`WandbCallback` arguments (project, init_kwargs) a trainer's config sets; none here."""

@@ -346,7 +346,7 @@ class OnPolicyTrainer(Trainer):
         if not self._needs_ref():
             return {}  # beta == 0: no reference model at all, as TRL
         if not self.is_peft:
-            return {"ref": jax.tree.map(jnp.copy, params)}
+            return {"ref": self._frozen_copy(params)}
         if self._ref_is_initial_adapter:
             # An adapter-sized copy: the reference is base + the adapter as it was loaded.
             return {"ref_adapter": jax.tree.map(jnp.copy, params)}

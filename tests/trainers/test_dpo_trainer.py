@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from trainer_utils import base_args, tiny_config, train_logs
 
-from jaxrl import BEMACallback, DPOConfig, DPOTrainer
+from jaxrl import BEMACallback, DPOConfig, DPOTrainer, SyncRefModelCallback
 from jaxrl.core import averaging, quant
 
 TRL_METRICS = (
@@ -475,3 +475,64 @@ def test_head_runs_on_the_completions_only(
     trainer.score_span = longest - 1
     with pytest.raises(ValueError, match="score_span"):
         trainer._collate(examples)
+
+
+def test_mixed_precision_reference_keeps_matmul_weights_in_bf16(
+    tmp_path, tokenizer, hf_model_dir, pref_data, monkeypatch
+):
+    """bf16 over f32 params: the frozen reference stores the weights its forward only reads in
+    bf16 (kernels, biases) in bf16 and the rest (norm scales, the tied embedding) in f32; the
+    run's metrics equal those of an all-f32 reference copy bit for bit."""
+    kw = dict(bf16=True, max_steps=3, per_device_train_batch_size=4)
+    trainer, logs = dpo(tmp_path / "a", hf_model_dir, tokenizer, pref_data[0], **kw)
+    ref = trainer.train_state.ref_params
+    dtypes = {
+        jax.tree_util.keystr(path): leaf.dtype
+        for path, leaf in jax.tree_util.tree_flatten_with_path(ref)[0]
+    }
+    for name, dtype in dtypes.items():
+        kept = "norm" in name or "embed_tokens" in name
+        assert dtype == (np.float32 if kept else jax.numpy.bfloat16), name
+    policy = jax.tree.leaves(trainer.train_state.params)
+    assert {x.dtype for x in policy} == {np.dtype(np.float32)}
+
+    monkeypatch.setattr(DPOTrainer, "_frozen_copy", lambda self, p: jax.tree.map(jax.numpy.copy, p))
+    f32_ref, f32_logs = dpo(tmp_path / "b", hf_model_dir, tokenizer, pref_data[0], **kw)
+    assert {x.dtype for x in jax.tree.leaves(f32_ref.train_state.ref_params)} == {
+        np.dtype(np.float32)
+    }
+    assert logs == f32_logs
+    assert logs[-1]["rewards/margins"] != 0  # the reference and policy did diverge
+
+
+def test_synced_reference_stays_in_the_params_dtype(tmp_path, tokenizer, hf_model_dir, pref_data):
+    """TRL's reference sync mixes the policy into the reference in the params' dtype: with it the
+    bf16 run's reference copy stays f32. A sync callback added once the step is compiled is
+    compiled in (f32), or refused with the fix when the reference holds bf16 weights."""
+    kw = dict(bf16=True, max_steps=1, per_device_train_batch_size=4)
+    synced, _ = dpo(
+        tmp_path / "a", hf_model_dir, tokenizer, pref_data[0], sync_ref_model=True, **kw
+    )
+    assert {x.dtype for x in jax.tree.leaves(synced.train_state.ref_params)} == {
+        np.dtype(np.float32)
+    }
+
+    def late(out, **extra):
+        trainer = DPOTrainer(
+            hf_model_dir,
+            args=DPOConfig(**base_args(out, **{**kw, **extra})),
+            train_dataset=pref_data[0],
+            processing_class=tokenizer,
+        )
+        trainer._ensure_state()  # e.g. an evaluate() before train()
+        return trainer
+
+    bf16 = late(tmp_path / "b")
+    with pytest.raises(ValueError, match="Pass it in `callbacks=`"):
+        bf16.add_callback(SyncRefModelCallback())
+    f32 = late(tmp_path / "c", bf16=False, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)
+    ref0 = [np.asarray(x) for x in jax.tree.leaves(f32.train_state.ref_params)]
+    f32.add_callback(SyncRefModelCallback())
+    f32.train()
+    ref1 = jax.tree.leaves(f32.train_state.ref_params)
+    assert any(not np.array_equal(a, b) for a, b in zip(ref0, ref1, strict=True))

@@ -247,3 +247,23 @@ def test_learns_a_learnable_reward(hf_model_dir, tokenizer, tmp_path):
     rewards = [r["reward"] for r in train_logs(trainer) if "reward" in r]
     assert len(rewards) == 12
     assert np.mean(rewards[-4:]) > np.mean(rewards[:4]) + 0.04, rewards
+
+
+def test_mixed_precision_reference_is_the_same_in_bf16_weights(
+    hf_model_dir, tokenizer, tmp_path, monkeypatch
+):
+    """bf16 over f32 params with a KL term: the frozen reference stores its matmul weights in
+    bf16 (the same forward, in less memory); the step's metrics equal an all-f32 copy's."""
+    kw = dict(beta=0.04, bf16=True)
+    trainer, _ = make(hf_model_dir, tokenizer, tmp_path / "a", **kw)
+    trainer.train()
+    ref_dtypes = {x.dtype for x in jax.tree.leaves(trainer.train_state.ref_params)}
+    assert ref_dtypes == {np.dtype(np.float32), np.dtype(jax.numpy.bfloat16)}
+    monkeypatch.setattr(
+        GRPOTrainer, "_frozen_copy", lambda self, p: jax.tree.map(jax.numpy.copy, p)
+    )
+    f32, _ = make(hf_model_dir, tokenizer, tmp_path / "b", **kw)
+    f32.train()
+    assert {x.dtype for x in jax.tree.leaves(f32.train_state.ref_params)} == {np.dtype(np.float32)}
+    np.testing.assert_array_equal(trainer.rollout["ref_logps"], f32.rollout["ref_logps"])
+    assert train_logs(trainer) == train_logs(f32)
