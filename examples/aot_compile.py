@@ -12,7 +12,7 @@ forward --bf16 true --gradient_checkpointing false` times) for a random model of
 shape, bf16 compute over f32 params, and compiles it with XLA's compiler for one device of the
 target (`jax.experimental.topologies`: no device, no autotuning): the H100 described below, or a
 TPU chip. `--algo dpo` builds a DPO step's loss and gradients instead (`--batch` pairs in TRL's
-layout, the policy and its frozen f32 reference copy, the LM head on the completion span).
+layout, the policy and its frozen reference copy, the LM head on the completion span).
 jaxrl's per-backend choices are made as on that device (GPU: cuDNN attention, one LM-head chunk,
 bf16 head GEMM output, unrolled layers; TPU: splash attention, scanned layers).
 So it also checks that the program compiles for hardware this machine does not have. It needs
@@ -388,12 +388,13 @@ def compile_dpo(opts: argparse.Namespace) -> str:
     """The optimized HLO of a DPO step's loss and gradients in TRL's layout (what `python -m
     jaxrl.bench --algo dpo` times, less the optimizer): `opts.batch` pairs of rows of
     `opts.seq_len` (prompt and completion half each, as the bench's synthetic pairs), the policy
-    with statistics and the frozen f32 reference copy, the LM head on the completion span only,
-    TRL's sigmoid loss."""
+    with statistics and the frozen reference copy (its matmul weights in bf16, as the trainers
+    keep it), the LM head on the completion span only, TRL's sigmoid loss."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
+    from jaxrl.core import frozen
     from jaxrl.trainers.dpo import pair_logps
     from jaxrl.trainers.sft import choose_score_span
 
@@ -412,7 +413,16 @@ def compile_dpo(opts: argparse.Namespace) -> str:
     print(
         f"DPO: {opts.batch} pairs, LM head on {span} of {opts.seq_len} positions", file=sys.stderr
     )
-    return _compile(opts, jax.value_and_grad(loss, has_aux=True), params, params, mb)
+    # The trainers' frozen copy: weights the forward only reads in bf16 stored in bf16.
+    cast = frozen.cast_only_leaves(
+        lambda p: nnx.merge(graphdef, p)(jnp.zeros((1, 8), jnp.int32)), params, jnp.bfloat16
+    )
+    ref_params = jax.tree.map(
+        lambda x, c: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16 if c else x.dtype, sharding=device),
+        params,
+        cast,
+    )
+    return _compile(opts, jax.value_and_grad(loss, has_aux=True), params, ref_params, mb)
 
 
 def main(argv: list[str] | None = None) -> None:
