@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from transformers import LlamaConfig, Qwen2Config
+from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from jaxrl import models
 from jaxrl.core import frozen
@@ -53,8 +53,11 @@ def test_leaves_read_only_in_the_compute_dtype():
                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
         LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+        MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, sliding_window=3),
+        GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=16),
     ],
-    ids=["qwen2-tied", "llama-untied"],
+    ids=["qwen2-tied", "llama-untied", "mistral", "gpt2"],
 )  # fmt: skip
 def test_model_copy_is_the_same_forward_in_less_memory(hf_config, scan_layers):
     model = models.from_config(
@@ -77,7 +80,8 @@ def test_model_copy_is_the_same_forward_in_less_memory(hf_config, scan_layers):
         for path, leaf in jax.tree_util.tree_flatten_with_path(copy)[0]
     }
     for name, dtype in dtypes.items():
-        kept = "norm" in name or "embed_tokens" in name  # norms; the embedding lookup is f32
+        # Norms (GPT-2: ln_*), and the embedding tables, looked up into the f32 residual stream.
+        kept = any(k in name for k in ("norm", "embed_tokens", "ln_", "wte", "wpe"))
         assert dtype == (jnp.float32 if kept else jnp.bfloat16), name
     assert any("lm_head" in n for n in dtypes) != hf_config.tie_word_embeddings
     np.testing.assert_array_equal(
