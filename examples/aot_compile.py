@@ -414,9 +414,7 @@ def compile_dpo(opts: argparse.Namespace) -> str:
         f"DPO: {opts.batch} pairs, LM head on {span} of {opts.seq_len} positions", file=sys.stderr
     )
     # The trainers' frozen copy: weights the forward only reads in bf16 stored in bf16.
-    cast = frozen.cast_only_leaves(
-        lambda p: nnx.merge(graphdef, p)(jnp.zeros((1, 8), jnp.int32)), params, jnp.bfloat16
-    )
+    cast = frozen.cast_only_leaves(frozen.lm_probe(graphdef), params, jnp.bfloat16)
     ref_params = jax.tree.map(
         lambda x, c: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16 if c else x.dtype, sharding=device),
         params,

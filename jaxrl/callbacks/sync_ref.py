@@ -53,10 +53,12 @@ class SyncRefModelCallback(TrainerCallback):
             ref_dtypes = [x.dtype for x in jax.tree.leaves(state.ref_params)]
             if ref_dtypes != [x.dtype for x in jax.tree.leaves(state.params)]:
                 raise ValueError(
-                    "SyncRefModelCallback was added after the train state was built, whose "
-                    "frozen reference keeps its matmul weights in the compute dtype; the sync "
-                    "mixes in the params' dtype. Pass it in `callbacks=` (or set "
-                    "sync_ref_model=True) when creating the trainer."
+                    "SyncRefModelCallback mixes the policy into the reference in the params' "
+                    "dtype, but the reference holds weights in another dtype (a frozen copy "
+                    "built before the callback was added keeps its matmul weights in the "
+                    "compute dtype, or a ref_model of another dtype). Pass it in `callbacks=` "
+                    "(or set sync_ref_model=True) when creating the trainer, and give any "
+                    "ref_model in the params' dtype."
                 )
         return make_sync_ref_update(
             args.ref_model_mixup_alpha,

@@ -60,19 +60,28 @@ def _only_cast(jaxpr, var, dtype: np.dtype) -> bool:
 
 def cast_only_leaves(fn: Callable[[PyTree], Any], params: PyTree, dtype: Any) -> PyTree:
     """A pytree of bools like `params`: True where `fn(params)` only ever converts that leaf to
-    `dtype` (False for leaves already in `dtype`, and for non-float leaves)."""
+    `dtype` and `dtype` is narrower (False for non-float leaves, and for leaves in `dtype` or a
+    narrower dtype: storing those in `dtype` would save nothing)."""
     dtype = np.dtype(dtype)
     closed = jax.make_jaxpr(fn)(params)
     leaves, treedef = jax.tree.flatten(params)
     flags = [
         bool(
             np.issubdtype(np.dtype(leaf.dtype), np.floating)
-            and np.dtype(leaf.dtype) != dtype
+            and np.dtype(leaf.dtype).itemsize > dtype.itemsize
             and _only_cast(closed.jaxpr, var, dtype)
         )
         for leaf, var in zip(leaves, closed.jaxpr.invars, strict=True)
     ]
     return jax.tree.unflatten(treedef, flags)
+
+
+def lm_probe(graphdef: Any) -> Callable[[PyTree], Any]:
+    """A causal LM's forward on a few tokens as a function of its state (`nnx.split`): what
+    `cast_only_leaves` reads to find which weights the model only uses in its compute dtype."""
+    from flax import nnx
+
+    return lambda params: nnx.merge(graphdef, params)(jnp.zeros((1, 8), jnp.int32))
 
 
 def in_compute_dtype(fn: Callable[[PyTree], Any], params: PyTree, dtype: Any) -> PyTree:

@@ -288,13 +288,12 @@ class Trainer(TrainLoop):
         from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 
         syncs = any(isinstance(cb, SyncRefModelCallback) for cb in self.callback_handler.callbacks)
-        if syncs or self.compute_dtype == self._param_dtype():
+        narrower = jnp.dtype(self.compute_dtype).itemsize < jnp.dtype(self._param_dtype()).itemsize
+        if syncs or not narrower:
             # TRL's reference sync mixes the policy into the reference in the params' dtype.
             return jax.tree.map(jnp.copy, params)
-        graphdef, ids = self.graphdef, jnp.zeros((1, 8), jnp.int32)
-        return frozen_weights.in_compute_dtype(
-            lambda p: nnx.merge(graphdef, p)(ids), params, self.compute_dtype
-        )
+        probe = frozen_weights.lm_probe(self.graphdef)
+        return frozen_weights.in_compute_dtype(probe, params, self.compute_dtype)
 
     def _prediction_fn(self) -> Callable | None:
         """`(model, micro_batch) -> (logits, label_ids)` of one eval batch in HF's layout (see

@@ -151,8 +151,7 @@ class TrainLoop:
     def _check_state_updates(self, before: list[TrainerCallback]) -> None:
         """A callback with an in-step `state_update` added or removed after the train step was
         compiled: compile it again, so the change is not silently ignored."""
-        after = self._state_update_callbacks()
-        if len(after) != len(before) or any(a is not b for a, b in zip(after, before, strict=True)):
+        if list(map(id, self._state_update_callbacks())) != list(map(id, before)):
             self._state_updates_changed()
 
     def _state_updates_changed(self) -> None:

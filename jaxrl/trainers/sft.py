@@ -44,13 +44,14 @@ def lm_forward(model, mb: dict, chunk_size: int, with_stats: bool, score_span: i
 
 
 def trained_width(mask_rows: Any) -> int:
-    """The widest stretch, first to last trained token inclusive, of any row of per-token
-    `loss_mask` lists (0 when none is trained)."""
+    """The widest stretch, first to last trained (nonzero) token inclusive, of any row of
+    per-token masks (lists of a dataset's rows, or a collated `[rows, T]` array; 0 when none is
+    trained)."""
     widest = 0
     for row in mask_rows:
-        row = list(row)
-        if 1 in row:
-            widest = max(widest, len(row) - row[::-1].index(1) - row.index(1))
+        trained = np.flatnonzero(np.asarray(row))
+        if trained.size:
+            widest = max(widest, int(trained[-1] - trained[0]) + 1)
     return widest
 
 
@@ -65,10 +66,7 @@ def check_score_span(loss_mask: np.ndarray, span: int | None) -> None:
     """Host-side guard of a collated `[rows, T]` batch: every row's scored targets fit `span`."""
     if span is None:
         return
-    scored = loss_mask > 0
-    first = np.argmax(scored, axis=1)
-    last = scored.shape[1] - 1 - np.argmax(scored[:, ::-1], axis=1)
-    widest = int(np.max(np.where(scored.any(axis=1), last - first + 1, 0)))
+    widest = trained_width(loss_mask > 0)
     if widest > span:
         raise ValueError(
             f"A row's scored tokens span {widest} positions but the LM head runs on {span} "

@@ -43,6 +43,11 @@ def test_leaves_read_only_in_the_compute_dtype():
     flags = frozen.cast_only_leaves(fn, params, jnp.bfloat16)
     want = {"kernel", "bias", "vjp", "cond", "stacked"}
     assert {k for k, v in flags.items() if v} == want, flags
+    # Only to a narrower dtype: a bf16 weight read in f32 stays bf16 (an f32 copy saves nothing).
+    upcast = frozen.cast_only_leaves(
+        lambda p: p.astype(jnp.float32), params["kernel"].astype(jnp.bfloat16), jnp.float32
+    )
+    assert upcast is False
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
