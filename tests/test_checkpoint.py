@@ -3,6 +3,7 @@
 import os
 import signal
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -281,5 +282,4 @@ def test_small_replicated_arrays_are_written_whole_large_ones_split(tmp_path, mo
     )
     restored, _ = saver.restore(abstract_state=abstract)
     saver.close()
-    for key in state:
-        np.testing.assert_array_equal(restored[key], state[key], err_msg=key)
+    chex.assert_trees_all_equal(restored, state, strict=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -304,7 +305,7 @@ def test_only_adapters_are_trained(hf_dir, scan):
         if i == 0:  # every adapter tensor receives gradient
             assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
     assert losses[-1] < losses[0]
-    jax.tree.map(np.testing.assert_array_equal, base_before, jax.tree.map(np.asarray, base))
+    chex.assert_trees_all_equal(base_before, base, strict=True)
 
 
 def leaf_count(tree) -> int:

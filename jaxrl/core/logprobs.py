@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.core.matmul import weight_grad
+from jaxrl.core.shapes import same_shape, shape_is
 
 
 def shift_targets(input_ids_BT: jax.Array, mask_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -25,6 +26,7 @@ def shift_targets(input_ids_BT: jax.Array, mask_BT: jax.Array) -> tuple[jax.Arra
     The last position has no next token: target 0 with mask 0. Pass the *loss* mask (e.g. the
     completion mask) to get the mask of the positions whose next token is scored.
     """
+    same_shape("shift_targets", rank=2, input_ids_BT=input_ids_BT, mask_BT=mask_BT)
     targets_BT = jnp.concatenate([input_ids_BT[:, 1:], jnp.zeros_like(input_ids_BT[:, :1])], axis=1)
     shifted_mask_BT = jnp.concatenate([mask_BT[:, 1:], jnp.zeros_like(mask_BT[:, :1])], axis=1)
     return targets_BT, shifted_mask_BT
@@ -328,6 +330,9 @@ def token_logprobs(
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}.")
+    shape_is("token_logprobs", (None, None, None), hidden_BTD=hidden_BTD)
+    shape_is("token_logprobs", (None, None), unembed_DV=unembed_DV)
+    shape_is("token_logprobs", hidden_BTD.shape[:2], targets_BT=targets_BT)
     if hidden_BTD.shape[-1] != unembed_DV.shape[0]:
         raise ValueError(
             f"hidden size {hidden_BTD.shape[-1]} does not match unembed_DV of shape {unembed_DV.shape}; "
@@ -373,6 +378,7 @@ def scored_logprobs(
     `score_span` positions from each row's first scored one (`scored_BT`), which must hold all
     of that row's scored positions (a DPO row's completion, not its prompt): those go through
     the LM head, the others come back as 0. Values at scored positions are the full head's."""
+    same_shape("scored_logprobs", rank=2, targets_BT=targets_BT, scored_BT=scored_BT)
     if score_span is None or score_span >= targets_BT.shape[1]:
         return token_logprobs(h_BTD, w_DV, targets_BT, chunk_size=chunk_size, with_stats=with_stats)
     B, T = targets_BT.shape

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.core.logprobs import SMALL_CHUNK_SIZE, resolve_chunk_size, unembed_logits
+from jaxrl.core.shapes import same_shape, shape_is
 
 KL_PENALTIES = ("kl", "abs", "mse", "full")
 _WHITEN_EPS = 1e-8  # TRL's rsqrt(var + 1e-8)
@@ -109,6 +110,7 @@ def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, kind: str = "kl") -
     are full-vocabulary log-softmax `[..., V]` and the result is KL(policy || ref) per position
     (use `full_kl_from_hidden` to avoid materialising them).
     """
+    same_shape("kl_penalty", logprobs=logprobs, ref_logprobs=ref_logprobs)
     if kind == "kl":
         return logprobs - ref_logprobs
     if kind == "abs":
@@ -131,7 +133,15 @@ def full_kl_from_hidden(
     """Per-position KL(policy || ref) over the whole vocabulary, `[B, T]` f32, from both models'
     final hidden states and unembeddings (TRL's `kl_penalty="full"`). Logits are formed one
     `[B, chunk, V]` block of T at a time, never for the whole sequence."""
-    B, T, _ = hidden_BTD.shape
+    shape_is("full_kl_from_hidden", (None, None, None), hidden_BTD=hidden_BTD)
+    B, T, D = hidden_BTD.shape
+    shape_is("full_kl_from_hidden", (D, None), unembed_DV=unembed_DV)
+    shape_is("full_kl_from_hidden", (B, T, None), ref_hidden_BTD=ref_hidden_BTD)
+    shape_is(
+        "full_kl_from_hidden",
+        (ref_hidden_BTD.shape[-1], unembed_DV.shape[1]),
+        ref_unembed_DV=ref_unembed_DV,
+    )
     # Each chunk holds both models' f32 log-softmax over the vocabulary, several times what the
     # fused head holds per logit, so None keeps 128-position chunks on every backend here.
     if chunk_size is None:
@@ -171,6 +181,8 @@ def compute_rewards(
     `non_score_reward = -kl_coef * kl` at every position (not masked); the score is added at the
     last position whose mask is 1 (the last response token, or last unmasked token).
     """
+    same_shape("compute_rewards", rank=2, kl_BT=kl_BT, mask_BT=mask_BT)
+    shape_is("compute_rewards", kl_BT.shape[:1], scores_B=scores_B)
     non_score_BT = -kl_coef * kl_BT
     last_B = last_index(mask_BT)
     onehot_BT = jax.nn.one_hot(last_B, kl_BT.shape[1], dtype=non_score_BT.dtype)
@@ -180,6 +192,7 @@ def compute_rewards(
 def gae(values_BT: jax.Array, rewards_BT: jax.Array, gamma: float, lam: float) -> jax.Array:
     """Generalised advantage estimates (Schulman et al. 2016) as a reverse scan over T:
     `delta_t = r_t + gamma V_{t+1} - V_t`, `A_t = delta_t + gamma lam A_{t+1}`, V_T = 0."""
+    same_shape("gae", rank=2, values_BT=values_BT, rewards_BT=rewards_BT)
     next_values_BT = jnp.concatenate([values_BT[:, 1:], jnp.zeros_like(values_BT[:, :1])], 1)
     deltas_TB = (rewards_BT + gamma * next_values_BT - values_BT).T
 
@@ -203,6 +216,9 @@ def compute_advantages(
     """`(values, advantages, returns)` as TRL `compute_advantages`: values and rewards masked,
     optionally rewards whitened without mean shift (`whiten_rewards`, TRL v0.7.3), GAE,
     `returns = advantages + values`, then advantages whitened over the mask."""
+    same_shape(
+        "compute_advantages", rank=2, values_BT=values_BT, rewards_BT=rewards_BT, mask_BT=mask_BT
+    )
     mask_BT = mask_BT.astype(values_BT.dtype)
     values_BT = values_BT * mask_BT
     rewards_BT = rewards_BT * mask_BT

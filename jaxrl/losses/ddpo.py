@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.core.shapes import same_shape
+
 
 class DDPOLoss(NamedTuple):
     loss: jax.Array
@@ -37,6 +39,13 @@ def ddpo_loss(
     approx_kl = mean((logp - old_logp)^2) / 2; clipfrac = mean(|ratio - 1| > clip_range).
     `train_clip_range` and `train_adv_clip_max` are the DDPOConfig names of the two knobs.
     """
+    same_shape(
+        "ddpo_loss",
+        rank=1,
+        log_prob_B=log_prob_B,
+        old_log_prob_B=old_log_prob_B,
+        advantages_B=advantages_B,
+    )
     adv = jnp.clip(advantages_B, -adv_clip_max, adv_clip_max)
     delta = log_prob_B - old_log_prob_B
     ratio = jnp.exp(delta)

@@ -22,6 +22,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxrl.core.shapes import same_shape
+
 LOSS_TYPES = (
     "sigmoid",
     "hinge",
@@ -185,6 +187,16 @@ def dpo_loss(
       broadcast to `[B]` as TRL does.
     """
     _validate(loss_type, f_divergence_type, label_smoothing, chosen_lengths, rejected_lengths)
+    same_shape(
+        "dpo_loss",
+        rank=1,
+        policy_chosen_logps=policy_chosen_logps,
+        policy_rejected_logps=policy_rejected_logps,
+        ref_chosen_logps=None if reference_free else ref_chosen_logps,
+        ref_rejected_logps=None if reference_free else ref_rejected_logps,
+        chosen_lengths=chosen_lengths,
+        rejected_lengths=rejected_lengths,
+    )
     if reference_free:
         ref_chosen_logps = jnp.zeros_like(policy_chosen_logps)
         ref_rejected_logps = jnp.zeros_like(policy_rejected_logps)

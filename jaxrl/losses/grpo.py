@@ -27,6 +27,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl.core.shapes import same_shape, shape_in, shape_is
+
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -97,7 +99,9 @@ def grpo_advantages(
             f"{list(MULTI_OBJECTIVE_AGGREGATIONS)}."
         )
     rewards_per_func_NK = jnp.asarray(rewards_per_func_NK, jnp.float32)
+    shape_is("grpo_advantages", (None, None), rewards_per_func_NK=rewards_per_func_NK)
     N, K = rewards_per_func_NK.shape
+    shape_is("grpo_advantages", (K,), reward_weights_K=reward_weights_K)
     G = num_generations
     if N % G:
         raise ValueError(f"{N} completions do not split into groups of num_generations={G}.")
@@ -136,6 +140,12 @@ def truncated_completions(
     With `mask_truncated_completions=True` TRL multiplies the loss mask by `~truncated[:, None]`,
     so a truncated completion still counts as a sequence but contributes no token.
     """
+    same_shape(
+        "truncated_completions",
+        rank=2,
+        completion_ids_BT=completion_ids_BT,
+        completion_mask_BT=completion_mask_BT,
+    )
     length_B = jnp.sum(completion_mask_BT > 0, axis=-1)
     rows_B = jnp.arange(completion_ids_BT.shape[0])
     last_B = completion_ids_BT[rows_B, jnp.maximum(length_B - 1, 0)]
@@ -150,6 +160,7 @@ def high_entropy_mask(entropies_BT: jax.Array, mask_BT: jax.Array, quantile: flo
     linear-interpolated quantile of the entropies of all active tokens passed in (TRL: of one
     micro-batch gathered over processes). Returns a `[B, T]` float mask, zero on padding.
     """
+    same_shape("high_entropy_mask", entropies_BT=entropies_BT, mask_BT=mask_BT)
     active_BT = mask_BT > 0
     values = jnp.where(active_BT, entropies_BT.astype(jnp.float32), jnp.nan)
     threshold = jnp.nanquantile(values, 1.0 - quantile)
@@ -264,6 +275,18 @@ def grpo_per_token_loss(
       `use_bias_correction_kl`), optional `phi_seq` `[B, 1]` (vespo).
     """
     _validate(loss_type, importance_sampling_level, beta, ref_per_token_logps_BT)
+    same_shape(
+        "grpo_per_token_loss",
+        rank=2,
+        per_token_logps_BT=per_token_logps_BT,
+        mask_BT=mask_BT,
+        old_per_token_logps_BT=old_per_token_logps_BT,
+        ref_per_token_logps_BT=ref_per_token_logps_BT,
+        sampling_per_token_logps_BT=sampling_per_token_logps_BT,
+        entropy_mask_BT=entropy_mask_BT,
+    )
+    B, T = per_token_logps_BT.shape
+    shape_in("grpo_per_token_loss", [(B,), (B, 1), (B, T)], advantages=advantages)
     eps_low = epsilon
     eps_high = epsilon if epsilon_high is None else epsilon_high
     mask_BT = mask_BT.astype(per_token_logps_BT.dtype)
@@ -348,6 +371,8 @@ def grpo_aggregate(
         raise ValueError(
             f"Unknown GRPO loss_type {loss_type!r}; valid loss types are {list(LOSS_TYPES)}."
         )
+    same_shape("grpo_aggregate", rank=2, per_token_loss_BT=per_token_loss_BT, mask_BT=mask_BT)
+    shape_is("grpo_aggregate", per_token_loss_BT.shape[:1], example_mask_B=example_mask_B)
     mask_BT = mask_BT.astype(per_token_loss_BT.dtype)
     w_B = (
         jnp.ones(per_token_loss_BT.shape[0], per_token_loss_BT.dtype)
@@ -394,6 +419,10 @@ def grpo_metrics(
     """
     eps_low = epsilon
     eps_high = epsilon if epsilon_high is None else epsilon_high
+    same_shape("grpo_metrics", rank=2, mask_BT=mask_BT, entropies_BT=entropies_BT)
+    B, T = mask_BT.shape
+    shape_in("grpo_metrics", [(B,), (B, 1), (B, T)], advantages=advantages)
+    shape_is("grpo_metrics", (B,), example_mask_B=example_mask_B)
     dtype = jnp.float32
     mask_BT = mask_BT.astype(dtype)
     w_B = (

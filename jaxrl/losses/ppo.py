@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.core.rl import clip_by_value, masked_mean, masked_var
+from jaxrl.core.shapes import same_shape
 
 PPO_SCALAR_STATS = (
     "loss/policy",
@@ -56,6 +57,18 @@ def ppo_loss(
     `entropy_BT` is the per-token entropy of the current policy (statistics only). Besides
     TRL's keys, `stats["ratio_skipped"]` is 1.0 when the minibatch was skipped (TRL warns).
     """
+    same_shape(
+        "ppo_loss",
+        rank=2,
+        old_logprobs_BT=old_logprobs_BT,
+        values_BT=values_BT,
+        logprobs_BT=logprobs_BT,
+        vpreds_BT=vpreds_BT,
+        mask_BT=mask_BT,
+        advantages_BT=advantages_BT,
+        returns_BT=returns_BT,
+        entropy_BT=entropy_BT,
+    )
     f32 = jnp.float32
     mask_BT = mask_BT.astype(f32)
     old_logprobs_BT, values_BT = old_logprobs_BT.astype(f32), values_BT.astype(f32)

@@ -7,6 +7,8 @@ trainer can average it over any number of micro-batches.
 import jax
 import jax.numpy as jnp
 
+from jaxrl.core.shapes import same_shape
+
 
 def reward_loss(
     rewards_chosen_B: jax.Array,
@@ -21,6 +23,13 @@ def reward_loss(
     (margin: Llama 2 paper, Eq. 2; centering: Eisenstein et al. 2023); both terms are batch
     means, so the mean of this per-example loss is TRL's loss exactly.
     """
+    same_shape(
+        "reward_loss",
+        rank=1,
+        rewards_chosen_B=rewards_chosen_B,
+        rewards_rejected_B=rewards_rejected_B,
+        margin_B=margin_B,
+    )
     diff_B = rewards_chosen_B - rewards_rejected_B
     if margin_B is not None:
         diff_B = diff_B - margin_B
@@ -41,6 +50,12 @@ def reward_metrics(
     `accuracy` is the fraction of pairs with `r_c > r_r` (ties count as wrong); `margin` is the
     mean of `r_c - r_r`.
     """
+    same_shape(
+        "reward_metrics",
+        rank=1,
+        rewards_chosen_B=rewards_chosen_B,
+        rewards_rejected_B=rewards_rejected_B,
+    )
     all_rewards = jnp.concatenate([rewards_chosen_B, rewards_rejected_B]).astype(jnp.float32)
     diff_B = (rewards_chosen_B - rewards_rejected_B).astype(jnp.float32)
     return {

@@ -15,6 +15,7 @@ for equal micro-batch sizes).
 import jax
 import jax.numpy as jnp
 
+from jaxrl.core.shapes import same_shape, shape_is
 from jaxrl.losses.grpo import nanstd, weighted_rewards, zero_std
 
 _STD_EPS = 1e-4
@@ -25,6 +26,13 @@ def rloo_sequence_kl(
 ) -> tuple[jax.Array, dict[str, dict[str, jax.Array]]]:
     """`(kl_B, aux)`: per-sequence k1 KL `sum_t (log pi_old - log pi_ref) mask` for the reward,
     and TRL's `kl` metric (token mean over the batch) as a `{"sum", "count"}` reduction."""
+    same_shape(
+        "rloo_sequence_kl",
+        rank=2,
+        old_per_token_logps_BT=old_per_token_logps_BT,
+        ref_per_token_logps_BT=ref_per_token_logps_BT,
+        mask_BT=mask_BT,
+    )
     mask_BT = mask_BT.astype(jnp.float32)
     per_token_kl_BT = (old_per_token_logps_BT - ref_per_token_logps_BT).astype(jnp.float32)
     kl_B = jnp.sum(per_token_kl_BT * mask_BT, axis=-1)
@@ -54,7 +62,10 @@ def rloo_advantages(
       `frac_reward_zero_std`.
     """
     rewards_per_func_NK = jnp.asarray(rewards_per_func_NK, jnp.float32)
-    N = rewards_per_func_NK.shape[0]
+    shape_is("rloo_advantages", (None, None), rewards_per_func_NK=rewards_per_func_NK)
+    N, K = rewards_per_func_NK.shape
+    shape_is("rloo_advantages", (K,), reward_weights_K=reward_weights_K)
+    shape_is("rloo_advantages", (N,), kl_N=kl_N)
     G = num_generations
     if N % G:
         raise ValueError(f"{N} completions do not split into groups of num_generations={G}.")
@@ -102,6 +113,20 @@ def rloo_loss(
     """
     eps_low = epsilon
     eps_high = epsilon if epsilon_high is None else epsilon_high
+    same_shape(
+        "rloo_loss",
+        rank=2,
+        per_token_logps_BT=per_token_logps_BT,
+        mask_BT=mask_BT,
+        entropies_BT=entropies_BT,
+    )
+    shape_is(
+        "rloo_loss",
+        per_token_logps_BT.shape[:1],
+        advantages_B=advantages_B,
+        old_logps_B=old_logps_B,
+        example_mask_B=example_mask_B,
+    )
     dtype = per_token_logps_BT.dtype
     mask_BT = mask_BT.astype(dtype)
     w_B = (

@@ -9,6 +9,8 @@ final division with TRL's convention that an empty batch gives 0.
 import jax
 import jax.numpy as jnp
 
+from jaxrl.core.shapes import same_shape
+
 SFT_LOSS_TYPES = ("nll", "dft")
 
 
@@ -24,6 +26,7 @@ def sft_loss_sum(
         raise ValueError(
             f"Unknown SFT loss_type {loss_type!r}; valid values are {list(SFT_LOSS_TYPES)}."
         )
+    same_shape("sft_loss_sum", logps_BT=logps_BT, loss_mask_BT=loss_mask_BT)
     mask_BT = loss_mask_BT.astype(jnp.float32)
     logps_BT = logps_BT.astype(jnp.float32)
     per_token_BT = -logps_BT
@@ -36,12 +39,14 @@ def mean_token_accuracy(
     argmax_correct_BT: jax.Array, mask_BT: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """`(num_correct, num_tokens)` for TRL's `mean_token_accuracy` (target is the argmax)."""
+    same_shape("mean_token_accuracy", argmax_correct_BT=argmax_correct_BT, mask_BT=mask_BT)
     mask_BT = mask_BT.astype(jnp.float32)
     return jnp.sum(argmax_correct_BT.astype(jnp.float32) * mask_BT), jnp.sum(mask_BT)
 
 
 def entropy(entropy_BT: jax.Array, mask_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`(entropy_sum, num_tokens)` for TRL's `entropy` metric (next-token entropy in nats)."""
+    same_shape("entropy", entropy_BT=entropy_BT, mask_BT=mask_BT)
     mask_BT = mask_BT.astype(jnp.float32)
     return jnp.sum(jax.lax.stop_gradient(entropy_BT).astype(jnp.float32) * mask_BT), jnp.sum(
         mask_BT

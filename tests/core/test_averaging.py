@@ -1,5 +1,6 @@
 """Ref-sync and BEMA against a per-parameter numpy loop transcribing TRL's callbacks."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,11 +62,6 @@ class NumpyBEMA:
                 self.running[i] = self.ema[i] + alpha * (p - self.theta0[i])
 
 
-def assert_tree_close(tree, leaves, **tol):
-    for a, b in zip(jax.tree.leaves(tree), leaves, strict=True):
-        np.testing.assert_allclose(np.asarray(a, np.float64), b, **tol)
-
-
 @pytest.mark.parametrize(
     "update_freq,update_after,kwargs",
     [(1, 0, {}), (3, 4, {}), (2, 5, {"min_ema_multiplier": 0.3, "multiplier": 2.0, "lag": 3})],
@@ -102,9 +98,9 @@ def test_bema_matches_trl_loop(update_freq, update_after, kwargs):
         )
         state = new_state
         ref.on_step_end(step, params)
-        assert_tree_close(state.theta0, ref.theta0, rtol=1e-5, atol=1e-6)
-        assert_tree_close(state.ema, ref.ema, rtol=1e-5, atol=1e-6)
-        assert_tree_close(state.bema, ref.running, rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(jax.tree.leaves(state.theta0), ref.theta0, rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(jax.tree.leaves(state.ema), ref.ema, rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(jax.tree.leaves(state.bema), ref.running, rtol=1e-5, atol=1e-6)
     snapshot = [update_after] if update_after > 0 else []
     assert changed_steps == snapshot + list(range(update_after + update_freq, 16, update_freq))
 
@@ -130,7 +126,7 @@ def test_sync_ref_matches_loop_and_schedule():
                 for r, p in zip(ref_np, jax.tree.leaves(policy), strict=True)
             ]
     assert [s for s in range(1, 9) if sync_ref_should_update(s, 4)] == [4, 8]
-    assert_tree_close(ref, ref_np, rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(jax.tree.leaves(ref), ref_np, rtol=1e-6, atol=1e-6)
     mixed16 = sync_ref_update(random_params(2, jnp.bfloat16), random_params(3), 0.5)
     assert {x.dtype for x in jax.tree.leaves(mixed16)} == {jnp.dtype(jnp.bfloat16)}
 
@@ -158,12 +154,8 @@ def test_sharded_equals_unsharded_and_keeps_shardings():
         ref_state = ref_update(ref_state, policy, step)
     for buffers in state:
         assert jax.tree.map(lambda x: x.sharding, buffers) == shardings
-    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(state, ref_state, rtol=1e-6, atol=1e-7)
 
     synced = jax.jit(sync_ref_update)(sharded_params, sharded_policy, 0.6)
     assert jax.tree.map(lambda x: x.sharding, synced) == shardings
-    for a, b in zip(
-        jax.tree.leaves(synced), jax.tree.leaves(sync_ref_update(params, policy, 0.6)), strict=True
-    ):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(synced, sync_ref_update(params, policy, 0.6), rtol=1e-6, atol=1e-7)

@@ -4,6 +4,7 @@ stopping and the ratio_threshold skip."""
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -125,8 +126,7 @@ def test_update_matches_unrolled_reference(setup):
     assert int(new_state.step) == 4
     assert out["sum"]["loss/total"].shape == (2, 2, 2)
     np.testing.assert_allclose(np.asarray(out["sum"]["loss/total"]).ravel(), losses, rtol=2e-5)
-    for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(params), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    chex.assert_trees_all_close(new_state.params, params, rtol=1e-4, atol=1e-6)
     assert np.asarray(out["epoch_ran"]).all()
     assert out["arrays"]["policy/ratio"].shape == (2, 2, 2, 1, L - 1)
 
@@ -161,5 +161,4 @@ def test_ratio_threshold_zeroes_loss_but_optimizer_steps(setup):
     assert int(new_state.step) == 1
     assert float(out["sum"]["ratio_skipped"].sum()) == 1.0
     assert float(out["sum"]["loss/total"].sum()) == 0.0
-    for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(s["params"]), strict=True):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(new_state.params, s["params"], strict=True)

@@ -3,6 +3,7 @@ TRL 1.16 `DPOTrainer._compute_loss` (and TRL <= 0.2x for cDPO, bco baseline, ref
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -164,8 +165,7 @@ def test_reference_free_treats_ref_logps_as_zero(batch):
     free = call("sigmoid", batch, reference_free=True)
     zero = {**batch, "rc": np.zeros_like(batch["rc"]), "rr": np.zeros_like(batch["rr"])}
     explicit = call("sigmoid", zero)
-    for a, b in zip(free, explicit, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-6)
+    chex.assert_trees_all_close(free, explicit, rtol=1e-6)
     np.testing.assert_allclose(free[1], BETA * batch["pc"], rtol=1e-5)
 
 

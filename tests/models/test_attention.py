@@ -1,6 +1,7 @@
 """The attention kernels equal XLA's reference attention (values and gradients) for every mask the
 models build, GQA included, and the blockwise kernel never holds [B, N, T, S] scores."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,11 +85,8 @@ def assert_values_and_grads(fn, ref, q, k, v, w, atol):
     np.testing.assert_allclose(
         np.asarray(out, np.float32), np.asarray(ref_out, np.float32), atol=atol, rtol=atol
     )
-    for name, a, b in zip("qkv", grads, ref_grads, strict=True):
-        assert a.dtype == b.dtype, name
-        np.testing.assert_allclose(
-            np.asarray(a, np.float32), np.asarray(b, np.float32), atol=atol, rtol=atol, err_msg=name
-        )
+    chex.assert_trees_all_equal_dtypes(grads, ref_grads)
+    chex.assert_trees_all_close(grads, ref_grads, atol=atol, rtol=atol)
 
 
 @pytest.mark.parametrize(
@@ -371,8 +369,7 @@ def test_right_padded_rows_run_unmasked_exactly(family, impl):
     assert scored.sum() == sum(lengths) - len(lengths)
     np.testing.assert_allclose(np.asarray(got)[scored], np.asarray(want)[scored], atol=1e-6)
     assert not np.allclose(np.asarray(got)[~scored], np.asarray(want)[~scored])  # padding moved
-    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+    chex.assert_trees_all_close(got_grads, want_grads, atol=1e-6, rtol=1e-5)
 
     if family == "gpt2":
         return

@@ -4,6 +4,7 @@ the unembedding used by chunked log-probs, presets and FLOP counts."""
 import json
 import shutil
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,8 +58,7 @@ def test_scan_and_remat_give_same_logits_and_grads(mistral_dir):
         (True, "dots_with_no_batch_dims_saveable"),
     ]:
         model = from_pretrained(mistral_dir, scan_layers=scan, remat_policy=policy)
-        for got_x, want_x in zip(_logits_and_grads(model, ids, mask), want, strict=True):
-            np.testing.assert_allclose(got_x, want_x, atol=1e-5, rtol=1e-5)
+        chex.assert_trees_all_close(_logits_and_grads(model, ids, mask), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow

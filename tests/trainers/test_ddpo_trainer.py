@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -275,10 +276,7 @@ def test_resume_is_exact_and_lora_trains_only_adapters(sd_path, tmp_path):
     assert all(isinstance(v, LoRAParam) for _, v in nnx.to_flat_state(params))
     changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != b)), params, lora0)
     assert any(jax.tree.leaves(changed))
-    same = jax.tree.map(
-        lambda a, b: bool(np.array_equal(np.asarray(a), b)), full.train_state.frozen["unet"], base0
-    )
-    assert all(jax.tree.leaves(same))
+    chex.assert_trees_all_equal(full.train_state.frozen["unet"], base0, strict=True)
     run = tmp_path / "part"
     cfg = DDPOConfig(**{**SMALL, **kw, "logdir": str(run)})
     with pytest.raises(_Killed):
@@ -345,8 +343,7 @@ def test_mesh_equals_one_device(sd_path, tmp_path):
     # `train_unet_fn`). The gradients now match to ~1e-4 relative (|dg| ~ 7e-6 after global-norm
     # clipping), and Adam's first step lr * g / (|g| + eps) moves by at most lr / eps * |dg|
     # ~ 7e-5; measured 2.5e-5 after the first update, 3.4e-5 after the second.
-    for a, b in zip(jax.tree.leaves(one.train_state.params), p_mesh, strict=True):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-4)
+    chex.assert_trees_all_close(p_mesh, jax.tree.leaves(one.train_state.params), rtol=0, atol=1e-4)
 
 
 @pytest.mark.slow

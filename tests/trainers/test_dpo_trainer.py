@@ -4,6 +4,7 @@ int8, precomputed cache, sync), multi-loss, BEMA, and TRL metric names."""
 import math
 import os
 
+import chex
 import datasets
 import jax
 import numpy as np
@@ -246,10 +247,7 @@ def test_bema_callback_matches_reference_and_exports(tmp_path, tokenizer, hf_mod
     state = averaging.bema_init(jax.device_get(nnx.state(init)))
     for step, params in enumerate(seen, start=1):
         state = averaging.bema_update(state, params, step, update_freq=2, lag=1)
-    for got, want in zip(
-        jax.tree.leaves(bema.buffers.bema), jax.tree.leaves(state.bema), strict=True
-    ):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(bema.buffers.bema, state.bema, rtol=1e-6, atol=1e-7)
     # Exported BEMA weights load in transformers.
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "bema")
     assert model.config.vocab_size == 16
@@ -319,10 +317,7 @@ def test_bema_buffers_survive_resume(tmp_path, tokenizer, hf_model_dir, pref_dat
         callbacks=[resumed],
     )
     trainer.train()
-    for got, want in zip(
-        jax.tree.leaves(resumed.buffers), jax.tree.leaves(full.buffers), strict=True
-    ):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    chex.assert_trees_all_equal(resumed.buffers, full.buffers, strict=True)
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ sync_ref_model), conversational prompts and reward models."""
 
 from __future__ import annotations
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -161,8 +162,7 @@ def test_reference_only_when_beta_and_sync(hf_model_dir, tokenizer, tmp_path):
     )
     trainer.train()
     ref, params = trainer.train_state.frozen["ref"], trainer.train_state.params
-    for r, p in zip(jax.tree.leaves(ref), jax.tree.leaves(params), strict=True):
-        np.testing.assert_array_equal(np.asarray(r), np.asarray(p))  # alpha=1: ref <- policy
+    chex.assert_trees_all_equal(ref, params, strict=True)  # alpha=1: ref <- policy
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ our logits."""
 
 import os
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -27,13 +28,6 @@ IDS = np.asarray([[3, 5, 7, 9, 4, 6, 8, 10]], np.int32)
 
 def _host(tree):
     return jax.tree.map(np.asarray, jax.device_get(tree))
-
-
-def _leaves_equal(a, b) -> bool:
-    return all(
-        np.array_equal(x, y)
-        for x, y in zip(jax.tree.leaves(_host(a)), jax.tree.leaves(_host(b)), strict=True)
-    )
 
 
 def _size(tree) -> int:
@@ -93,7 +87,9 @@ def test_grpo_lora_trains_only_the_adapter_with_the_base_as_reference(
 
     trainer.train()
     state = trainer.train_state
-    assert _leaves_equal(state.frozen["base"], base0)  # the base is bit-identical
+    chex.assert_trees_all_equal(
+        state.frozen["base"], base0, strict=True
+    )  # the base is bit-identical
     assert not any(
         np.array_equal(a, b)
         for a, b in zip(
@@ -236,7 +232,7 @@ def test_ppo_lora_trains_adapter_and_value_head_against_the_base(tmp_path, token
     # ... and differ from the policy's with the non-zero adapter.
     assert stats["objective/kl"] > 1e-3
     state = trainer.train_state
-    assert _leaves_equal(state.frozen["base"], base0)
+    chex.assert_trees_all_equal(state.frozen["base"], base0, strict=True)
     changed = [
         not np.array_equal(a, b)
         for a, b in zip(

@@ -4,6 +4,7 @@ without the adapter, PEFT export, NF4 base, and exact resume from adapter-only c
 
 import os
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -81,7 +82,7 @@ def test_sft_lora_matches_merged_model_trains_only_adapters_and_exports(
 
     trainer.train()
     state = trainer.train_state
-    assert _leaves_equal(state.frozen["base"], base0)  # base bit-identical
+    chex.assert_trees_all_equal(state.frozen["base"], base0, strict=True)  # base bit-identical
     changed = [
         not np.array_equal(a, b)
         for a, b in zip(
@@ -233,7 +234,7 @@ def test_lora_resume_is_exact_and_checkpoint_has_no_base(
     want = [h["loss"] for h in train_logs(full)][2:]
     got = [h["loss"] for h in train_logs(resumed)][-2:]
     np.testing.assert_array_equal(got, want)
-    assert _leaves_equal(resumed.train_state.params, full.train_state.params)
+    chex.assert_trees_all_equal(resumed.train_state.params, full.train_state.params, strict=True)
 
 
 @pytest.mark.slow

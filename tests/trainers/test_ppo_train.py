@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import chex
 import datasets
 import numpy as np
 import pytest
@@ -101,8 +102,7 @@ def test_generate_length_sampler_per_chunk_and_eos(trainer, tokenizer):
     np.testing.assert_array_equal(cut, with_eos[:3])
     # The reference is the initial policy: same keys, same samples.
     resp, ref = trainer.generate(queries, generate_ref_response=True, **kwargs)
-    for a, b in zip(resp, ref, strict=True):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(resp, ref, strict=True)
 
 
 def test_generate_rejects_unsupported(trainer, tokenizer):
