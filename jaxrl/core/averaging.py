@@ -11,6 +11,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxrl.core.shapes import same_tree_shapes
+
 PyTree = Any
 
 
@@ -30,6 +32,7 @@ def sync_ref_update(ref_params: PyTree, policy_params: PyTree, alpha: float | ja
 
     TRL `ref_model_mixup_alpha` (default 0.6). Each leaf keeps the reference leaf's dtype.
     """
+    same_tree_shapes("sync_ref_update", ref_params=ref_params, policy_params=policy_params)
     return jax.tree.map(lambda ref, pol: _mix(ref, pol, alpha), ref_params, policy_params)
 
 
@@ -97,6 +100,7 @@ def bema_update(
     Arithmetic is f32, results are cast to the buffer dtype. Safe to call every step under jit
     (`step` may be traced); or call it only when `bema_should_update` is true.
     """
+    same_tree_shapes("bema_update", ema=state.ema, params=params)
     step = jnp.asarray(step)
     since = step - update_after
     # 0: no-op, 1: snapshot, 2: EMA/BEMA update.

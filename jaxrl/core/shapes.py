@@ -57,3 +57,12 @@ def shape_in(where: str, allowed: Sequence[tuple[int, ...]], **arrays) -> None:
                 f"[Chex-style] {where}: {name} has shape {tuple(v.shape)}; "
                 f"expected one of {allowed}"
             )
+
+
+def same_tree_shapes(where: str, **trees) -> None:
+    """The pytrees have one structure and equal leaf shapes (dtypes may differ)."""
+    names = ", ".join(trees)
+    chex.assert_trees_all_equal_shapes(
+        *trees.values(),
+        custom_message=f"{where}: {names} must have the same structure and leaf shapes",
+    )

@@ -128,3 +128,19 @@ def test_well_shaped_inputs_pass_and_asserts_can_be_disabled():
         assert dpo.dpo_loss(b, b, b1, b)[0].shape == (B, B)
     finally:
         chex.enable_asserts()
+
+
+def test_parameter_averaging_checks_tree_shapes():
+    from jaxrl.core import averaging
+
+    params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
+    with pytest.raises(AssertionError, match="sync_ref_update: ref_params, policy_params"):
+        averaging.sync_ref_update({"w": jnp.ones((3, 2)), "b": jnp.zeros(3)}, params, 0.6)
+    with pytest.raises(AssertionError, match="sync_ref_update: .* structure"):
+        averaging.sync_ref_update({"w": jnp.ones((2, 3))}, params, 0.6)
+    # Dtypes may differ: each leaf keeps the reference's.
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    assert averaging.sync_ref_update(bf16, params, 0.6)["w"].dtype == jnp.bfloat16
+    state = averaging.bema_init(params)
+    with pytest.raises(AssertionError, match="bema_update: ema, params"):
+        averaging.bema_update(state, {"w": jnp.ones((2, 4)), "b": jnp.zeros(3)}, 1)
