@@ -45,7 +45,9 @@ def _reward_model(tmp_path: Path) -> Path:
     return out
 
 
-def _trl_losses(algo: str, model: Path, data: Path, out: Path, bf16: bool | None) -> list[float]:
+def _trl_losses(
+    algo: str, model: Path, data: Path, out: Path, bf16: bool | None, pad_token: str | None
+) -> list[float]:
     import datasets
     import trl
 
@@ -63,6 +65,7 @@ def _trl_losses(algo: str, model: Path, data: Path, out: Path, bf16: bool | None
         report_to="none",
         use_cpu=True,
         bf16=bf16,
+        **({"pad_token": pad_token} if pad_token else {}),
     )
     trainer = trainer_cls(model=str(model), args=args, train_dataset=train)
     trainer.train()
@@ -100,6 +103,9 @@ def _jaxrl_losses(runs: list[tuple[Path, Path, Path, tuple[str, ...]]]) -> list[
 
 
 CASES = [(algo, precision) for precision in ("default", "f32") for algo in ("sft", "reward", "dpo")]
+# A tokenizer whose pad is its EOS (TRL's fallback when it has no pad token): transformers'
+# score head then skips the appended EOS, and so must jaxrl's.
+CASES.append(("reward", "f32, pad = eos"))
 
 
 # TRL's default precision is bf16: torch autocast (on CPU here), which jaxrl's bf16 follows (f32
@@ -109,16 +115,25 @@ CASES = [(algo, precision) for precision in ("default", "f32") for algo in ("sft
 @pytest.mark.slow
 def test_cli_defaults_reproduce_trl_losses(tmp_path):
     """SFT, reward and DPO, each in TRL's default precision and in f32. One test for the six
-    cases: the six jaxrl CLI runs share one process."""
+    cases, plus reward with pad = eos: the jaxrl CLI runs share one process."""
+    from transformers import AutoTokenizer
+
     data = {name: _dataset(tmp_path, name) for name in ("sft", "dpo")}
     rm = _reward_model(tmp_path)
+    eos = AutoTokenizer.from_pretrained(str(rm)).eos_token
+    assert AutoTokenizer.from_pretrained(str(rm)).pad_token != eos
+
+    def flags(precision: str) -> tuple[str, ...]:
+        f32 = ("--bf16", "false") if precision.startswith("f32") else ()
+        return f32 + (("--pad_token", eos) if "pad = eos" in precision else ())
+
     runs = [
         (
             algo,
             rm if algo == "reward" else MODEL,
             data["sft" if algo == "sft" else "dpo"],
-            tmp_path / f"jaxrl-{algo}-{precision}",
-            ("--bf16", "false") if precision == "f32" else (),
+            tmp_path / f"jaxrl-{algo}-{precision.replace(' ', '')}",
+            flags(precision),
         )
         for algo, precision in CASES
     ]
@@ -126,9 +141,10 @@ def test_cli_defaults_reproduce_trl_losses(tmp_path):
     for (algo, precision), (_, model, dataset, _, _), ours in zip(
         CASES, runs, all_ours, strict=True
     ):
-        f32 = precision == "f32"
-        out = tmp_path / f"trl-{algo}-{precision}"
-        theirs = _trl_losses(algo, model, dataset, out, bf16=False if f32 else None)
+        f32 = precision.startswith("f32")
+        out = tmp_path / f"trl-{algo}-{precision.replace(' ', '')}"
+        pad = eos if "pad = eos" in precision else None
+        theirs = _trl_losses(algo, model, dataset, out, bf16=False if f32 else None, pad_token=pad)
         case = f"{algo}, {precision} precision"
         assert len(ours) == len(theirs) == STEPS, case
         np.testing.assert_allclose(ours, theirs, atol=2e-3, rtol=0, err_msg=case)

@@ -40,6 +40,24 @@ def last_token_index(attention_mask_BT: jax.Array | None, seq_len: int, batch: i
     return jnp.max(idx_BT, axis=1)
 
 
+def score_mask(
+    input_ids_BT: jax.Array, attention_mask_BT: jax.Array | None, pad_token_id: int | None
+) -> jax.Array | None:
+    """The positions a sequence score may be read at: real tokens whose id is not the pad id.
+
+    transformers' `XForSequenceClassification` reads the last token whose id is not
+    `config.pad_token_id`, and TRL's `RewardTrainer` (and GRPO's reward models) set that to the
+    tokenizer's pad token, which is the EOS when the tokenizer has none. A trailing EOS is then
+    not scored: the score is read at the token before it, in training as after export.
+    """
+    if pad_token_id is None:
+        return attention_mask_BT
+    not_pad_BT = input_ids_BT != pad_token_id
+    if attention_mask_BT is None:
+        return not_pad_BT
+    return (attention_mask_BT != 0) & not_pad_BT
+
+
 class ScoreHead(Dense):
     """Linear D -> num_labels without bias (HF `score.weight`), applied per token."""
 
@@ -100,9 +118,15 @@ class SequenceClassificationModel(nnx.Module):
         attention_mask: jax.Array | None = None,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        *,
+        pad_token_id: int | None = None,
     ) -> jax.Array:
+        """Scores `[B, num_labels]` at each row's last real token whose id is not the pad id
+        (`score_mask`; `pad_token_id` defaults to the HF config's, as transformers reads it)."""
         h_BTD = self.hidden_states(input_ids_BT, attention_mask, positions, segment_ids)
-        return self.last_token_scores(h_BTD, attention_mask)
+        if pad_token_id is None:
+            pad_token_id = getattr(self.config.hf_config, "pad_token_id", None)
+        return self.last_token_scores(h_BTD, score_mask(input_ids_BT, attention_mask, pad_token_id))
 
     def last_token_scores(self, h_BTD: jax.Array, attention_mask: jax.Array | None) -> jax.Array:
         """Scores [B, num_labels] of hidden states `h_BTD` at each row's last non-pad token."""

@@ -246,8 +246,10 @@ class Trainer(TrainLoop):
             lengths, self._max_length(), multiple_of=self.args.pad_to_multiple_of or 1
         )
 
-    def _max_length(self) -> int:
-        return getattr(self.args, "max_length", None) or 1024
+    def _max_length(self) -> int | None:
+        """The cap on the run's static row length: `max_length`, where None means no cap (TRL
+        then truncates nothing, so the longest example sets the length)."""
+        return getattr(self.args, "max_length", None)
 
     @staticmethod
     def _load_data(dataset: Any, split: str) -> Any:

@@ -19,11 +19,14 @@ from jaxrl.config import RewardConfig
 from jaxrl.data.collate import collate_reward, model_masks
 from jaxrl.data.reward import prepare_reward_dataset
 from jaxrl.losses.reward import reward_loss
+from jaxrl.models.heads import score_mask
 from jaxrl.trainers.base import Trainer
 
 
-def pair_scores(model, mb: dict) -> tuple[dict, jax.Array]:
-    """The pairs' rows `[2B, T]` (chosen rows, then rejected rows) and their f32 scores `[2B]`."""
+def pair_scores(model, mb: dict, pad_token_id: int | None) -> tuple[dict, jax.Array]:
+    """The pairs' rows `[2B, T]` (chosen rows, then rejected rows) and their f32 scores `[2B]`,
+    read at each row's last real token that is not `pad_token_id` (`score_mask`, as TRL's model
+    reads it with `config.pad_token_id` set to the tokenizer's pad)."""
     rows = {
         k: jnp.concatenate([v[:, 0], v[:, 1]], axis=0)
         for k, v in mb.items()
@@ -33,7 +36,8 @@ def pair_scores(model, mb: dict) -> tuple[dict, jax.Array]:
     # at each row's last real token.
     attention_mask, segment_ids = model_masks(rows)
     h_2BTD = model.hidden_states(rows["input_ids"], attention_mask, rows["positions"], segment_ids)
-    scores_2B = model.last_token_scores(h_2BTD, rows["attention_mask"])[:, 0]
+    mask_2BT = score_mask(rows["input_ids"], rows["attention_mask"], pad_token_id)
+    scores_2B = model.last_token_scores(h_2BTD, mask_2BT)[:, 0]
     return rows, scores_2B.astype(jnp.float32)
 
 
@@ -71,9 +75,10 @@ class RewardTrainer(Trainer):
 
     def _loss_fn(self):
         coef = self.args.center_rewards_coefficient
+        pad_id = self.processing_class.pad_token_id
 
         def loss_fn(params, state, mb, rng, extras):
-            rows, scores_2B = pair_scores(self.apply_model(params, state), mb)
+            rows, scores_2B = pair_scores(self.apply_model(params, state), mb, pad_id)
             b = scores_2B.shape[0] // 2
             rc_B, rr_B = scores_2B[:b], scores_2B[b:]
             losses_B = reward_loss(
@@ -101,8 +106,10 @@ class RewardTrainer(Trainer):
         return loss_fn
 
     def _prediction_fn(self):
+        pad_id = self.processing_class.pad_token_id
+
         def predict(model, mb):
-            _, scores_2B = pair_scores(model, mb)
+            _, scores_2B = pair_scores(model, mb, pad_id)
             b = scores_2B.shape[0] // 2
             # [B, 2] (chosen, rejected) scores; label 0 names the preferred column, so
             # `argmax(predictions, 1) == label_ids` is the pair accuracy (TRL's old

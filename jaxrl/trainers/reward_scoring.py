@@ -43,11 +43,13 @@ def load_reward_model_func(
         tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    pad_id = tokenizer.pad_token_id  # TRL sets the reward model's config.pad_token_id to it
     graphdef, params = nnx.split(model)
 
     @jax.jit
     def score(params, ids_BT, mask_BT):
-        return nnx.merge(graphdef, params)(ids_BT, mask_BT)[:, 0].astype(np.float32)
+        model = nnx.merge(graphdef, params)
+        return model(ids_BT, mask_BT, pad_token_id=pad_id)[:, 0].astype(np.float32)
 
     def score_texts(texts: list[str]) -> list[float]:
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]

@@ -57,6 +57,27 @@ def test_scores_match_transformers_and_round_trip(family, hf_seq_cls, tmp_path):
     )
 
 
+def test_score_skips_a_trailing_pad_id_as_transformers(hf_seq_cls):
+    """transformers reads a sequence score at the last token whose id is not
+    `config.pad_token_id`; when the pad is the EOS (TRL's fallback for tokenizers without a pad)
+    the appended EOS is skipped and the score is the previous token's."""
+    ref = hf_seq_cls("qwen2")
+    model = from_pretrained(ref.path, task="sequence_classification")
+    pad = ref.model.config.pad_token_id
+    ids, right, _ = padded_batch(seed=3)
+    last = right.sum(1) - 1
+    ids = np.where(right == 1, ids, pad)
+    ids[np.arange(3), last] = pad  # each row ends in the pad id, like an appended EOS = pad
+    expected = _torch_scores(ref.model, ids, right)
+    got = np.asarray(model(jnp.asarray(ids), jnp.asarray(right)))
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+    tokens = np.asarray(model.token_scores(jnp.asarray(ids), jnp.asarray(right)))
+    np.testing.assert_allclose(got, tokens[np.arange(3), last - 1], atol=1e-5)
+    # An explicit pad id overrides the config's (the reward trainer passes the tokenizer's).
+    explicit = model(jnp.asarray(ids), jnp.asarray(right), pad_token_id=pad + 1)
+    np.testing.assert_allclose(np.asarray(explicit), tokens[np.arange(3), last], atol=1e-5)
+
+
 def test_score_head_from_causal_checkpoint_is_fresh(hf_causal):
     ref = hf_causal("gpt2")
     with pytest.warns(UserWarning, match="newly initialised"):

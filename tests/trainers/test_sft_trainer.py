@@ -297,3 +297,19 @@ def test_evaluate_on_wider_completions_widens_the_span(tmp_path, tokenizer, sft_
     trainer.score_span = None
     trainer._compile(trainer.train_state)
     np.testing.assert_allclose(trainer.evaluate(eval_dataset=wide)["eval_loss"], got, rtol=1e-6)
+
+
+def test_max_length_none_truncates_nothing(tmp_path, tokenizer):
+    """TRL: `max_length=None` means no truncation, so the run's static row length is the longest
+    example's (it was capped at 1024, and a longer example then failed inside `train()`)."""
+    import datasets
+
+    long_text = "12+34=46" * 140  # 1120 characters: a 1121-token row with the EOS
+    data = datasets.Dataset.from_dict({"text": [long_text] + ["1+2=3"] * 7})
+    trainer = make(tmp_path, tokenizer, data, max_length=None, max_steps=1)
+    assert max(len(ids) for ids in trainer.train_dataset["input_ids"]) == len(long_text) + 1
+    assert trainer.seq_len == len(long_text) + 1
+    trainer.train()
+    assert np.isfinite(train_logs(trainer)[0]["loss"])
+    capped = make(tmp_path, tokenizer, data, max_steps=1)  # TRL's default max_length=1024
+    assert capped.seq_len == 1024
