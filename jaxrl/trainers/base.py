@@ -461,7 +461,13 @@ class Trainer(TrainLoop):
         self._jit_eval_step = jax.jit(make_eval_step(loss_fn), out_shardings=repl)
 
     def _with_lora_dropout(self, loss_fn: Callable) -> Callable:
-        """The training loss with `lora_dropout` drawn from the step's key (eval has none)."""
+        """The training loss with `lora_dropout` drawn from the step's key (eval has none).
+
+        `disable_dropout=True` (DPO, reward, GRPO, RLOO) zeroes it, as TRL's
+        `disable_dropout_in_model` does to the PEFT model's dropout modules.
+        """
+        if getattr(self.args, "disable_dropout", False):
+            return loss_fn
         if not self.is_peft or not self.lora_config.lora_dropout:
             return loss_fn
         from jaxrl import lora

@@ -255,3 +255,36 @@ def test_reward_lora_trains_the_score_head(tmp_path, tokenizer, hf_model_dir, pr
     after = _host(nnx.filter_state(trainer.train_state.params, lora.SavedParam))
     assert not _leaves_equal(after, score0)
     assert all(np.isfinite(h["loss"]) for h in train_logs(trainer))
+
+
+def test_disable_dropout_turns_off_lora_dropout(
+    tmp_path, tokenizer, hf_model_dir, pref_data, sft_data
+):
+    """TRL's `disable_dropout_in_model` runs on the PEFT model, so DPO's default
+    `disable_dropout=True` trains without LoRA dropout; SFT (no such field) keeps it."""
+    cfg = lora.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.5, target_modules="all-linear", init_lora_weights=False
+    )
+
+    def losses_with_two_keys(trainer):
+        trainer._ensure_state()
+        state = trainer.train_state
+        host = trainer._collate(list(trainer.train_dataset.select(range(4))))
+        mb = trainer._to_device({k: v[None] for k, v in host.items()})
+        mb = {k: v[0] for k, v in mb.items()}
+        fn = jax.jit(trainer._with_lora_dropout(trainer._loss_fn()))
+        return [float(fn(state.params, state, mb, jax.random.key(s), {})[0]) for s in (0, 1)]
+
+    dpo = DPOTrainer(
+        hf_model_dir,
+        args=DPOConfig(**base_args(tmp_path / "dpo", max_steps=1)),
+        train_dataset=pref_data[0],
+        processing_class=tokenizer,
+        peft_config=cfg,
+    )
+    assert dpo.args.disable_dropout
+    a, b = losses_with_two_keys(dpo)
+    assert a == b
+    sft = _sft(tmp_path / "sft", hf_model_dir, tokenizer, sft_data, peft_config=cfg, max_steps=1)
+    a, b = losses_with_two_keys(sft)
+    assert abs(a - b) > 1e-4
