@@ -91,7 +91,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # Must equal jaxrl.models.config.REMAT_POLICIES (kept here so configs import without JAX).
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 MESH_AXES = ("data", "fsdp", "tensor")
-PACKING_STRATEGIES = ("bfd", "wrapped")
+PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
 TRUNCATION_MODES = ("keep_start", "keep_end")
 # TRL DPOTrainer's `loss_type` values (trl/trainer/dpo_trainer.py); equal to
 # jaxrl.losses.dpo.LOSS_TYPES.
@@ -687,6 +687,14 @@ class SFTConfig(_with_foreign("_SFTForeign", config_fields.SFT)):
             not (self.packing and self.max_length is None),
             "`packing=True` needs `max_length` (the packed sequence length).",
         )
+        if self.packing_strategy == "bfd-requeue":  # TRL 1.16's deprecated name
+            warnings.warn(
+                "The `bfd-requeue` packing strategy has been renamed to `bfd_split`. Please update "
+                "your configuration accordingly.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            self.packing_strategy = "bfd_split"
         _check_choice("packing_strategy", self.packing_strategy, PACKING_STRATEGIES)
         _check(
             self.dataset_num_proc is None or self.dataset_num_proc >= 1,

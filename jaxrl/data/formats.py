@@ -6,7 +6,8 @@ Formats follow TRL's vocabulary: *standard* examples hold strings (`text`, `prom
 `sft.py`, `preference.py` and `reward.py`.
 """
 
-from collections.abc import Iterable, Sequence
+import json
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import datasets
@@ -66,6 +67,32 @@ def common_prefix_length(ids: Sequence[int], other_ids: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def example_chat_template_kwargs(example: Mapping[str, Any]) -> dict[str, Any]:
+    """Keyword arguments TRL passes to `apply_chat_template` for one conversational example:
+    `tools` from the example's `tools` column (a list, or a JSON string of one; None when
+    absent) plus every key of its `chat_template_kwargs` column (a dict, e.g.
+    `{"enable_thinking": False}`), which wins over `tools` on a clash. As in TRL's SFT, DPO and
+    reward tokenization (`{"tools": tools, **example.get("chat_template_kwargs", {})}`)."""
+    tools = example.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"The 'tools' column holds a string that is not valid JSON ({err}); give a list of "
+                "tool schemas or its JSON encoding."
+            ) from None
+    extra = example.get("chat_template_kwargs")
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, Mapping):
+        raise ValueError(
+            "The 'chat_template_kwargs' column must hold a dict of keyword arguments for the chat "
+            f"template (e.g. {{'enable_thinking': False}}); got {type(extra).__name__}."
+        )
+    return {"tools": tools, **extra}
 
 
 def tokenize_text_or_messages(tokenizer: Any, value: str | list, **chat_kwargs: Any) -> dict:

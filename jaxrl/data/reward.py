@@ -5,7 +5,8 @@ Accepted formats (TRL `RewardTrainer`): implicit `{chosen, rejected}`, explicit
 `{prompt, chosen, rejected}` (prompt prepended to both), conversational variants of both, and
 pre-tokenized pairs `{input_ids_chosen, input_ids_rejected}` (optionally with
 `attention_mask_chosen/attention_mask_rejected`; padded positions are removed) or
-`{chosen_ids, rejected_ids}`. Host-side only; the output feeds `collate.collate_reward`.
+`{chosen_ids, rejected_ids}`. Conversational pairs render with their `tools` /
+`chat_template_kwargs` columns. Host-side only; the output feeds `collate.collate_reward`.
 """
 
 import warnings
@@ -14,6 +15,7 @@ from typing import Any
 import datasets
 
 from jaxrl.data.formats import (
+    example_chat_template_kwargs,
     is_conversational,
     require_columns,
     token_features,
@@ -32,14 +34,20 @@ _PRETOKENIZED = {
 
 def _tokenize_pair(example: dict[str, Any], *, tokenizer: Any, eos_token: str) -> dict[str, list]:
     chosen, rejected = example["chosen"], example["rejected"]
+    chat_kwargs = example_chat_template_kwargs(example)  # read for every example, as TRL
     if not chosen or not rejected:
         return {"chosen_input_ids": [], "rejected_input_ids": []}  # dropped by the caller
     if "prompt" in example:
         chosen, rejected = example["prompt"] + chosen, example["prompt"] + rejected
     if is_conversational({"chosen": chosen}):
+        # Per-example `tools` / `chat_template_kwargs` go to the chat template, as in TRL.
         return {
-            "chosen_input_ids": tokenize_text_or_messages(tokenizer, chosen)["input_ids"],
-            "rejected_input_ids": tokenize_text_or_messages(tokenizer, rejected)["input_ids"],
+            "chosen_input_ids": tokenize_text_or_messages(tokenizer, chosen, **chat_kwargs)[
+                "input_ids"
+            ],
+            "rejected_input_ids": tokenize_text_or_messages(tokenizer, rejected, **chat_kwargs)[
+                "input_ids"
+            ],
         }
     # TRL appends EOS so the score is read on the same token for every sequence.
     chosen = chosen if chosen.endswith(eos_token) else chosen + eos_token

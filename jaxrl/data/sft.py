@@ -2,8 +2,8 @@
 
 Accepted formats (TRL `SFTTrainer`): language modelling `{text}` (field name configurable),
 `{prompt, completion}` (standard or conversational), conversational `{messages}`, any dataset with
-a `formatting_func`, and pre-tokenized `{input_ids}` (optional `loss_mask`, or `labels` with
--100 on untrained tokens; like TRL, an `input_ids` column means the data is already processed).
+a `formatting_func`, and pre-tokenized `{input_ids}` (like TRL, an `input_ids` column means the
+data is already processed; see `_pretokenized_mask` for its optional mask columns).
 Host-side only; the output feeds `packing.py` and `collate.collate_sft`.
 """
 
@@ -15,6 +15,7 @@ import datasets
 
 from jaxrl.data.formats import (
     common_prefix_length,
+    example_chat_template_kwargs,
     is_conversational,
     require_columns,
     token_features,
@@ -43,14 +44,10 @@ def _tokenize_example(
 ) -> dict[str, list[int]]:
     """One example -> {input_ids, loss_mask}; empty sources give empty lists (dropped later)."""
     if kind == "pretokenized":
-        ids = list(example["input_ids"])
-        if "loss_mask" in example:
-            mask = list(example["loss_mask"])
-        elif "labels" in example:  # TRL/HF convention: -100 marks tokens without loss
-            mask = [int(label != -100) for label in example["labels"]]
-        else:
-            mask = [1] * len(ids)
-        return {"input_ids": ids, "loss_mask": mask}
+        return _pretokenized_mask(example, completion_only_loss)
+    # As TRL, read the example's `tools` / `chat_template_kwargs` for every example it tokenizes;
+    # only the chat template uses them.
+    chat_kwargs = example_chat_template_kwargs(example)
     if kind == "text":
         text = example[text_field]
         if _is_empty(text):
@@ -63,7 +60,10 @@ def _tokenize_example(
         if _is_empty(example["messages"]):
             return {"input_ids": [], "loss_mask": []}
         out = tokenize_text_or_messages(
-            tokenizer, example["messages"], return_assistant_tokens_mask=assistant_only_loss
+            tokenizer,
+            example["messages"],
+            return_assistant_tokens_mask=assistant_only_loss,
+            **chat_kwargs,
         )
         ids = out["input_ids"]
         mask = list(out["assistant_masks"]) if assistant_only_loss else [1] * len(ids)
@@ -74,11 +74,14 @@ def _tokenize_example(
     if _is_empty(completion):
         return {"input_ids": [], "loss_mask": []}
     if is_conversational(example):
-        prompt_ids = tokenize_text_or_messages(tokenizer, prompt, add_generation_prompt=True)[
-            "input_ids"
-        ]
+        prompt_ids = tokenize_text_or_messages(
+            tokenizer, prompt, add_generation_prompt=True, **chat_kwargs
+        )["input_ids"]
         out = tokenize_text_or_messages(
-            tokenizer, prompt + completion, return_assistant_tokens_mask=assistant_only_loss
+            tokenizer,
+            prompt + completion,
+            return_assistant_tokens_mask=assistant_only_loss,
+            **chat_kwargs,
         )
         ids = out["input_ids"]
         assistant = list(out["assistant_masks"]) if assistant_only_loss else [1] * len(ids)
@@ -97,6 +100,44 @@ def _tokenize_example(
         "input_ids": ids,
         "loss_mask": [int(a and c) for a, c in zip(assistant, trained, strict=True)],
     }
+
+
+def _pretokenized_mask(example: dict[str, Any], completion_only_loss: bool) -> dict[str, list]:
+    """TRL's labels for already-tokenized data (`SFTTrainer._prepare_dataset`): a `labels` column
+    is used as is (-100 = no loss; jaxrl's own `loss_mask` column, 1 = trained, likewise);
+    otherwise a token is trained iff every applicable mask column is 1 there: `assistant_masks`
+    always, `completion_mask` only with `completion_only_loss`."""
+    ids = list(example["input_ids"])
+    if example.get("loss_mask") is not None:
+        mask = [int(bool(m)) for m in example["loss_mask"]]
+        _check_same_length(ids, mask, "loss_mask")
+        return {"input_ids": ids, "loss_mask": mask}
+    if example.get("labels") is not None:
+        labels = list(example["labels"])
+        _check_same_length(ids, labels, "labels")
+        if any(lab not in (-100, tok) for lab, tok in zip(labels, ids, strict=True)):
+            raise ValueError(
+                "A 'labels' entry is neither -100 nor the input token at its position: jaxrl "
+                "trains each token to predict the next input token, so labels can only mask "
+                "tokens (-100), not change their targets."
+            )
+        return {"input_ids": ids, "loss_mask": [int(lab != -100) for lab in labels]}
+    mask = [1] * len(ids)
+    names = (["completion_mask"] if completion_only_loss else []) + ["assistant_masks"]
+    for name in names:
+        if example.get(name) is not None:
+            bits = list(example[name])
+            _check_same_length(ids, bits, name)
+            mask = [int(m and b) for m, b in zip(mask, bits, strict=True)]
+    return {"input_ids": ids, "loss_mask": mask}
+
+
+def _check_same_length(ids: list, values: list, name: str) -> None:
+    if len(values) != len(ids):
+        raise ValueError(
+            f"A pre-tokenized example has {len(ids)} input_ids but {len(values)} '{name}' "
+            "entries; they must have one entry per token."
+        )
 
 
 def _check_assistant_mask(mask: list[int], assistant_only_loss: bool) -> None:
@@ -142,9 +183,14 @@ def prepare_sft_dataset(
 
     - EOS (`eos_token` or the tokenizer's) is appended to standard text/completions lacking it;
       conversational data relies on the chat template.
-    - `completion_only_loss=None` means True for prompt-completion data (loss on completion only).
+    - `completion_only_loss=None` means True when the data has 'prompt' and 'completion' columns
+      (loss on completion only), as in TRL; it cannot be combined with a `formatting_func`.
     - `assistant_only_loss=True` trains only on tokens the chat template marks with
       `{% generation %}` (conversational data only).
+    - Conversational examples render with their `tools` / `chat_template_kwargs` columns.
+    - Pre-tokenized data (`input_ids`): `labels` (-100 = no loss) or jaxrl's `loss_mask` is used
+      as is; otherwise `assistant_masks` always applies and `completion_mask` applies with
+      `completion_only_loss`, as in TRL. A `formatting_func` is ignored with a warning.
     - Without packing, sequences are truncated to their first `max_length` tokens; with packing
       they are packed into rows of `max_length` (see `packing.py`).
     - Examples with an empty text/completion/messages, or with no trained token left after
@@ -170,21 +216,32 @@ def prepare_sft_dataset(
             f"packing_strategy must be 'bfd', 'bfd_split' or 'wrapped', got {packing_strategy!r}."
         )
 
+    columns = dataset.column_names
+    if completion_only_loss is None:
+        # TRL: on iff the data has both a 'prompt' and a 'completion' column.
+        completion_only_loss = "prompt" in columns and "completion" in columns
+    if formatting_func is not None and completion_only_loss:
+        raise ValueError(
+            "completion_only_loss=True (the default for prompt/completion data) cannot be combined "
+            "with a formatting_func (it produces plain text with no prompt/completion split). "
+            "Apply the function to the dataset first, or set completion_only_loss=False."
+        )
+    if formatting_func is not None and "input_ids" in columns:
+        warnings.warn(
+            "The dataset is already tokenized (it has an 'input_ids' column), so the "
+            "formatting_func is ignored (as in TRL). Remove the formatting_func or pass a dataset "
+            "that is not tokenized.",
+            stacklevel=2,
+        )
+        formatting_func = None
     if formatting_func is not None:
-        if completion_only_loss:
-            raise ValueError(
-                "completion_only_loss=True cannot be combined with a formatting_func (it produces "
-                "plain text with no prompt/completion split). Drop one of them."
-            )
         dataset = dataset.map(
             lambda ex: {"text": formatting_func(ex)},
             num_proc=num_proc,
-            remove_columns=dataset.column_names,
+            remove_columns=columns,
         )
         dataset_text_field = "text"
     kind = _detect_kind(dataset.column_names, dataset_text_field, formatting_func is not None)
-    if completion_only_loss is None:
-        completion_only_loss = kind == "prompt_completion"
     if assistant_only_loss and not is_conversational(dataset[0]):
         raise ValueError(
             "assistant_only_loss=True needs conversational data (lists of {'role', 'content'} "

@@ -2,11 +2,11 @@
 
 Pure functions of `[B]` arrays: no model calls, no host side effects, jit-able. Formulas follow
 `trl/trainer/dpo_trainer.py` (TRL 1.16, `DPOTrainer._compute_loss`); each branch names the
-paper it implements. Three extensions reproduce older TRL behaviour that 1.16 dropped; each
-reduces exactly to TRL 1.16 at its default:
+paper it implements. `label_smoothing` is read by `robust`, `exo_pair`, `aot` and
+`aot_unpaired` only, as in TRL 1.16 (`sigmoid` ignores it; TRL <= 0.2x made it conservative
+DPO there). Two extensions reproduce older TRL behaviour that 1.16 dropped; each reduces exactly
+to TRL 1.16 at its default:
 
-- `label_smoothing` on `sigmoid` is conservative DPO (cDPO, Mitchell 2023), as TRL <= 0.2x did.
-  TRL 1.16 ignores `label_smoothing` for `sigmoid`; the default 0.0 gives identical numbers.
 - `bco_delta` is the running reward mean that TRL <= 0.2x subtracted in `bco_pair`. Keep it
   with `running_moments_init` / `running_moments_update`; the default 0.0 is TRL 1.16.
 - `reference_free=True` scores against a uniform reference: reference log-probs are taken as
@@ -24,6 +24,8 @@ import jax.numpy as jnp
 
 from jaxrl.core.shapes import same_shape
 
+# The loss types that read `label_smoothing` (TRL 1.16's `_compute_loss`).
+LABEL_SMOOTHING_TYPES = ("robust", "exo_pair", "aot", "aot_unpaired")
 LOSS_TYPES = (
     "sigmoid",
     "hinge",
@@ -169,6 +171,7 @@ def dpo_loss(
     f_divergence_type: str = "reverse_kl",
     f_alpha_divergence_coef: float = 0.5,
     reference_free: bool = False,
+    example_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per-example DPO-family loss for one `loss_type` (TRL `DPOConfig.loss_type`).
 
@@ -179,6 +182,9 @@ def dpo_loss(
         length-normalised types `ipo`, `sigmoid_norm` and `sft`.
       bco_delta: reward baseline subtracted by `bco_pair` (see module docstring).
       reference_free: ignore the reference log-probs (treat them as 0).
+      example_mask: `[B]` 1 for real pairs, 0 for pairs that only fill a static batch shape.
+        Only `aot`/`aot_unpaired` read it (they sort over the batch): padding pairs are kept
+        out of the real pairs' quantiles. Other types are per pair: the caller weights them.
 
     Returns:
       `(losses_B, chosen_rewards_B, rejected_rewards_B)`. TRL's loss is `losses_B.mean()`.
@@ -196,6 +202,7 @@ def dpo_loss(
         ref_rejected_logps=None if reference_free else ref_rejected_logps,
         chosen_lengths=chosen_lengths,
         rejected_lengths=rejected_lengths,
+        example_mask=example_mask,
     )
     if reference_free:
         ref_chosen_logps = jnp.zeros_like(policy_chosen_logps)
@@ -213,8 +220,8 @@ def dpo_loss(
     log_sig = jax.nn.log_sigmoid
 
     if loss_type == "sigmoid":
-        # DPO (Rafailov 2023) Eq. 7; cDPO label smoothing (Mitchell 2023).
-        losses = -(1 - ls) * log_sig(beta * delta) - ls * log_sig(-beta * delta)
+        # DPO (Rafailov 2023) Eq. 7 (TRL 1.16: no label smoothing here).
+        losses = -log_sig(beta * delta)
     elif loss_type == "hinge":
         # RSO / SLiC (Liu 2023): hinge on the reward margin.
         losses = jax.nn.relu(1 - beta * delta)
@@ -250,13 +257,23 @@ def dpo_loss(
         )
     elif loss_type in ("aot", "aot_unpaired"):
         # AOT (Melnyk 2024): align the sorted (quantile) distributions over the batch.
+        keep = (
+            jnp.ones(policy_chosen_logps.shape, bool) if example_mask is None else example_mask > 0
+        )
+
+        def sort(x):  # the real pairs' values in order, padding pairs' after them
+            return jnp.sort(jnp.where(keep, x, jnp.finfo(x.dtype).max), axis=0)
+
         if loss_type == "aot":
-            logratios_sorted = jnp.sort(policy_chosen_logps - policy_rejected_logps, axis=0)
-            ref_sorted = jnp.sort(ref_chosen_logps - ref_rejected_logps, axis=0)
-            d = logratios_sorted - ref_sorted
+            d = sort(policy_chosen_logps - policy_rejected_logps) - sort(
+                ref_chosen_logps - ref_rejected_logps
+            )
         else:
-            d = jnp.sort(chosen_logratios, axis=0) - jnp.sort(rejected_logratios, axis=0)
+            d = sort(chosen_logratios) - sort(rejected_logratios)
         losses = -log_sig(beta * d) * (1 - ls) - log_sig(-beta * d) * ls
+        # Rank i's loss goes to the i-th real pair's slot, so weighting by the mask keeps the
+        # real ranks (padding ranks have d = 0: finite, and weighted 0).
+        losses = jnp.zeros_like(losses).at[jnp.argsort(~keep, stable=True)].set(losses)
     elif loss_type == "apo_zero":
         # APO-zero (D'Oosterlinck 2024) Eq. 7: raise chosen, lower rejected likelihood.
         losses = (1 - jax.nn.sigmoid(beta * chosen_logratios)) + jax.nn.sigmoid(

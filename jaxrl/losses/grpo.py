@@ -17,9 +17,11 @@ loss, `m` the loss mask, `w` the example mask):
 Every type but `bnpo` therefore gives the loss and gradient of the whole optimizer-step batch
 whatever the split. TRL's `bnpo` is defined on the *local* batch (each micro-batch's token mean,
 then averaged over accumulation steps); its pair reproduces exactly that, so it depends on the
-split as TRL documents. TRL's `dapo` divides by the generation batch's token count over
-`steps_per_generation`; with the default `steps_per_generation == gradient_accumulation_steps`
-that is the step's exact active-token count used here.
+split as TRL documents. TRL's `dapo`/`cispo`/`vespo` divide by the *generation batch's* active
+tokens x `gradient_accumulation_steps / steps_per_generation`: pass `token_count` (the
+generation batch's active tokens / `steps_per_generation`) as each micro-batch's count to get
+exactly that; with the default `steps_per_generation == gradient_accumulation_steps` it equals
+the step's own active-token count, the default count.
 """
 
 from typing import Any
@@ -65,6 +67,16 @@ def weighted_rewards(rewards_per_func_NK: jax.Array, reward_weights_K: jax.Array
     rewards_N = jnp.nansum(rewards_per_func_NK * jnp.asarray(reward_weights_K)[None, :], axis=1)
     unscorable_N = jnp.all(jnp.isnan(rewards_per_func_NK), axis=1)
     return jnp.where(unscorable_N, jnp.nan, rewards_N)
+
+
+def nan_min(x_B: jax.Array, valid_B: jax.Array) -> jax.Array:
+    """Min of `x_B` over the `valid_B` entries; NaN when there are none (TRL `nanmin`)."""
+    return jnp.where(jnp.any(valid_B), jnp.min(jnp.where(valid_B, x_B, jnp.inf)), jnp.nan)
+
+
+def nan_max(x_B: jax.Array, valid_B: jax.Array) -> jax.Array:
+    """Max of `x_B` over the `valid_B` entries; NaN when there are none (TRL `nanmax`)."""
+    return jnp.where(jnp.any(valid_B), jnp.max(jnp.where(valid_B, x_B, -jnp.inf)), jnp.nan)
 
 
 def zero_std(std: jax.Array) -> jax.Array:
@@ -361,11 +373,14 @@ def grpo_aggregate(
     loss_type: str,
     max_completion_length: int | None = None,
     example_mask_B: jax.Array | None = None,
+    token_count: jax.Array | float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`(loss_sum, count)` of one micro-batch for `loss_type` (see the module docstring).
 
     `example_mask_B` zeroes padding rows added to fill a static batch shape; their loss mask
-    must be zero too. `dr_grpo` needs `max_completion_length`.
+    must be zero too. `dr_grpo` needs `max_completion_length`. `token_count` replaces the
+    micro-batch's own active-token count as the `dapo`/`cispo`/`vespo` count (TRL's
+    generation-batch normaliser, see the module docstring).
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(
@@ -392,6 +407,8 @@ def grpo_aggregate(
     num_tokens = jnp.sum(mask_BT * w_B[:, None])
     if loss_type == "bnpo":
         return jnp.sum(seq_sum_B) / jnp.maximum(num_tokens, 1.0), jnp.ones((), num_tokens.dtype)
+    if token_count is not None:
+        num_tokens = jnp.asarray(token_count, num_tokens.dtype)
     return jnp.sum(seq_sum_B), num_tokens  # dapo, cispo, vespo
 
 
@@ -413,9 +430,10 @@ def grpo_metrics(
     `clip_ratio/high_max` (clipped loss types), `cispo_clip_ratio`, `vespo/phi_seq_mean`.
     Token-level quantities average over active tokens, sequence-level ones over sequences;
     `low_min`/`high_max` reduce the per-sequence clip fractions (sequences with no active token
-    are ignored, as TRL's NaN-aware min/max). Over several micro-batches the step reduces these
-    over the whole optimizer step (token-weighted means, global min/max), where TRL logs the
-    average of per-micro-batch values; they agree for a single micro-batch.
+    are ignored, as TRL's NaN-aware min/max; NaN when no sequence has one, as TRL's `nanmin` of
+    all-NaN). Over several micro-batches the step reduces these over the whole optimizer step
+    (token-weighted means, min/max ignoring NaN micro-batches), where TRL logs the average of
+    per-micro-batch values; they agree for a single micro-batch.
     """
     eps_low = epsilon
     eps_high = epsilon if epsilon_high is None else epsilon_high
@@ -464,8 +482,8 @@ def grpo_metrics(
         add_mean("clip_ratio/region_mean", jnp.maximum(low, high))
         low_B, valid_B = per_seq(low)
         high_B, _ = per_seq(high)
-        mins["clip_ratio/low_min"] = jnp.min(jnp.where(valid_B, low_B, jnp.inf))
-        maxs["clip_ratio/high_max"] = jnp.max(jnp.where(valid_B, high_B, -jnp.inf))
+        mins["clip_ratio/low_min"] = nan_min(low_B, valid_B)
+        maxs["clip_ratio/high_max"] = nan_max(high_B, valid_B)
     elif loss_type == "cispo":
         add_mean("cispo_clip_ratio", ((coef_1 > eps_high) & (adv > 0)).astype(dtype))
     elif loss_type == "vespo":
@@ -484,6 +502,7 @@ def grpo_loss(
     max_completion_length: int | None = None,
     example_mask_B: jax.Array | None = None,
     entropies_BT: jax.Array | None = None,
+    token_count: jax.Array | float | None = None,
     **kwargs: Any,
 ) -> tuple[jax.Array, dict[str, dict[str, jax.Array]]]:
     """`(loss_sum, aux)` of one micro-batch, ready for a `make_train_step` loss function.
@@ -507,6 +526,7 @@ def grpo_loss(
         loss_type=loss_type,
         max_completion_length=max_completion_length,
         example_mask_B=example_mask_B,
+        token_count=token_count,
     )
     aux = grpo_metrics(
         parts,

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.core.shapes import same_shape, shape_is
-from jaxrl.losses.grpo import nanstd, weighted_rewards, zero_std
+from jaxrl.losses.grpo import nan_max, nan_min, nanstd, weighted_rewards, zero_std
 
 _STD_EPS = 1e-4
 
@@ -109,7 +109,8 @@ def rloo_loss(
     `ratio_b = exp(sum_t logp - old_logps_b)` (`old_logps_B` is the summed sampling-policy
     log-prob; None means on-policy), `loss_b = -min(ratio A, clip(ratio, 1 - eps, 1 + eps_high) A)`.
     `aux` carries `loss` and TRL's `clip_ratio/low_mean|high_mean|region_mean` (sequence means),
-    `clip_ratio/low_min`, `clip_ratio/high_max` and `entropy` (token mean, if `entropies_BT`).
+    `clip_ratio/low_min`, `clip_ratio/high_max` (NaN when every row is padding, as TRL's
+    `nanmin`/`nanmax`) and `entropy` (token mean, if `entropies_BT`).
     """
     eps_low = epsilon
     eps_high = epsilon if epsilon_high is None else epsilon_high
@@ -161,7 +162,7 @@ def rloo_loss(
     aux = {
         "sum": sums,
         "count": counts,
-        "min": {"clip_ratio/low_min": jnp.min(jnp.where(valid_B, low_B, jnp.inf))},
-        "max": {"clip_ratio/high_max": jnp.max(jnp.where(valid_B, high_B, -jnp.inf))},
+        "min": {"clip_ratio/low_min": nan_min(low_B, valid_B)},
+        "max": {"clip_ratio/high_max": nan_max(high_B, valid_B)},
     }
     return loss_sum, aux

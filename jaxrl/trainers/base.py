@@ -46,6 +46,16 @@ from jaxrl.trainers.evaluation import (
 )
 from jaxrl.trainers.loop import TrainLoop
 
+
+def weighted_token_count(mask: jax.Array, mb: dict) -> jax.Array:
+    """`sum(mask)` over the rows of real examples: rows `[B, ...]` weighted by `example_mask`
+    (`[B]`, 0 for the copies filling a partial batch); the plain sum without one."""
+    if "example_mask" not in mb:
+        return jnp.sum(mask)
+    w = mb["example_mask"]
+    return jnp.sum(mask * w.reshape(w.shape + (1,) * (mask.ndim - w.ndim)))
+
+
 logger = logging.getLogger("jaxrl")
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -379,14 +389,20 @@ class Trainer(TrainLoop):
             out[k] = jax.make_array_from_process_local_data(sharding, v, global_shape)
         return out
 
-    def _collate_micro(self, examples: list[dict], accum: int) -> dict[str, np.ndarray]:
-        """Collate each micro-batch separately and stack them on a leading axis A."""
+    def _collate_micro(
+        self, examples: list[dict], accum: int, real: int | None = None
+    ) -> dict[str, np.ndarray]:
+        """Collate each micro-batch separately and stack them on a leading axis A. With `real`,
+        also `example_mask` `[A, B]`: 1 for the first `real` examples, 0 for the fill after."""
         n = len(examples)
         if n % accum:
             raise ValueError(f"{n} examples do not split into {accum} micro-batches.")
         m = n // accum
         micro = [self._collate(examples[i * m : (i + 1) * m]) for i in range(accum)]
-        return {k: np.stack([mb[k] for mb in micro]) for k in micro[0]}
+        batch_A = {k: np.stack([mb[k] for mb in micro]) for k in micro[0]}
+        if real is not None:
+            batch_A["example_mask"] = (np.arange(n) < real).astype(np.float32).reshape(accum, m)
+        return batch_A
 
     # ----------------------------------------------------------------- sizes
     @property
@@ -398,15 +414,12 @@ class Trainer(TrainLoop):
 
     @property
     def steps_per_epoch(self) -> int:
+        """HF's optimizer steps per epoch with `dataloader_drop_last=False`: the last batch of an
+        epoch holds the examples left over (`ceil(N / batch)`; `_train_iteration` pads it)."""
         n = len(self.train_dataset)
-        steps = n // self.train_batch_size
-        if steps == 0:
-            raise ValueError(
-                f"The training set has {n} examples, fewer than one batch of "
-                f"{self.train_batch_size} (per_device_train_batch_size x data-parallel devices x "
-                "gradient_accumulation_steps). Lower the batch size or add data."
-            )
-        return steps
+        if n == 0:
+            raise ValueError("The training set is empty; pass a dataset with examples.")
+        return -(-n // self.train_batch_size)
 
     def _train_iterator(self) -> BatchIterator:
         return BatchIterator(
@@ -414,7 +427,7 @@ class Trainer(TrainLoop):
             global_batch_size=self.train_batch_size,
             seed=self.args.seed,
             shuffle=True,
-            drop_last=True,
+            drop_last=False,
             process_index=jax.process_index(),
             process_count=jax.process_count(),
             collate_fn=list,
@@ -437,8 +450,19 @@ class Trainer(TrainLoop):
             self._compile(self.train_state)
 
     def _train_iteration(self, examples: list[dict]) -> dict:
-        """Offline: collate the next batch into micro-batches and run one train step."""
-        host = self._collate_micro(examples, self.args.gradient_accumulation_steps)
+        """Offline: collate the next batch into micro-batches and run one train step.
+
+        Every batch carries `example_mask` (one compiled step): 1 for real examples, 0 for the
+        copies that fill an epoch's last, partial batch to the static shape. The losses and
+        metrics weight by it, so that step trains on the real examples only, as HF's shorter
+        last batch does (`dataloader_drop_last=False`, TRL's default).
+        """
+        per_host = self.train_batch_size // jax.process_count()
+        real = len(examples)
+        if real < per_host:
+            fill = examples or [self.train_dataset[0]]
+            examples = list(examples) + [fill[i % len(fill)] for i in range(per_host - real)]
+        host = self._collate_micro(examples, self.args.gradient_accumulation_steps, real=real)
         batch = self._to_device(host)
         self.train_state, metrics = self._jit_train_step(self.train_state, batch)
         return metrics

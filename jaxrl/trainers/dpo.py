@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import warnings
 from typing import Any
 
 import datasets
@@ -31,8 +32,8 @@ from jaxrl.data.collate import (
     prefix_tree_mask,
 )
 from jaxrl.data.preference import prepare_preference_dataset
-from jaxrl.losses.dpo import dpo_multi_loss
-from jaxrl.trainers.base import Trainer
+from jaxrl.losses.dpo import LABEL_SMOOTHING_TYPES, dpo_multi_loss
+from jaxrl.trainers.base import Trainer, weighted_token_count
 from jaxrl.trainers.evaluation import label_ids_from_loss_mask, label_ids_from_trained
 from jaxrl.trainers.sft import (
     check_score_span,
@@ -125,10 +126,12 @@ def shared_rows_predictions(model, mb: dict) -> tuple[jax.Array, jax.Array]:
 
 
 def num_pair_tokens(mb: dict) -> jax.Array:
-    """Tokens of the pairs as TRL counts them (prompt once per completion), in either layout."""
+    """Tokens of the pairs as TRL counts them (prompt once per completion), in either layout;
+    the copies filling a partial batch (`example_mask` 0) do not count."""
+    n = weighted_token_count(mb["attention_mask"], mb)
     if "branch_ids" in mb:
-        return jnp.sum(mb["attention_mask"]) + jnp.sum(mb["branch_ids"] == 1)
-    return jnp.sum(mb["attention_mask"])
+        n = n + weighted_token_count(mb["branch_ids"] == 1, mb)
+    return n
 
 
 def _sft_term(mb: dict, logps_c_B: jax.Array, n_pairs: jax.Array, n_chosen: jax.Array):
@@ -186,6 +189,14 @@ class DPOTrainer(Trainer):
 
     @staticmethod
     def _validate(args: DPOConfig, ref_model: Any):
+        types = args.loss_type if isinstance(args.loss_type, list) else [args.loss_type]
+        if args.label_smoothing and not set(types) & set(LABEL_SMOOTHING_TYPES):
+            warnings.warn(
+                f"label_smoothing={args.label_smoothing} has no effect with loss_type={types}: "
+                f"as in TRL 1.16, only {list(LABEL_SMOOTHING_TYPES)} read it (conservative DPO "
+                "on 'sigmoid' was dropped from TRL; 'robust' is its unbiased form).",
+                stacklevel=3,
+            )
         if args.reference_free and (args.precompute_ref_log_probs or ref_model is not None):
             raise ValueError(
                 "reference_free=True uses no reference model; drop ref_model and "
@@ -290,8 +301,10 @@ class DPOTrainer(Trainer):
             )
         return batch
 
-    def _collate_micro(self, examples: list[dict], accum: int) -> dict[str, np.ndarray]:
-        batch_A = super()._collate_micro(examples, accum)
+    def _collate_micro(
+        self, examples: list[dict], accum: int, real: int | None = None
+    ) -> dict[str, np.ndarray]:
+        batch_A = super()._collate_micro(examples, accum, real)
         if "sft" in self.args.loss_type:
             # Each row carries an equal share of this host's step totals, so summing a micro-batch
             # over the (global) batch axis on device gives the step's totals over all hosts.
@@ -299,10 +312,12 @@ class DPOTrainer(Trainer):
                 chosen_AB = batch_A["chosen_mask"].sum(-1)
             else:
                 chosen_AB = batch_A["loss_mask"][:, :, 0].sum(-1)
+            w_AB = batch_A.get("example_mask", np.ones(chosen_AB.shape, np.float32))
             rows = chosen_AB.shape[1]
             shape = chosen_AB.shape
-            batch_A["step_chosen_tokens"] = np.full(shape, chosen_AB.sum() / rows, np.float32)
-            batch_A["step_pairs"] = np.full(shape, chosen_AB.size / rows, np.float32)
+            total = (chosen_AB * w_AB).sum()
+            batch_A["step_chosen_tokens"] = np.full(shape, total / rows, np.float32)
+            batch_A["step_pairs"] = np.full(shape, w_AB.sum() / rows, np.float32)
         return batch_A
 
     # ----------------------------------------------------------------- reference model
@@ -381,6 +396,7 @@ class DPOTrainer(Trainer):
                 rejected_lengths=out["tokens/rejected"],
                 discopop_tau=a.discopop_tau,
                 reference_free=a.reference_free,
+                example_mask=mb.get("example_mask"),
             )
             w_B = mb["example_mask"] if "example_mask" in mb else jnp.ones_like(losses_B)
             n = jnp.sum(w_B)

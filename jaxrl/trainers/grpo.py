@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.losses.grpo import grpo_advantages, grpo_loss, high_entropy_mask
@@ -63,6 +64,9 @@ class GRPOTrainer(OnPolicyTrainer):
             off_policy_mask_threshold=a.off_policy_mask_threshold,
         )
 
+        spg = self.steps_per_generation
+        token_normalised = a.loss_type in ("dapo", "cispo", "vespo")
+
         def loss_fn(params, state, mb, rng, extras) -> tuple[jax.Array, Any]:
             model = self.apply_model(params, state)
             logps_BC, stats = completion_logprobs(
@@ -82,6 +86,13 @@ class GRPOTrainer(OnPolicyTrainer):
                 ref_per_token_logps_BT=mb.get("ref_logps"),
                 entropy_mask_BT=entropy_mask,
                 entropies_BT=stats["entropy"],
+                # TRL: the generation batch's tokens x accumulation / steps_per_generation per
+                # optimizer step, i.e. its tokens / steps_per_generation per micro-batch.
+                token_count=(
+                    jnp.maximum(mb["num_items_in_batch"][0], 1.0) / spg
+                    if token_normalised
+                    else None
+                ),
                 **loss_kwargs,
             )
             return loss_sum, (aux, extras)

@@ -36,6 +36,9 @@ _UNSUPPORTED_GRPO = {
 class GRPOConfig(OnPolicyConfig):
     """TRL `GRPOConfig` (1.16): group-relative policy optimisation and its loss variants."""
 
+    # Logits and log-probs are always accumulated in f32 (jaxrl.core.logprobs), which is what
+    # this TRL flag buys; accepted either way. (Not a TRL RLOOConfig field, so not RLOO's.)
+    cast_lm_head_to_fp32: bool = False
     num_generations: int = 8
     max_completion_length: int = 512
     beta: float = 0.0  # 0: no reference model is built or stored

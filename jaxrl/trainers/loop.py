@@ -54,10 +54,6 @@ class TrainingInterrupted(RuntimeError):
     """Raised after a SIGTERM (e.g. TPU preemption) once the checkpoint is safely written."""
 
 
-def _is_finite(metrics: dict[str, float]) -> bool:
-    return all(math.isfinite(v) for v in metrics.values())
-
-
 class TrainOutput(NamedTuple):
     """What `train()` returns (HF's layout): the last step, the mean training loss over the steps
     this call ran, and the run's summary metrics (`train_runtime`, `train_loss`, ...)."""
@@ -90,6 +86,8 @@ class TrainLoop:
     _last_value_metrics = ("grad_norm", "learning_rate", "num_tokens")
     # The per-step metric `TrainOutput.training_loss` averages (HF: the training loss).
     _loss_metric = "loss"
+    # Metrics a trainer allows to be NaN (see `_metric_may_be_nan`); none by default.
+    _nan_allowed_metrics: tuple[str, ...] = ()
     processing_class: Any = None
 
     def _init_loop(self, callbacks: list[TrainerCallback] | None) -> None:
@@ -411,6 +409,24 @@ class TrainLoop:
         return True
 
     # ----------------------------------------------------------------- metrics
+    def _metric_may_be_nan(self, key: str) -> bool:
+        """Whether metric `key` may legitimately be NaN, as TRL leaves some metrics (e.g. the mean
+        reward of a function that returned None for a whole batch). Such a value is dropped from
+        its logging window's mean, as TRL's `log()` drops it (None when nothing is left). The
+        loss and grad_norm never qualify: a NaN there stops the run whatever this says. Default:
+        the keys in `_nan_allowed_metrics`; trainers override for keys only known at run time."""
+        return key in self._nan_allowed_metrics
+
+    def _non_finite(self, values: dict[str, float]) -> list[str]:
+        """The metrics whose non-finite value must stop the run (see `_metric_may_be_nan`)."""
+        health = (self._loss_metric, "grad_norm")
+        return sorted(
+            k
+            for k, v in values.items()
+            if not math.isfinite(v)
+            and not (math.isnan(v) and k not in health and self._metric_may_be_nan(k))
+        )
+
     def _flush_pending(self):
         """Read the metrics of the last dispatched step (one step late) and check them."""
         if self._pending is None:
@@ -418,8 +434,8 @@ class TrainLoop:
         step, metrics = self._pending
         self._pending = None
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if not _is_finite(values):
-            bad = sorted(k for k, v in values.items() if not math.isfinite(v))
+        bad = self._non_finite(values)
+        if bad:
             raise FloatingPointError(
                 f"Non-finite {', '.join(bad)} at step {step}; training stopped and nothing was "
                 "saved after the last good checkpoint. Lower learning_rate, enable max_grad_norm, "
@@ -445,10 +461,14 @@ class TrainLoop:
             return
         logs = {}
         for k in window[-1]:
+            # Only metrics allowed to be NaN (`_metric_may_be_nan`) get here with NaN: TRL's
+            # `log()` averages the non-NaN values and logs None when there are none.
             if k in self._last_value_metrics:
-                logs[k] = window[-1][k]
+                values = [window[-1][k]]
             else:
-                logs[k] = float(np.mean([w[k] for w in window if k in w]))
+                values = [w[k] for w in window if k in w]
+            values = [v for v in values if not math.isnan(v)]
+            logs[k] = float(np.mean(values)) if values else None
         self._log_window = []
         self.log(logs, step=step)
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -141,11 +142,36 @@ class GenerationBatches:
         )
 
 
+def _nan_ignoring_extrema(loss_fn: Callable, names: set[str]) -> Callable:
+    """`loss_fn` with each micro-batch's NaN `min`/`max` metric (TRL's `nanmin`/`nanmax` over no
+    value, e.g. every completion masked) turned into the reduction's identity (+inf / -inf), so
+    the step's min/max over micro-batches ignores it as TRL's `log()` ignores NaN values. The
+    metric names are recorded in `names` when traced, for the caller to map a result that is
+    still +-inf (no micro-batch had a value) back to NaN."""
+
+    def wrapped(params, state, mb, rng, extras):
+        loss_sum, (aux, extras) = loss_fn(params, state, mb, rng, extras)
+        aux = dict(aux)
+        for kind, identity in (("min", jnp.inf), ("max", -jnp.inf)):
+            values = aux.get(kind, {})
+            names.update(values)
+            aux[kind] = {k: jnp.where(jnp.isnan(v), identity, v) for k, v in values.items()}
+        return loss_sum, (aux, extras)
+
+    return wrapped
+
+
 class OnPolicyTrainer(Trainer):
     """Shared online shell; subclasses: `GRPOTrainer`, `RLOOTrainer` (see the module doc)."""
 
     config_class = OnPolicyConfig
     _metric_prefix_eval = "eval"
+    # Metrics TRL may leave NaN (dropped from the logged window mean, as TRL's `log()` does; see
+    # `_metric_may_be_nan`): the weighted reward's mean/std when no completion (or fewer than two)
+    # is scorable, and the clip-ratio min/max when every completion of a step is masked. Besides
+    # these: each reward function's `rewards/<name>/mean|std` (NaN when it returned None for the
+    # whole batch) and the metrics reward functions log through `log_metric`.
+    _nan_allowed_metrics = ("reward", "reward_std", "clip_ratio/low_min", "clip_ratio/high_max")
 
     def __init__(
         self,
@@ -199,24 +225,74 @@ class OnPolicyTrainer(Trainer):
                 f"multiple of gradient_accumulation_steps ({a.gradient_accumulation_steps}) so "
                 "that no optimizer step spans two generation batches."
             )
-        eos = self.processing_class.eos_token_id
-        self.generation_config = GenerationConfig(
+        a.check_eval_batch(self.dp)
+        # TRL: every EOS id the model declares (its generation config's, e.g. an end-of-turn
+        # token) ends a completion, besides the tokenizer's.
+        self.eos_token_ids = self._eos_token_ids()
+        # Not `generation_config`: that is `Trainer.generation_config()`, which
+        # `generate_completions` and the completion callbacks call.
+        self.rollout_generation_config = GenerationConfig(
             max_new_tokens=a.max_completion_length,
             do_sample=True,
             temperature=a.temperature,
             top_k=a.top_k,
             top_p=a.top_p,
-            eos_token_id=eos,
+            eos_token_id=tuple(self.eos_token_ids),
             pad_token_id=self.processing_class.pad_token_id,
         )
-        self.sampler: Sampler | None = None
+        # Not `sampler`: that is `Trainer.sampler()`, which `generate_completions` calls (it
+        # returns this one once compiled, see `sampler`).
+        self.rollout_sampler: Sampler | None = None
         # The current generation batch (device arrays, rows shuffled): `input_ids`,
-        # `attention_mask`, `completion_mask`, `advantages` and, when used, `old_logps`/`ref_logps`.
+        # `attention_mask`, `completion_mask`, `advantages`, `num_items_in_batch` and, when used,
+        # `old_logps`/`ref_logps`.
         self.rollout: dict[str, jax.Array] | None = None
         self._buffer_generation = -1
         self._buffer_metrics: dict[str, float] = {}
         self._buffer_tokens = 0.0
-        self._reward_log: dict[str, float] = {}
+        # What reward functions log through TRL's `log_metric` / `log_extra` hooks during one
+        # scoring call (see `_sample`), and the names of the metrics logged so far.
+        self._pending_metrics: dict[str, list[float]] = defaultdict(list)
+        self._pending_extras: dict[str, list] = defaultdict(list)
+        self._user_metric_names: set[str] = set()
+        # TRL's `_logs["extra"]`: the `log_extra` columns of the latest `generation_batch_size`
+        # completions (TRL shows them in its completions table, `log_completions`).
+        self.completion_extras: dict[str, deque] = defaultdict(
+            lambda: deque(maxlen=self.generation_batch_size)
+        )
+
+    def _eos_token_ids(self) -> list[int]:
+        """TRL's stop ids: the tokenizer's EOS, then `model.generation_config.eos_token_id` (one
+        id or a list). As transformers, the model's generation config is the model directory's
+        `generation_config.json`, else derived from the model config (a model built from a
+        config object); a user-built model with neither has only the tokenizer's EOS."""
+        from transformers import GenerationConfig as HFGenerationConfig
+
+        gen = None
+        if self.model_path is not None:
+            try:
+                # A hub id's files are in the cache already (the model was loaded from there).
+                gen = HFGenerationConfig.from_pretrained(self.model_path, local_files_only=True)
+            except OSError:
+                gen = None  # no generation_config.json: transformers derives it, as below
+        if gen is None:
+            hf_config = getattr(getattr(self.model, "config", None), "hf_config", None)
+            if hf_config is not None:
+                gen = HFGenerationConfig.from_model_config(hf_config)
+        model_eos = getattr(gen, "eos_token_id", None)
+        model_eos = (
+            [] if model_eos is None else [model_eos] if isinstance(model_eos, int) else model_eos
+        )
+        tok_eos = self.processing_class.eos_token_id
+        ids = [int(i) for i in model_eos]
+        if tok_eos is not None and tok_eos not in ids:
+            ids = [int(tok_eos), *ids]
+        return ids
+
+    def _metric_may_be_nan(self, key: str) -> bool:
+        if super()._metric_may_be_nan(key) or key in self._user_metric_names:
+            return True
+        return any(key in (f"rewards/{n}/mean", f"rewards/{n}/std") for n in self.reward_func_names)
 
     # ----------------------------------------------------------------- rewards
     def _load_reward_funcs(self, reward_funcs, tokenizers) -> list[RewardFunc]:
@@ -382,8 +458,9 @@ class OnPolicyTrainer(Trainer):
         a = self.args
         state_sh = self._state_shardings(state)
         repl = NamedSharding(self.mesh, P())
+        extrema: set[str] = set()
         step = make_train_step(
-            self._with_lora_dropout(self._loss_fn()),
+            _nan_ignoring_extrema(self._with_lora_dropout(self._loss_fn()), extrema),
             self.tx,
             self.schedule,
             self._state_updates(),
@@ -395,7 +472,13 @@ class OnPolicyTrainer(Trainer):
             batch_A = jax.tree.map(
                 lambda x: x.reshape(spg, x.shape[0] // spg, *x.shape[1:])[slices_A], buffer
             )
-            return step(state, batch_A)
+            state, metrics = step(state, batch_A)
+            # A min/max no micro-batch had a value for is NaN again (TRL's nanmin of nothing).
+            metrics = {
+                k: jnp.where(jnp.isinf(v), jnp.nan, v) if k in extrema else v
+                for k, v in metrics.items()
+            }
+            return state, metrics
 
         self._jit_train_step = jax.jit(
             update,
@@ -411,9 +494,15 @@ class OnPolicyTrainer(Trainer):
 
         self._jit_logps = jax.jit(logps)
         self._jit_ref_logps = jax.jit(self.reference_logps)
-        self.sampler = Sampler(
+        self.rollout_sampler = Sampler(
             self.graphdef, mesh=self.mesh, rules=self.rules, prompt_buckets=self._prompt_buckets()
         )
+
+    def sampler(self) -> Sampler:
+        """The rollout sampler once compiled (its prompt buckets too), else `Trainer.sampler()`."""
+        if self.rollout_sampler is not None:
+            return self.rollout_sampler
+        return super().sampler()
 
     def _rollout_sharding(self) -> NamedSharding:
         (batch_axes,) = parallel.logical_to_spec(("batch",), self.rules)
@@ -422,15 +511,14 @@ class OnPolicyTrainer(Trainer):
     # ----------------------------------------------------------------- rollout
     def _sample(self, params, examples: list[dict], group_size: int, config, seed) -> dict:
         """Generate `group_size` completions per prompt; host-side decoded texts and rewards."""
-        out = self.sampler(
+        out = self.rollout_sampler(
             params, [ex[PROMPT_IDS] for ex in examples], config, seed=seed, group_size=group_size
         )
         completion_ids_NC = np.asarray(out.completion_ids_BN)
         mask_NC = np.asarray(out.completion_mask_BN)
         lengths_N = mask_NC.sum(axis=1)
         ids_list = [row[:n].tolist() for row, n in zip(completion_ids_NC, lengths_N, strict=True)]
-        stop = set(config.stop_ids)
-        truncated_N = np.array([not ids or ids[-1] not in stop for ids in ids_list])
+        truncated_N = self._truncated(ids_list, config)
         rows = [ex for ex in examples for _ in range(group_size)]
         prompts = [ex["prompt"] for ex in rows]
         texts = self.processing_class.batch_decode(ids_list, skip_special_tokens=True)
@@ -439,6 +527,8 @@ class OnPolicyTrainer(Trainer):
         if not self.args.remove_unused_columns:
             skip = ("prompt", PROMPT_IDS)
             columns = {k: [ex[k] for ex in rows] for k in examples[0] if k not in skip}
+        self._pending_metrics.clear()
+        self._pending_extras.clear()
         rewards_NK = compute_rewards(
             self.reward_funcs,
             prompts,
@@ -446,19 +536,42 @@ class OnPolicyTrainer(Trainer):
             completion_ids=ids_list,
             columns=columns,
             trainer_state=self.state,
-            log_metric=self._log_reward_metric,
+            log_extra=self._log_completion_extra,
+            log_metric=self._log_metric,
         )
+        # TRL: each logged metric's mean over this scoring call's values.
+        user_metrics = {
+            name: float(np.mean(values)) for name, values in sorted(self._pending_metrics.items())
+        }
+        self._user_metric_names.update(user_metrics)
+        for column, values in self._pending_extras.items():
+            self.completion_extras[column].extend(values)
+        self._pending_metrics.clear()
+        self._pending_extras.clear()
         return dict(
             out=out,
             lengths_N=lengths_N,
             truncated_N=truncated_N,
             rewards_NK=rewards_NK,
             completions=completions,
+            user_metrics=user_metrics,
         )
 
-    def _log_reward_metric(self, name: str, value: float) -> None:
-        """TRL's `log_metric` hook for reward functions: logged with this generation's metrics."""
-        self._reward_log[name] = float(value)
+    def _truncated(self, ids_list: list[list[int]], config: GenerationConfig) -> np.ndarray:
+        """`[N]` bool: the completion does not end with a stop id (EOS) or the pad token, i.e. it
+        hit `max_completion_length` (TRL counts the pad token as a proper end too)."""
+        stop = {*config.stop_ids, self.processing_class.pad_token_id}
+        return np.array([not ids or ids[-1] not in stop for ids in ids_list], dtype=bool)
+
+    def _log_metric(self, name: str, value: float) -> None:
+        """TRL's `log_metric` hook for reward functions: a scalar metric; every value logged
+        while scoring one generation batch counts, their mean is logged with its metrics."""
+        self._pending_metrics[name].append(float(value))
+
+    def _log_completion_extra(self, column: str, values: list) -> None:
+        """TRL's `log_extra` hook for reward functions: an extra column (one value per
+        completion) for the completions table, kept in `completion_extras` (TRL `_logs`)."""
+        self._pending_extras[column].extend(values)
 
     def _generate_and_score(self, plan: StepPlan) -> None:
         """Fill the buffer with one scored, shuffled generation batch (see the module doc)."""
@@ -466,20 +579,25 @@ class OnPolicyTrainer(Trainer):
         G = a.num_generations
         state = self.train_state
         seed = jax.random.fold_in(jax.random.key(a.seed), plan.generation)
-        self._reward_log = {}
         # With LoRA the sampler runs base + adapter through the adapter forward (no merged copy
         # of the weights; see OnPolicyTrainer's module doc).
         policy = self.current_params()
-        s = self._sample(policy, plan.examples, G, self.generation_config, seed)
+        s = self._sample(policy, plan.examples, G, self.rollout_generation_config, seed)
         out = s["out"]
         completion_mask_NC = out.completion_mask_BN
         if a.mask_truncated_completions:
             keep_N1 = jnp.asarray(~s["truncated_N"], completion_mask_NC.dtype)[:, None]
             completion_mask_NC = completion_mask_NC * keep_N1
+        N = completion_mask_NC.shape[0]
         rollout = {
             "input_ids": jnp.concatenate([out.prompt_ids_BP, out.completion_ids_BN], axis=1),
             "attention_mask": jnp.concatenate([out.prompt_mask_BP, out.completion_mask_BN], axis=1),
             "completion_mask": completion_mask_NC,
+            # TRL's `num_items_in_batch`: the generation batch's loss tokens (one copy per row,
+            # so it travels with any slice of the buffer).
+            "num_items_in_batch": jnp.full(
+                (N,), jnp.sum(completion_mask_NC, dtype=jnp.float32), jnp.float32
+            ),
         }
         if self._needs_old_logps() or self._kl_in_reward():
             if a.num_iterations > 1:
@@ -494,7 +612,7 @@ class OnPolicyTrainer(Trainer):
         if not self._needs_old_logps():
             rollout.pop("old_logps", None)
         metrics.update(self._completion_metrics(s["lengths_N"], s["truncated_N"]))
-        metrics.update(self._reward_log)
+        metrics.update(s["user_metrics"])
         # TRL shuffles the generation batch once before splitting it into micro-step slices.
         order = np.random.default_rng([a.seed, plan.generation]).permutation(len(advantages_N))
         sharding = self._rollout_sharding()
@@ -550,18 +668,23 @@ class OnPolicyTrainer(Trainer):
             raise ValueError("evaluate() needs an eval_dataset.")
         G = a.num_generations_eval or a.num_generations
         per_batch = max(1, a.per_device_eval_batch_size * self.dp // G)
-        greedy = dataclasses.replace(self.generation_config, do_sample=False)
+        sampling = self.rollout_generation_config
+        greedy = dataclasses.replace(sampling, do_sample=False)
         sampled: list[dict] = []
         greedy_rewards = []
+        user_metrics: dict[str, list[float]] = defaultdict(list)
         rows = [ds[i] for i in range(len(ds))]
         policy = self.current_params()
         for b, start in enumerate(range(0, len(rows), per_batch)):
             examples = rows[start : start + per_batch]
             seed = jax.random.fold_in(jax.random.key(a.seed + 1), b)
-            s = self._sample(policy, examples, G, self.generation_config, seed)
+            s = self._sample(policy, examples, G, sampling, seed)
             sampled.append(s)
             g = self._sample(policy, examples, 1, greedy, seed)
             greedy_rewards.append(g["rewards_NK"])
+            for prefix, call in (("", s), ("greedy/", g)):
+                for name, value in call["user_metrics"].items():
+                    user_metrics[prefix + name].append(value)
         rewards_NK = np.concatenate([s["rewards_NK"] for s in sampled])
         metrics = self._reward_summary(rewards_NK, G)
         metrics.update(
@@ -574,9 +697,19 @@ class OnPolicyTrainer(Trainer):
         weighted = np.nansum(greedy_NK * self.reward_weights[None], axis=1)
         metrics["greedy/reward"] = float(np.mean(weighted))
         for i, name in enumerate(self.reward_func_names):
-            metrics[f"greedy/rewards/{name}/mean"] = float(np.nanmean(greedy_NK[:, i]))
+            column = greedy_NK[:, i]
+            scored = column[~np.isnan(column)]
+            metrics[f"greedy/rewards/{name}/mean"] = (
+                float(scored.mean()) if scored.size else math.nan
+            )
+        for name, values in user_metrics.items():
+            # TRL: each eval batch's mean, averaged over the batches (NaN ones left out).
+            values = [v for v in values if not math.isnan(v)]
+            metrics[name] = float(np.mean(values)) if values else math.nan
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
-        self.log(metrics)
+        # TRL's `log()` logs None for a metric with no non-NaN value (e.g. a reward function that
+        # returned None for every eval completion); the returned metrics keep the NaN.
+        self.log({k: None if math.isnan(v) else v for k, v in metrics.items()})
         self._event("on_evaluate", metrics=metrics)
         return metrics
 

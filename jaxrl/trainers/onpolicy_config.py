@@ -57,9 +57,9 @@ class OnPolicyConfig(TrainingConfig):
     learning_rate: float = 1e-6
     # Accepted either way: jaxrl models have no dropout layers, so training is dropout-free.
     disable_dropout: bool = False
-    # Logits and log-probs are always accumulated in f32 (jaxrl.core.logprobs), which is what
-    # this TRL flag buys; accepted either way.
-    cast_lm_head_to_fp32: bool = False
+    # TRL's default "auto" pads to 128 on Neuron devices and not at all elsewhere, so it is None
+    # here; an int buckets the sampler's prompt lengths to its multiples.
+    pad_to_multiple_of: int | str | None = "auto"
     # False: every dataset column besides `prompt` reaches the reward functions (TRL default);
     # True: only `prompt` does.
     remove_unused_columns: bool = False
@@ -112,6 +112,13 @@ class OnPolicyConfig(TrainingConfig):
     use_transformers_paged: bool = False
 
     def __post_init__(self) -> None:
+        self._resolve_pad_to_multiple_of()
+        if self.max_completion_length is None:
+            raise ConfigError(
+                "`max_completion_length=None` is not supported by jaxrl: the sampler needs a "
+                "fixed completion budget (TRL then falls back to the model's generation "
+                "max_length); set an integer, e.g. 512 (TRL's default)."
+            )
         super().__post_init__()
         self._reject_unsupported()
         if self.steps_per_generation is not None and self.generation_batch_size is not None:
@@ -149,16 +156,37 @@ class OnPolicyConfig(TrainingConfig):
             raise ConfigError(
                 f"`ref_model_mixup_alpha` must be in [0, 1]; got {self.ref_model_mixup_alpha}."
             )
-        g_eval = self.num_generations_eval or self.num_generations
-        if self.eval_strategy != "no" and self.per_device_eval_batch_size % g_eval:
-            raise ConfigError(
-                f"per_device_eval_batch_size ({self.per_device_eval_batch_size}) must be divisible "
-                f"by the number of generations used for evaluation ({g_eval})."
-            )
         if self.sync_ref_model and self.beta == 0.0:
             raise ConfigError(
                 "sync_ref_model=True needs a reference model, but beta=0.0 loads none; set "
                 "beta > 0 or sync_ref_model=False."
+            )
+
+    def _resolve_pad_to_multiple_of(self) -> None:
+        """TRL's spellings: "auto" (None off Neuron, which jaxrl never runs on), "none"/"null"
+        (None) and an integer string (the CLI's)."""
+        value = self.pad_to_multiple_of
+        if not isinstance(value, str):
+            return
+        if value == "auto" or value.lower() in ("none", "null"):
+            self.pad_to_multiple_of = None
+            return
+        try:
+            self.pad_to_multiple_of = int(value)
+        except ValueError:
+            raise ConfigError(
+                f"`pad_to_multiple_of` must be an integer >= 1, None or 'auto'; got {value!r}."
+            ) from None
+
+    def check_eval_batch(self, dp: int) -> None:
+        """TRL: when evaluating, the global eval batch (`per_device_eval_batch_size` x `dp`
+        data-parallel devices, TRL's processes) holds whole groups of `num_generations_eval`."""
+        g_eval = self.num_generations_eval or self.num_generations
+        if self.eval_strategy != "no" and (self.per_device_eval_batch_size * dp) % g_eval:
+            raise ConfigError(
+                f"The global eval batch size ({self.per_device_eval_batch_size} x {dp} devices) "
+                f"must be divisible by the number of generations used for evaluation ({g_eval}); "
+                "change per_device_eval_batch_size or num_generations_eval."
             )
 
     def _reject_unsupported(self) -> None:

@@ -99,7 +99,11 @@ class RewardTrainer(Trainer):
                 "count": {"loss": n, "accuracy": n, "margin": n, "mean_reward": 2 * n},
                 "min": {"min_reward": jnp.min(jnp.where(both_w > 0, scores_2B, big))},
                 "max": {"max_reward": jnp.max(jnp.where(both_w > 0, scores_2B, -big))},
-                "total": {"num_tokens": jnp.sum(rows["attention_mask"]).astype(jnp.float32)},
+                "total": {
+                    "num_tokens": jnp.sum(rows["attention_mask"] * both_w[:, None]).astype(
+                        jnp.float32
+                    )
+                },
             }
             return loss_sum, (aux, extras)
 

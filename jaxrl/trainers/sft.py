@@ -19,7 +19,7 @@ from jaxrl.core.logprobs import scored_logprobs, unembed_logits
 from jaxrl.data.collate import collate_sft, model_masks
 from jaxrl.data.sft import prepare_sft_dataset
 from jaxrl.losses.sft import entropy, mean_token_accuracy, sft_loss_sum
-from jaxrl.trainers.base import Trainer
+from jaxrl.trainers.base import Trainer, weighted_token_count
 from jaxrl.trainers.evaluation import label_ids_from_loss_mask
 
 
@@ -146,7 +146,9 @@ class SFTTrainer(Trainer):
             aux = {
                 "sum": {"loss": loss_sum, "mean_token_accuracy": correct, "entropy": ent},
                 "count": {"loss": n_tok, "mean_token_accuracy": n_tok, "entropy": n_tok},
-                "total": {"num_tokens": jnp.sum(mb["attention_mask"]).astype(jnp.float32)},
+                "total": {
+                    "num_tokens": weighted_token_count(mb["attention_mask"], mb).astype(jnp.float32)
+                },
             }
             return loss_sum, (aux, extras)
 

@@ -57,7 +57,7 @@ def reference_loss(loss_type, d, ls=0.0, tau=0.05, bco_delta=0.0, f="reverse_kl"
         rs = (np.exp((alpha_coef - 1) * rl) - 1) / (alpha_coef - 1)
     z = BETA * (cs - rs)
     if loss_type == "sigmoid":
-        return -(1 - ls) * logsig(z) - ls * logsig(-z)
+        return -logsig(z)  # TRL 1.16 ignores label_smoothing for sigmoid
     if loss_type == "hinge":
         return np.maximum(0, 1 - z)
     if loss_type == "ipo":
@@ -263,3 +263,22 @@ def test_user_errors_name_the_fix(batch):
         dpo_loss(*args, loss_type="bco_pair", f_divergence_type="forward_kl")
     with pytest.raises(ValueError, match="one weight per loss type"):
         dpo_multi_loss(*args, loss_types=["sigmoid", "hinge"], loss_weights=[1.0])
+
+
+def test_label_smoothing_without_a_reader_warns():
+    """TRL 1.16 reads `label_smoothing` in robust/exo_pair/aot only; with sigmoid it changes
+    nothing (checked in test_loss_matches_trl_formula), and jaxrl says so instead of staying
+    silent."""
+    import warnings
+
+    from jaxrl import DPOConfig
+    from jaxrl.trainers.dpo import DPOTrainer
+
+    with pytest.warns(UserWarning, match="label_smoothing=0.1 has no effect"):
+        DPOTrainer._validate(DPOConfig(output_dir="unused", label_smoothing=0.1), None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DPOTrainer._validate(
+            DPOConfig(output_dir="unused", label_smoothing=0.1, loss_type=["sigmoid", "robust"]),
+            None,
+        )

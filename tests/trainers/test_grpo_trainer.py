@@ -105,13 +105,13 @@ def test_one_prefill_per_prompt_batch(hf_model_dir, tokenizer, tmp_path):
     trainer, _ = make(hf_model_dir, tokenizer, tmp_path)
     trainer._ensure_state()
     seen = []
-    prefill = trainer.sampler._prefill
+    prefill = trainer.rollout_sampler._prefill
 
     def spy(params, ids, mask, rng, config, group_size):
         seen.append((ids.shape[0], group_size))
         return prefill(params, ids, mask, rng, config, group_size)
 
-    trainer.sampler._prefill = spy
+    trainer.rollout_sampler._prefill = spy
     trainer.train()
     assert seen == [(2, 4)]  # 2 prompts prefilled once, their caches shared by 4 completions
     assert trainer.rollout["input_ids"].shape[0] == 8
