@@ -23,10 +23,10 @@ from jaxrl.models.heads import score_mask
 from jaxrl.trainers.base import Trainer
 
 
-def pair_scores(model, mb: dict, pad_token_id: int | None) -> tuple[dict, jax.Array]:
+def pair_scores(model, mb: dict, pad_token_id: int | None = None) -> tuple[dict, jax.Array]:
     """The pairs' rows `[2B, T]` (chosen rows, then rejected rows) and their f32 scores `[2B]`,
     read at each row's last real token that is not `pad_token_id` (`score_mask`, as TRL's model
-    reads it with `config.pad_token_id` set to the tokenizer's pad)."""
+    reads it with `config.pad_token_id` set to the tokenizer's pad; None: the mask alone)."""
     rows = {
         k: jnp.concatenate([v[:, 0], v[:, 1]], axis=0)
         for k, v in mb.items()
