@@ -37,10 +37,12 @@ def reduce_aux(aux_A: dict) -> dict[str, jax.Array]:
     counts = aux_A.get("count", {})
     for name, s in aux_A.get("sum", {}).items():
         out[name] = jnp.sum(s) / jnp.maximum(jnp.sum(counts[name]), 1)
+    # NaN-ignoring, NaN when every micro-batch's is (TRL's nanmin/nanmax: a min over no value,
+    # e.g. every completion masked, is NaN and is left out).
     for name, v in aux_A.get("min", {}).items():
-        out[name] = jnp.min(v)
+        out[name] = jnp.nanmin(v)
     for name, v in aux_A.get("max", {}).items():
-        out[name] = jnp.max(v)
+        out[name] = jnp.nanmax(v)
     for name, v in aux_A.get("total", {}).items():
         out[name] = jnp.sum(v)
     return out

@@ -142,25 +142,6 @@ class GenerationBatches:
         )
 
 
-def _nan_ignoring_extrema(loss_fn: Callable, names: set[str]) -> Callable:
-    """`loss_fn` with each micro-batch's NaN `min`/`max` metric (TRL's `nanmin`/`nanmax` over no
-    value, e.g. every completion masked) turned into the reduction's identity (+inf / -inf), so
-    the step's min/max over micro-batches ignores it as TRL's `log()` ignores NaN values. The
-    metric names are recorded in `names` when traced, for the caller to map a result that is
-    still +-inf (no micro-batch had a value) back to NaN."""
-
-    def wrapped(params, state, mb, rng, extras):
-        loss_sum, (aux, extras) = loss_fn(params, state, mb, rng, extras)
-        aux = dict(aux)
-        for kind, identity in (("min", jnp.inf), ("max", -jnp.inf)):
-            values = aux.get(kind, {})
-            names.update(values)
-            aux[kind] = {k: jnp.where(jnp.isnan(v), identity, v) for k, v in values.items()}
-        return loss_sum, (aux, extras)
-
-    return wrapped
-
-
 class OnPolicyTrainer(Trainer):
     """Shared online shell; subclasses: `GRPOTrainer`, `RLOOTrainer` (see the module doc)."""
 
@@ -458,9 +439,8 @@ class OnPolicyTrainer(Trainer):
         a = self.args
         state_sh = self._state_shardings(state)
         repl = NamedSharding(self.mesh, P())
-        extrema: set[str] = set()
         step = make_train_step(
-            _nan_ignoring_extrema(self._with_lora_dropout(self._loss_fn()), extrema),
+            self._with_lora_dropout(self._loss_fn()),
             self.tx,
             self.schedule,
             self._state_updates(),
@@ -472,13 +452,7 @@ class OnPolicyTrainer(Trainer):
             batch_A = jax.tree.map(
                 lambda x: x.reshape(spg, x.shape[0] // spg, *x.shape[1:])[slices_A], buffer
             )
-            state, metrics = step(state, batch_A)
-            # A min/max no micro-batch had a value for is NaN again (TRL's nanmin of nothing).
-            metrics = {
-                k: jnp.where(jnp.isinf(v), jnp.nan, v) if k in extrema else v
-                for k, v in metrics.items()
-            }
-            return state, metrics
+            return step(state, batch_A)
 
         self._jit_train_step = jax.jit(
             update,

@@ -7,10 +7,10 @@ import warnings
 
 import pytest
 from datasets import Dataset
-from transformers import Qwen2Config
 
 from jaxrl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 from jaxrl.data import task
+from tests.trainers.trainer_utils import base_args, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -18,38 +18,8 @@ def arith_tok():
     return task.load_tokenizer()
 
 
-def tiny() -> Qwen2Config:
-    return Qwen2Config(
-        vocab_size=16,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-
-
 def args(tmp_path, **kw) -> dict:
-    return dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        max_steps=1,
-        logging_steps=1,
-        bf16=False,
-        mesh_data=1,
-        mesh_fsdp=1,
-        mesh_tensor=1,
-        disable_tqdm=True,
-        save_strategy="no",
-        report_to="none",
-        seed=0,
-        **kw,
-    )
+    return base_args(tmp_path, per_device_train_batch_size=4, max_steps=1, **kw)
 
 
 def test_dpo_drops_a_prompt_longer_than_max_length_and_trains(tmp_path, arith_tok):
@@ -62,7 +32,7 @@ def test_dpo_drops_a_prompt_longer_than_max_length_and_trains(tmp_path, arith_to
     )
     with pytest.warns(UserWarning, match=r"Dropped 1 of 5 .*max_length=20"):
         trainer = DPOTrainer(
-            tiny(),
+            tiny_config(),
             args=DPOConfig(**args(tmp_path, max_length=20)),
             train_dataset=data,
             processing_class=arith_tok,
@@ -80,7 +50,7 @@ def test_sft_bfd_split_packing_trains(tmp_path, arith_tok, strategy):
         cfg = SFTConfig(**args(tmp_path, packing=True, packing_strategy=strategy, max_length=8))
     assert cfg.packing_strategy == "bfd_split"
     assert any(w.category is FutureWarning for w in caught) == (strategy == "bfd-requeue")
-    trainer = SFTTrainer(tiny(), args=cfg, train_dataset=data, processing_class=arith_tok)
+    trainer = SFTTrainer(tiny_config(), args=cfg, train_dataset=data, processing_class=arith_tok)
     # every token is kept: the 21-token document is split into 8 + 8 + 5 pieces
     n_tokens = sum(len(arith_tok(t + "<eos>")["input_ids"]) for t in data["text"])
     assert sum(len(row) for row in trainer.train_dataset["input_ids"]) == n_tokens
