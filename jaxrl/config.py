@@ -282,7 +282,9 @@ class TrainingConfig(_ForeignTrainingFields):
     logprob_chunk_size: int | None = None
     # TRL's `pad_to_multiple_of`: the run's one static batch length (the longest example) is
     # rounded up to a multiple of this (e.g. 128 on TPU); None = the longest example exactly.
-    pad_to_multiple_of: int | None = None
+    # TRL's default "auto" (128 on AWS Neuron, which jaxrl does not run on, else None) and its
+    # CLI strings ("none", "null", "128") resolve as in TRL.
+    pad_to_multiple_of: int | str | None = "auto"
     param_dtype: str = "float32"
     # jaxrl: dtype of the embeddings, residual stream and norms. None = torch autocast's (the
     # wider of param_dtype and the bf16/fp16 compute dtype: f32 under bf16=True, which is what
@@ -302,6 +304,7 @@ class TrainingConfig(_ForeignTrainingFields):
             self.logprob_chunk_size is None or self.logprob_chunk_size >= 1,
             f"`logprob_chunk_size` must be None or >= 1; got {self.logprob_chunk_size}.",
         )
+        self._resolve_pad_to_multiple_of()
         _check(
             self.pad_to_multiple_of is None or self.pad_to_multiple_of >= 1,
             f"`pad_to_multiple_of` must be None or >= 1; got {self.pad_to_multiple_of}.",
@@ -369,6 +372,22 @@ class TrainingConfig(_ForeignTrainingFields):
         if self.remat_policy is None:
             self.remat_policy = "full" if self.gradient_checkpointing else "none"
         _check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
+
+    def _resolve_pad_to_multiple_of(self) -> None:
+        """TRL's spellings: "auto" (None off AWS Neuron, which jaxrl never runs on), "none" /
+        "null" (None) and an integer string (the CLI's)."""
+        value = self.pad_to_multiple_of
+        if not isinstance(value, str):
+            return
+        if value == "auto" or value.lower() in ("none", "null"):
+            self.pad_to_multiple_of = None
+            return
+        try:
+            self.pad_to_multiple_of = int(value)
+        except ValueError:
+            raise ConfigError(
+                f"`pad_to_multiple_of` must be an integer >= 1, None or 'auto'; got {value!r}."
+            ) from None
 
     def _validate_schedule(self) -> None:
         _check_choice("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS)

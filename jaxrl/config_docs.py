@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl import config, scripting
+from jaxrl.trainers.grpo_config import GRPOConfig
+from jaxrl.trainers.rloo_config import RLOOConfig
 
 # Fields jaxrl accepts and translates into its own terms (anything else it has is implemented
 # as TRL documents it, or listed in config_fields.py as rejected when set).
@@ -34,7 +36,8 @@ MAPPED = {
     "do_eval": "accepted; HF's Trainer does not read it either",
     "do_predict": "accepted; HF's Trainer does not read it either",
     "trust_remote_code": "only false: jaxrl runs its own model code",
-    "pad_to_multiple_of": "rounds the run's one static length up; TRL's 'auto' is not used",
+    "pad_to_multiple_of": "rounds the run's one static length up; 'auto' (TRL's default) "
+    "is None, as TRL off AWS Neuron",
     "push_to_hub": "`trainer.push_to_hub()` uploads the final model (TRL scripts); each save "
     "uploads as `hub_strategy` says",
     "hub_strategy": "HF's four; uploads are synchronous (HF's run in the background) and the "
@@ -44,7 +47,9 @@ MAPPED = {
     "the extra columns to reward functions",
     "truncation_mode": "SFT: only keep_start; DPO: which end of the prompt `max_prompt_length` "
     "keeps (keep_end needs max_prompt_length)",
-    "loss_type": "SFT: only nll; DPO: every TRL loss type",
+    "loss_type": "SFT: only nll; DPO and GRPO: every TRL loss type",
+    "log_multimodal": "accepted; jaxrl's models are text-only, so there is nothing multimodal "
+    "to log",
     "dtype": "-> `param_dtype` (via model_init_kwargs)",
     "attn_implementation": "eager/sdpa/flash_attention_* -> XLA attention",
     "model_revision": "only main",
@@ -55,6 +60,8 @@ SECTIONS = (
     ("SFTConfig (trl)", "SFTConfig", config.SFTConfig),
     ("RewardConfig (trl)", "RewardConfig", config.RewardConfig),
     ("DPOConfig (trl)", "DPOConfig", config.DPOConfig),
+    ("GRPOConfig (trl)", "GRPOConfig", GRPOConfig),
+    ("RLOOConfig (trl)", "RLOOConfig", RLOOConfig),
     ("ScriptArguments (trl)", "ScriptArguments", scripting.ScriptArguments),
     ("ModelConfig (trl)", "ModelConfig", scripting.ModelConfig),
 )
@@ -65,7 +72,15 @@ def reference_classes() -> dict[str, type]:
     import trl
 
     out = {"TrainingArguments": transformers.TrainingArguments}
-    for name in ("SFTConfig", "RewardConfig", "DPOConfig", "ScriptArguments", "ModelConfig"):
+    for name in (
+        "SFTConfig",
+        "RewardConfig",
+        "DPOConfig",
+        "GRPOConfig",
+        "RLOOConfig",
+        "ScriptArguments",
+        "ModelConfig",
+    ):
         out[name] = getattr(trl, name)
     return out
 
@@ -75,6 +90,9 @@ def status(cls: type, name: str) -> tuple[str, str]:
     foreign = {f.name: f for f in getattr(cls, "_all_foreign_fields", lambda: ())()}
     if name in foreign:
         return "rejected when set", foreign[name].reason
+    unsupported = getattr(cls, "unsupported_fields", dict)()
+    if name in unsupported:
+        return "rejected when set", unsupported[name][1]
     if name in ("metric_for_best_model", "greater_is_better"):
         return "implemented", "validated and defaulted as HF; best_metric tracked at each eval"
     if name in MAPPED:
@@ -98,7 +116,7 @@ def render() -> str:
     for title, ref_name, cls in SECTIONS:
         ref = refs[ref_name]
         names = [f.name for f in dataclasses.fields(ref)]
-        if ref_name in ("SFTConfig", "RewardConfig", "DPOConfig"):
+        if ref_name.endswith("Config") and ref_name != "ModelConfig":
             names = [n for n in names if n not in hf_names]  # the shared ones are listed above
         lines += ["", f"## {title}", "", "| field | jaxrl | note |", "| --- | --- | --- |"]
         for name in names:

@@ -16,7 +16,10 @@ from typing import Any
 _TORCH = "a PyTorch-only switch; jaxrl always jit-compiles the whole step with XLA"
 _LOADER = "jaxrl builds fixed-shape batches on the host itself (no torch DataLoader)"
 _DDP = "jaxrl shards data over the `mesh_data`/`mesh_fsdp` axes of a JAX mesh (no torch DDP)"
-_EVAL = "jaxrl evaluates with a jitted step that sums metrics on device over the whole eval set"
+_EVAL = (
+    "jaxrl's jitted eval step hands each batch's metric values to the host, which averages them "
+    "as HF does and gathers predictions batch by batch for compute_metrics"
+)
 
 
 @dataclass(frozen=True)

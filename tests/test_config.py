@@ -35,8 +35,6 @@ _DEVIATIONS = {
     "output_dir": ("trainer_output", None),  # HF resolves None to "trainer_output" later
     "optim": ("adamw_torch", "adamw_torch_fused"),  # both map to optax.adamw
     "disable_tqdm": (False, None),  # HF resolves None from the log level
-    # TRL "auto" pads to 128 only on Neuron; we pad to the longest example (one compile per run).
-    "pad_to_multiple_of": (None, "auto"),
 }
 
 
@@ -62,6 +60,20 @@ def test_resolved_defaults():
     dpo = DPOConfig(loss_type="ipo")
     assert dpo.learning_rate == 1e-6 and dpo.loss_type == ["ipo"]
     assert set(CONFIGS) == {"sft", "reward", "dpo"}
+
+
+@pytest.mark.parametrize("cls", [SFTConfig, RewardConfig, DPOConfig], ids=lambda c: c.__name__)
+def test_pad_to_multiple_of_spellings(cls):
+    """TRL's default "auto" is None off AWS Neuron; the CLI's strings resolve as TRL's do."""
+    assert cls().pad_to_multiple_of is None
+    assert cls(pad_to_multiple_of="64").pad_to_multiple_of == 64
+    assert cls(pad_to_multiple_of="None").pad_to_multiple_of is None
+    assert cls(pad_to_multiple_of="null").pad_to_multiple_of is None
+    assert cls(pad_to_multiple_of=8).pad_to_multiple_of == 8
+    with pytest.raises(ConfigError, match="integer >= 1, None or 'auto'; got 'eight'"):
+        cls(pad_to_multiple_of="eight")
+    with pytest.raises(ConfigError, match="must be None or >= 1; got 0"):
+        cls(pad_to_multiple_of="0")
 
 
 def test_warmup_steps_int_or_ratio():

@@ -49,3 +49,23 @@ def test_torch_only_fields_name_the_jaxrl_equivalent():
         SFTConfig(ddp_backend="nccl")
     with pytest.raises(ConfigError, match="jax_default_matmul_precision"):
         SFTConfig(tf32=True)
+
+
+@pytest.mark.parametrize("name", ["GRPOConfig", "RLOOConfig"])
+def test_online_unsupported_fields_keep_trl_defaults_and_are_rejected_when_set(name):
+    """GRPO/RLOO fields jaxrl has no backend for (vLLM, ...) sit at TRL's default, at which
+    they do nothing, and any other value is an error naming the field."""
+    from jaxrl.trainers.grpo_config import GRPOConfig
+    from jaxrl.trainers.rloo_config import RLOOConfig
+
+    cls = {"GRPOConfig": GRPOConfig, "RLOOConfig": RLOOConfig}[name]
+    ref = config_docs.reference_classes()[name]
+    theirs = {f.name: _default(f) for f in dataclasses.fields(ref)}
+    unsupported = cls.unsupported_fields()
+    assert "use_vllm" in unsupported and "vllm_mode" in unsupported
+    for field_name, (inactive, _) in unsupported.items():
+        if field_name in theirs:
+            assert theirs[field_name] == inactive, field_name
+        value = {bool: not inactive, str: "x", float: 0.5, int: 7}.get(type(inactive), 0.5)
+        with pytest.raises(ConfigError, match=f"`{field_name}="):
+            cls(**{field_name: value})

@@ -3,18 +3,20 @@
 Every batch has the static shape `[rows, seq_len]` so the train step compiles once per run.
 Padding is on the right with `pad_token_id` and `attention_mask == 0` (and `segment_ids == 0`).
 
-Only packed rows carry `segment_ids` (1..n per document, 0 on padding). A batch without them holds
-one document per row followed by padding, so causal attention alone is exact at every real token
-(no real query ever has a padding key before it), and the trainers call the model without a mask
-(`model_masks`). On GPU that lets cuDNN run its causal kernel instead of reading a `[B, 1, T, S]`
-bias and writing its gradient; the hidden states of padding positions change, and none of them
-is scored or reaches a real token.
+Only rows packed by best fit (`pack_bfd`) carry `segment_ids` (1..n per document, 0 on padding).
+A batch without them holds one sequence per row followed by padding (one document, or a `wrapped`
+cut of several that, as in TRL, is one causal sequence), so causal attention alone is exact at
+every real token (no real query ever has a padding key before it), and the trainers call the
+model without a mask (`model_masks`). On GPU that lets cuDNN run its causal kernel instead of
+reading a `[B, 1, T, S]` bias and writing its gradient; the hidden states of padding positions
+change, and none of them is scored or reaches a real token.
 
 Target alignment (shared by every collator that emits `loss_mask`):
     targets[b, t]   = input_ids[b, t + 1]           (last position: pad_token_id)
-    loss_mask[b, t] = 1.0 iff input token t + 1 is a trained token of the same document as t
+    loss_mask[b, t] = 1.0 iff input token t + 1 is a trained token of the same segment as t
 so `logits[b, t]` is scored against `targets[b, t]` where `loss_mask[b, t] == 1`. The last
-position of a row and the last token of each packed document therefore never carry loss.
+position of a row and the last token of each document of a `segment_ids` row therefore never
+carry loss.
 """
 
 import math
@@ -98,11 +100,12 @@ def collate_sft(
     examples: Sequence[Example], seq_len: int, pad_token_id: int
 ) -> dict[str, np.ndarray]:
     """SFT batch `[B, seq_len]`: `input_ids`, `targets`, `attention_mask`, `positions`,
-    `segment_ids` (packed rows only; int32) and `loss_mask` (float32), aligned as in the module
-    docstring.
+    `segment_ids` (best-fit packed rows only; int32) and `loss_mask` (float32), aligned as in
+    the module docstring.
 
     Examples carry `input_ids` and optionally `loss_mask` (per input token: 1 = trained; default
-    all ones), `positions` and `segment_ids` (packed rows; default one document per row).
+    all ones), `positions` and `segment_ids` (best-fit packed rows; default one sequence per row,
+    positions 0..L-1).
     """
     ids = [ex["input_ids"] for ex in examples]
     trained = [ex.get("loss_mask", [1] * len(ex["input_ids"])) for ex in examples]

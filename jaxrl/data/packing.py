@@ -1,9 +1,12 @@
-"""Packing tokenized documents into rows of at most `seq_length` tokens, with segment ids.
+"""Packing tokenized documents into rows of at most `seq_length` tokens.
 
-Every packed row carries `segment_ids` (1..n for the documents in the row, 0 is reserved for
-padding added later by the collator) and `positions` that restart at 0 for every document, so the
-model can mask attention to stay within a document (TRL's packing lets attention leak across
-documents unless padding-free FlashAttention is used; we never do). Rows are left unpadded here;
+Best-fit-decreasing rows (`pack_bfd`, TRL's `"bfd"` / `"bfd_split"`) carry `segment_ids` (1..n
+for the documents in the row, 0 is reserved for padding added later by the collator) and
+`positions` that restart at 0 for every document, so attention stays within a document and no
+document predicts the next one's first token (TRL's padding-free packing with FlashAttention).
+Wrapped rows (`pack_wrapped`, TRL's `"wrapped"`) are cuts of one concatenated token stream and,
+as in TRL, each row is one ordinary causal sequence: they carry neither column, and the collator
+gives them positions 0..L-1 and a single segment. Rows are left unpadded here;
 `collate.collate_sft` pads them to the run's static length.
 """
 
@@ -13,7 +16,6 @@ from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import datasets
-import numpy as np
 
 Columns = Mapping[str, Sequence[Sequence[int]]]
 
@@ -118,29 +120,21 @@ def pack_wrapped(
 ) -> datasets.Dataset:
     """Concatenate all documents in order and cut the stream every `seq_length` tokens.
 
-    TRL's `packing_strategy="wrapped"` (classic constant-length packing): no token is dropped and
-    documents may be split across rows. Unlike TRL, each row also gets `segment_ids`/`positions`
-    so attention never crosses a document boundary; a document continued from the previous row
-    starts again at position 0 (it has lost its earlier context either way). Only the last row may
-    be shorter than `seq_length`.
+    TRL's `packing_strategy="wrapped"` (classic constant-length packing): no token is dropped,
+    documents may be split across rows and only the last row may be shorter than `seq_length`.
+    As in TRL, a row is one ordinary causal sequence: the returned dataset holds only the packed
+    `columns` (default: all), with no `segment_ids` or `positions`, so `collate.collate_sft`
+    gives each row positions 0..L-1 and one segment. Attention therefore crosses the document
+    boundaries inside a row, and the first token of a document is a trained target (when its
+    mask says so), predicted from the end of the document before it. The first token of a row,
+    including the continuation of a document cut at the previous row's end, has nothing before
+    it in the row and is never a target.
     """
     if seq_length < 1:
         raise ValueError(f"seq_length must be >= 1, got {seq_length}.")
     cols = _as_columns(data, columns)
-    first = next(iter(cols.values()))
-    lengths = np.array([len(v) for v in first], dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(lengths)])
-    total = int(starts[-1])
-    bins: list[list[tuple[int, int, int]]] = []
-    for row_start in range(0, total, seq_length):
-        row_stop = min(row_start + seq_length, total)
-        fragments = []
-        i = int(np.searchsorted(starts, row_start, side="right")) - 1
-        while i < len(lengths) and starts[i] < row_stop:
-            a = max(row_start, int(starts[i])) - int(starts[i])
-            b = min(row_stop, int(starts[i + 1])) - int(starts[i])
-            if b > a:
-                fragments.append((i, a, b))
-            i += 1
-        bins.append(fragments)
-    return _rows_from_bins(cols, bins)
+    out = {}
+    for name, values in cols.items():
+        stream = [t for v in values for t in v]
+        out[name] = [stream[a : a + seq_length] for a in range(0, len(stream), seq_length)]
+    return datasets.Dataset.from_dict(out)

@@ -182,7 +182,8 @@ def prepare_sft_dataset(
     """Tokenize an SFT dataset with TRL `SFTTrainer` semantics.
 
     - EOS (`eos_token` or the tokenizer's) is appended to standard text/completions lacking it;
-      conversational data relies on the chat template.
+      conversational data relies on the chat template, which renders the tokenizer's own
+      `eos_token` (`SFTTrainer` sets the tokenizer's EOS to `SFTConfig.eos_token` first, as TRL).
     - `completion_only_loss=None` means True when the data has 'prompt' and 'completion' columns
       (loss on completion only), as in TRL; it cannot be combined with a `formatting_func`.
     - `assistant_only_loss=True` trains only on tokens the chat template marks with
@@ -192,12 +193,15 @@ def prepare_sft_dataset(
       as is; otherwise `assistant_masks` always applies and `completion_mask` applies with
       `completion_only_loss`, as in TRL. A `formatting_func` is ignored with a warning.
     - Without packing, sequences are truncated to their first `max_length` tokens; with packing
-      they are packed into rows of `max_length` (see `packing.py`).
+      they are packed into rows of `max_length` (see `packing.py`): `"bfd"` / `"bfd_split"` rows
+      keep each document's attention and targets to itself, a `"wrapped"` row is one causal
+      sequence as in TRL (attention crosses documents and a document's first token is predicted
+      from the one before it).
     - Examples with an empty text/completion/messages, or with no trained token left after
       truncation, are dropped with a warning; an error is raised if nothing is left.
 
     Returns columns `input_ids` and `loss_mask` (1 where the input token is a training target),
-    plus `positions` and `segment_ids` when packed.
+    plus `positions` and `segment_ids` when packed with `"bfd"` / `"bfd_split"`.
     """
     if len(dataset) == 0:
         raise ValueError("The SFT dataset is empty; pass a dataset with at least one example.")

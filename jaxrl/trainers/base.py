@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,7 @@ from jaxrl.trainers.evaluation import (
     PredictionGatherer,
     PredictionOutput,
     prefixed,
+    speed_metrics,
 )
 from jaxrl.trainers.loop import TrainLoop
 
@@ -613,38 +615,58 @@ class Trainer(TrainLoop):
         self, ds: Any, prefix: str, ignore_keys: list[str] | None, want_predictions: bool
     ) -> tuple[dict, tuple[Any, Any]]:
         """Eval metrics (prefixed) and, when asked for and the trainer has them, the predictions
-        and labels of every example in order (gathered across processes on every host)."""
-        sums: dict[str, float] = {}
-        counts: dict[str, float] = {}
-        mins: dict[str, float] = {}
-        maxs: dict[str, float] = {}
+        and labels of every example in order (gathered across processes on every host).
+
+        Averaged as HF and TRL do: each metric's value is taken per eval batch
+        (`per_device_eval_batch_size` x data-parallel devices; the last one holds the remaining
+        examples), then the loss is averaged over the batches weighted by their example counts
+        (HF's `eval_loss`) and every other metric, a batch's min and max included, is the plain
+        mean of the batch values (TRL's `log()`). `num_tokens` is the training tokens seen so
+        far, as TRL logs it at evaluation. HF's `{prefix}_runtime`, `_samples_per_second` and
+        `_steps_per_second` are added."""
+        start = time.time()
+        batch_values: dict[str, list[float]] = {}
+        loss_sum = loss_weight = 0.0
+        seen_totals: set[str] = set()
         # HF drops model outputs named in ignore_keys; the only output here is `logits`.
         want_predictions = want_predictions and "logits" not in (ignore_keys or [])
         predict = self._jitted_predict() if want_predictions else None
         preds = PredictionGatherer(self._prediction_groups)
         labels = PredictionGatherer(self._prediction_groups)
-        for host in self._eval_batches(ds):
+        bs = self.args.per_device_eval_batch_size * self.dp
+        for i, host in enumerate(self._eval_batches(ds)):
             batch = self._to_device(host)
             aux = jax.device_get(self._jit_eval_step(self.train_state, batch))
-            for k, v in aux.get("sum", {}).items():
-                sums[k] = sums.get(k, 0.0) + float(np.sum(v))
-                counts[k] = counts.get(k, 0.0) + float(np.sum(aux["count"][k]))
-            for k, v in aux.get("min", {}).items():
-                mins[k] = min(mins.get(k, np.inf), float(np.min(v)))
-            for k, v in aux.get("max", {}).items():
-                maxs[k] = max(maxs.get(k, -np.inf), float(np.max(v)))
+            values = {
+                k: float(np.sum(v)) / max(float(np.sum(aux["count"][k])), 1.0)
+                for k, v in aux.get("sum", {}).items()
+            }
+            values.update({k: float(np.nanmin(v)) for k, v in aux.get("min", {}).items()})
+            values.update({k: float(np.nanmax(v)) for k, v in aux.get("max", {}).items()})
+            seen_totals.update(aux.get("total", {}))
+            for k, v in values.items():
+                if k == self._loss_metric:
+                    n = float(min(bs, len(ds) - i * bs))  # the batch's real examples
+                    loss_sum, loss_weight = loss_sum + v * n, loss_weight + n
+                else:
+                    batch_values.setdefault(k, []).append(v)
             if predict is not None:
                 p, lab = parallel.to_host(predict(self.current_params(), batch))
                 keep = parallel.to_host(batch["example_mask"])[0] > 0
                 preds.add(p, keep)
                 labels.add(lab, keep)
-        metrics = {k: sums[k] / max(counts[k], 1.0) for k in sums}
-        metrics.update(mins)
-        metrics.update(maxs)
+        metrics = {}
+        if loss_weight > 0:
+            metrics[self._loss_metric] = loss_sum / loss_weight
+        metrics.update({k: float(np.mean(v)) for k, v in batch_values.items()})
+        if "num_tokens" in seen_totals:
+            metrics["num_tokens"] = float(getattr(self, "_tokens_seen", 0))
         all_preds, all_labels = preds.result(), labels.result()
         if self.compute_metrics is not None and all_preds is not None:
             metrics.update(self.compute_metrics(EvalPrediction(all_preds, all_labels)))
-        return prefixed(metrics, prefix), (all_preds, all_labels)
+        metrics = prefixed(metrics, prefix)
+        metrics.update(speed_metrics(prefix, start, len(ds), bs))
+        return metrics, (all_preds, all_labels)
 
     def _jitted_predict(self) -> Callable | None:
         """The jitted `(params, batch) -> (predictions, label_ids)` (built once), or None."""

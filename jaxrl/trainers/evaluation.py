@@ -11,6 +11,8 @@ them back. Everything here is host numpy or a tiny pure function; no model code.
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -92,4 +94,18 @@ def prefixed(metrics: dict[str, Any], prefix: str) -> dict[str, Any]:
         if isinstance(value, np.generic | np.ndarray) and np.ndim(value) == 0:
             value = value.item()
         out[key if key.startswith(f"{prefix}_") else f"{prefix}_{key}"] = value
+    return out
+
+
+def speed_metrics(prefix: str, start_time: float, num_samples: int, batch_size: int) -> dict:
+    """HF's timing keys for an evaluation or prediction pass that started at `start_time`
+    (`time.time()`) and covered `num_samples` examples in batches of `batch_size`:
+    `{prefix}_runtime` (s, 4 decimals), `{prefix}_samples_per_second` and
+    `{prefix}_steps_per_second` (3 decimals; left out when no time has passed)."""
+    runtime = time.time() - start_time
+    out = {f"{prefix}_runtime": round(runtime, 4)}
+    if runtime > 0:
+        steps = math.ceil(num_samples / max(batch_size, 1))
+        out[f"{prefix}_samples_per_second"] = round(num_samples / runtime, 3)
+        out[f"{prefix}_steps_per_second"] = round(steps / runtime, 3)
     return out

@@ -28,13 +28,16 @@ class GRPOTrainer(OnPolicyTrainer):
     config_class = GRPOConfig
 
     def _advantages(
-        self, rewards_NK: np.ndarray, rollout: dict[str, jax.Array]
+        self,
+        rewards_NK: np.ndarray,
+        rollout: dict[str, jax.Array],
+        num_generations: int | None = None,
     ) -> tuple[jax.Array, dict[str, float]]:
         a = self.args
         advantages_N, is_std_zero_N = grpo_advantages(
             rewards_NK,
             self.reward_weights,
-            num_generations=a.num_generations,
+            num_generations=num_generations or a.num_generations,
             scale_rewards=a.scale_rewards,
             multi_objective_aggregation=a.multi_objective_aggregation,
         )
@@ -87,10 +90,11 @@ class GRPOTrainer(OnPolicyTrainer):
                 entropy_mask_BT=entropy_mask,
                 entropies_BT=stats["entropy"],
                 # TRL: the generation batch's tokens x accumulation / steps_per_generation per
-                # optimizer step, i.e. its tokens / steps_per_generation per micro-batch.
+                # optimizer step, i.e. its tokens / steps_per_generation per micro-batch. An eval
+                # batch carries none: TRL's eval normaliser is the batch's own token count.
                 token_count=(
                     jnp.maximum(mb["num_items_in_batch"][0], 1.0) / spg
-                    if token_normalised
+                    if token_normalised and "num_items_in_batch" in mb
                     else None
                 ),
                 **loss_kwargs,

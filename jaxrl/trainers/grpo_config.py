@@ -70,15 +70,12 @@ class GRPOConfig(OnPolicyConfig):
     use_bias_correction_kl: bool = True
     log_completions_hub_repo: str | None = None
 
+    @classmethod
+    def unsupported_fields(cls) -> dict:
+        return {**super().unsupported_fields(), **_UNSUPPORTED_GRPO}
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name, (inactive, why) in _UNSUPPORTED_GRPO.items():
-            value = getattr(self, name)
-            if value != inactive:
-                raise ConfigError(
-                    f"`{name}={value!r}` is not supported by jaxrl ({why}); remove the setting "
-                    f"(default {inactive!r})."
-                )
         try:
             self.scale_rewards = resolve_scale_rewards(self.scale_rewards)
         except ValueError as e:

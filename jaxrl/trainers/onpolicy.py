@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -52,7 +53,7 @@ from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.config import ConfigError
 from jaxrl.core.logprobs import token_logprobs
-from jaxrl.core.step import make_train_step
+from jaxrl.core.step import make_eval_step, make_train_step
 from jaxrl.data.batching import BatchIterator
 from jaxrl.data.formats import is_conversational
 from jaxrl.generation import GenerationConfig, Sampler
@@ -65,6 +66,7 @@ from jaxrl.rewards import (
     reward_func_name,
 )
 from jaxrl.trainers.base import Trainer
+from jaxrl.trainers.evaluation import speed_metrics
 from jaxrl.trainers.onpolicy_config import OnPolicyConfig
 
 logger = logging.getLogger("jaxrl")
@@ -99,6 +101,28 @@ def completion_logprobs(
         with_stats=with_stats,
         temperature=temperature,
     )
+
+
+def hf_eval_loss(batch_losses: Sequence[float], num_prompts: int, batch_size: int) -> float:
+    """HF's `eval_loss` over TRL's GRPO/RLOO eval batches (`batch_size` completions each).
+
+    HF repeats each batch's loss `batch_size` times and averages the lot; accelerate's
+    `gather_for_metrics` cuts the last batch's copies to `len(eval_dataset) % batch_size` when
+    that is non-zero. The eval dataset holds prompts (TRL's sampler repeats each
+    `num_generations_eval` times), so that remainder counts prompts, not completions. As HF's
+    `logging_nan_inf_filter` (default True), non-finite losses are left out when some are
+    finite. NaN when there is no batch.
+    """
+    if not batch_losses:
+        return math.nan
+    weights = [batch_size] * len(batch_losses)
+    if num_prompts % batch_size:
+        weights[-1] = num_prompts % batch_size
+    losses = np.repeat(np.asarray(batch_losses, np.float64), weights)
+    finite = np.isfinite(losses)
+    if finite.any():
+        losses = losses[finite]
+    return float(losses.mean())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,9 +405,13 @@ class OnPolicyTrainer(Trainer):
 
     # ----------------------------------------------------------------- subclass hooks
     def _advantages(
-        self, rewards_NK: np.ndarray, rollout: dict[str, jax.Array]
+        self,
+        rewards_NK: np.ndarray,
+        rollout: dict[str, jax.Array],
+        num_generations: int | None = None,
     ) -> tuple[jax.Array, dict[str, float]]:
-        """`(advantages_N, metrics)` of one generation batch (per algorithm)."""
+        """`(advantages_N, metrics)` of one generation batch (per algorithm), its rows in groups
+        of `num_generations` (default `args.num_generations`; eval: `num_generations_eval`)."""
         raise NotImplementedError
 
     def _needs_ref(self) -> bool:
@@ -468,6 +496,9 @@ class OnPolicyTrainer(Trainer):
 
         self._jit_logps = jax.jit(logps)
         self._jit_ref_logps = jax.jit(self.reference_logps)
+        # The training loss, forward only and without LoRA dropout (TRL evaluates in eval mode):
+        # `evaluate()`'s per-batch `eval_loss`.
+        self._jit_eval_step = jax.jit(make_eval_step(self._loss_fn()), out_shardings=repl)
         self.rollout_sampler = Sampler(
             self.graphdef, mesh=self.mesh, rules=self.rules, prompt_buckets=self._prompt_buckets()
         )
@@ -547,6 +578,21 @@ class OnPolicyTrainer(Trainer):
         completion) for the completions table, kept in `completion_extras` (TRL `_logs`)."""
         self._pending_extras[column].extend(values)
 
+    def _rollout_rows(self, s: dict) -> dict[str, jax.Array]:
+        """`input_ids`, `attention_mask` `[N, P + C]` and the loss mask `completion_mask`
+        `[N, C]` of one `_sample` call (truncated completions masked out of the loss with
+        `mask_truncated_completions`, as TRL)."""
+        out = s["out"]
+        completion_mask_NC = out.completion_mask_BN
+        if self.args.mask_truncated_completions:
+            keep_N1 = jnp.asarray(~s["truncated_N"], completion_mask_NC.dtype)[:, None]
+            completion_mask_NC = completion_mask_NC * keep_N1
+        return {
+            "input_ids": jnp.concatenate([out.prompt_ids_BP, out.completion_ids_BN], axis=1),
+            "attention_mask": jnp.concatenate([out.prompt_mask_BP, out.completion_mask_BN], axis=1),
+            "completion_mask": completion_mask_NC,
+        }
+
     def _generate_and_score(self, plan: StepPlan) -> None:
         """Fill the buffer with one scored, shuffled generation batch (see the module doc)."""
         a = self.args
@@ -558,21 +604,14 @@ class OnPolicyTrainer(Trainer):
         policy = self.current_params()
         s = self._sample(policy, plan.examples, G, self.rollout_generation_config, seed)
         out = s["out"]
-        completion_mask_NC = out.completion_mask_BN
-        if a.mask_truncated_completions:
-            keep_N1 = jnp.asarray(~s["truncated_N"], completion_mask_NC.dtype)[:, None]
-            completion_mask_NC = completion_mask_NC * keep_N1
+        rollout = self._rollout_rows(s)
+        completion_mask_NC = rollout["completion_mask"]
         N = completion_mask_NC.shape[0]
-        rollout = {
-            "input_ids": jnp.concatenate([out.prompt_ids_BP, out.completion_ids_BN], axis=1),
-            "attention_mask": jnp.concatenate([out.prompt_mask_BP, out.completion_mask_BN], axis=1),
-            "completion_mask": completion_mask_NC,
-            # TRL's `num_items_in_batch`: the generation batch's loss tokens (one copy per row,
-            # so it travels with any slice of the buffer).
-            "num_items_in_batch": jnp.full(
-                (N,), jnp.sum(completion_mask_NC, dtype=jnp.float32), jnp.float32
-            ),
-        }
+        # TRL's `num_items_in_batch`: the generation batch's loss tokens (one copy per row, so
+        # it travels with any slice of the buffer).
+        rollout["num_items_in_batch"] = jnp.full(
+            (N,), jnp.sum(completion_mask_NC, dtype=jnp.float32), jnp.float32
+        )
         if self._needs_old_logps() or self._kl_in_reward():
             if a.num_iterations > 1:
                 old = self._jit_logps(policy, rollout)
@@ -628,9 +667,27 @@ class OnPolicyTrainer(Trainer):
 
     # ----------------------------------------------------------------- eval
     def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict:
-        """Reward metrics on the eval prompts: `num_generations_eval` sampled completions per
-        prompt (TRL's eval generation), plus greedy decoding (`<prefix>_greedy/...`: one
-        completion per prompt, e.g. exact-match accuracy for a correctness reward)."""
+        """TRL 1.16's GRPO/RLOO evaluation, with HF's `eval_loss` and speed metrics.
+
+        The eval prompts go in batches of `per_device_eval_batch_size` x data-parallel devices
+        completions (`num_generations_eval` per prompt, default `num_generations`), each batch
+        sampled, scored and given its advantages (groups of `num_generations_eval`) as TRL's
+        `prediction_step` does, then run through the training loss: `<prefix>_loss` is HF's mean
+        of the batch losses. As in TRL's eval the old log-probs are the evaluated policy's own
+        (ratio 1: no clipping, no off-policy masking), the reference KL enters when `beta > 0`
+        (GRPO: `beta x k3` in the loss; RLOO: in the reward, hence the advantages), and the loss
+        is aggregated as `loss_type` does in training, a token-normalised type (`dapo`, `cispo`,
+        `vespo`) over the eval batch's own active tokens (over several data-parallel devices the
+        loss is the global batch's, which TRL's per-process losses average to, `bnpo` aside: TRL
+        averages the processes' token means). HF weights each batch by the eval batch size, the
+        last by `len(eval_dataset) % batch size` when non-zero (accelerate's remainder, counted
+        in prompts under TRL's repeat sampler), and leaves out non-finite batch losses when some
+        are finite. Besides: the reward and completion metrics of the
+        sampled completions, greedy decoding (`<prefix>_greedy/...`: one completion per prompt,
+        e.g. exact-match accuracy for a correctness reward; jaxrl's, not TRL's), and HF's
+        `<prefix>_runtime`, `_samples_per_second`, `_steps_per_second` (samples are eval
+        prompts, steps `ceil(prompts / batch size)` as HF counts them; the greedy pass is timed
+        too)."""
         self._ensure_state()
         a = self.args
         ds = (
@@ -641,12 +698,15 @@ class OnPolicyTrainer(Trainer):
         if ds is None:
             raise ValueError("evaluate() needs an eval_dataset.")
         G = a.num_generations_eval or a.num_generations
-        per_batch = max(1, a.per_device_eval_batch_size * self.dp // G)
+        batch_size = a.per_device_eval_batch_size * self.dp  # completions, as TRL's eval batch
+        per_batch = max(1, batch_size // G)
+        start_time = time.time()
         sampling = self.rollout_generation_config
         greedy = dataclasses.replace(sampling, do_sample=False)
         sampled: list[dict] = []
         greedy_rewards = []
         user_metrics: dict[str, list[float]] = defaultdict(list)
+        batch_losses: list[float] = []
         rows = [ds[i] for i in range(len(ds))]
         policy = self.current_params()
         for b, start in enumerate(range(0, len(rows), per_batch)):
@@ -654,13 +714,15 @@ class OnPolicyTrainer(Trainer):
             seed = jax.random.fold_in(jax.random.key(a.seed + 1), b)
             s = self._sample(policy, examples, G, sampling, seed)
             sampled.append(s)
+            batch_losses.append(self._eval_batch_loss(policy, s, G))
             g = self._sample(policy, examples, 1, greedy, seed)
             greedy_rewards.append(g["rewards_NK"])
             for prefix, call in (("", s), ("greedy/", g)):
                 for name, value in call["user_metrics"].items():
                     user_metrics[prefix + name].append(value)
         rewards_NK = np.concatenate([s["rewards_NK"] for s in sampled])
-        metrics = self._reward_summary(rewards_NK, G)
+        metrics = {"loss": hf_eval_loss(batch_losses, len(rows), batch_size)}
+        metrics.update(self._reward_summary(rewards_NK, G))
         metrics.update(
             self._completion_metrics(
                 np.concatenate([s["lengths_N"] for s in sampled]),
@@ -681,11 +743,30 @@ class OnPolicyTrainer(Trainer):
             values = [v for v in values if not math.isnan(v)]
             metrics[name] = float(np.mean(values)) if values else math.nan
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
+        metrics.update(speed_metrics(metric_key_prefix, start_time, len(rows), batch_size))
         # TRL's `log()` logs None for a metric with no non-NaN value (e.g. a reward function that
         # returned None for every eval completion); the returned metrics keep the NaN.
         self.log({k: None if math.isnan(v) else v for k, v in metrics.items()})
         self._event("on_evaluate", metrics=metrics)
         return metrics
+
+    def _eval_batch_loss(self, policy: Any, s: dict, group_size: int) -> float:
+        """TRL's `compute_loss` on one eval batch (a `_sample` call with `group_size`
+        completions per prompt): advantages of the batch alone, the evaluated policy's log-probs
+        as the old ones, the training loss function forward only."""
+        rollout = self._rollout_rows(s)
+        if self._kl_in_reward():  # RLOO's KL reward: TRL recomputes the policy's log-probs
+            rollout["old_logps"] = self._jit_logps(policy, rollout)
+        if self._needs_ref():
+            rollout["ref_logps"] = self._jit_ref_logps(self.train_state, rollout)
+        rollout["advantages"], _ = self._advantages(s["rewards_NK"], rollout, group_size)
+        # No `old_logps` (ratio 1) and no `num_items_in_batch` (the loss normalises a
+        # token-normalised type by the batch's own tokens, TRL's eval normaliser).
+        rollout.pop("old_logps", None)
+        batch_A = jax.tree.map(lambda x: x[None], rollout)  # one micro-batch
+        aux = jax.device_get(self._jit_eval_step(self.train_state, batch_A))
+        # The step's division (`reduce_aux`): loss units as `loss_type` counts them, at least 1.
+        return float(np.sum(aux["sum"]["loss"]) / max(float(np.sum(aux["count"]["loss"])), 1.0))
 
     def _reward_summary(self, rewards_NK: np.ndarray, group_size: int) -> dict[str, float]:
         """Reward metrics without advantages (eval): TRL's names over scorable completions."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass
+from typing import Any
 
 from jaxrl.config import ConfigError, TrainingConfig
 
@@ -58,7 +59,8 @@ class OnPolicyConfig(TrainingConfig):
     # Accepted either way: jaxrl models have no dropout layers, so training is dropout-free.
     disable_dropout: bool = False
     # TRL's default "auto" pads to 128 on Neuron devices and not at all elsewhere, so it is None
-    # here; an int buckets the sampler's prompt lengths to its multiples.
+    # here (resolved by `TrainingConfig`); an int buckets the sampler's prompt lengths to its
+    # multiples.
     pad_to_multiple_of: int | str | None = "auto"
     # False: every dataset column besides `prompt` reaches the reward functions (TRL default);
     # True: only `prompt` does.
@@ -112,7 +114,6 @@ class OnPolicyConfig(TrainingConfig):
     use_transformers_paged: bool = False
 
     def __post_init__(self) -> None:
-        self._resolve_pad_to_multiple_of()
         if self.max_completion_length is None:
             raise ConfigError(
                 "`max_completion_length=None` is not supported by jaxrl: the sampler needs a "
@@ -162,22 +163,6 @@ class OnPolicyConfig(TrainingConfig):
                 "beta > 0 or sync_ref_model=False."
             )
 
-    def _resolve_pad_to_multiple_of(self) -> None:
-        """TRL's spellings: "auto" (None off Neuron, which jaxrl never runs on), "none"/"null"
-        (None) and an integer string (the CLI's)."""
-        value = self.pad_to_multiple_of
-        if not isinstance(value, str):
-            return
-        if value == "auto" or value.lower() in ("none", "null"):
-            self.pad_to_multiple_of = None
-            return
-        try:
-            self.pad_to_multiple_of = int(value)
-        except ValueError:
-            raise ConfigError(
-                f"`pad_to_multiple_of` must be an integer >= 1, None or 'auto'; got {value!r}."
-            ) from None
-
     def check_eval_batch(self, dp: int) -> None:
         """TRL: when evaluating, the global eval batch (`per_device_eval_batch_size` x `dp`
         data-parallel devices, TRL's processes) holds whole groups of `num_generations_eval`."""
@@ -189,8 +174,14 @@ class OnPolicyConfig(TrainingConfig):
                 "change per_device_eval_batch_size or num_generations_eval."
             )
 
+    @classmethod
+    def unsupported_fields(cls) -> dict[str, tuple[Any, str]]:
+        """TRL fields accepted only at the value where they do nothing: name -> (that value,
+        why jaxrl has no other)."""
+        return dict(_UNSUPPORTED)
+
     def _reject_unsupported(self) -> None:
-        for name, (inactive, why) in _UNSUPPORTED.items():
+        for name, (inactive, why) in self.unsupported_fields().items():
             value = getattr(self, name)
             if value != inactive:
                 raise ConfigError(

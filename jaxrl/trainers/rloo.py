@@ -34,7 +34,10 @@ class RLOOTrainer(OnPolicyTrainer):
         return True
 
     def _advantages(
-        self, rewards_NK: np.ndarray, rollout: dict[str, jax.Array]
+        self,
+        rewards_NK: np.ndarray,
+        rollout: dict[str, jax.Array],
+        num_generations: int | None = None,
     ) -> tuple[jax.Array, dict[str, float]]:
         a = self.args
         metrics: dict[str, float] = {}
@@ -47,7 +50,7 @@ class RLOOTrainer(OnPolicyTrainer):
         advantages_N, is_std_zero_P = rloo_advantages(
             rewards_NK,
             self.reward_weights,
-            num_generations=a.num_generations,
+            num_generations=num_generations or a.num_generations,
             beta=a.beta,
             kl_N=kl_N,
             reward_clip_range=a.reward_clip_range,
@@ -70,7 +73,9 @@ class RLOOTrainer(OnPolicyTrainer):
                 model, mb, temperature=a.temperature, chunk_size=chunk, with_stats=True
             )
             mask_BC = mb["completion_mask"]
-            old_B = jnp.sum(mb["old_logps"] * mask_BC, axis=-1)
+            # An eval batch carries none: TRL's eval takes its old log-probs from the policy being
+            # evaluated, so the ratio is 1.
+            old_B = jnp.sum(mb["old_logps"] * mask_BC, axis=-1) if "old_logps" in mb else None
             loss_sum, aux = rloo_loss(
                 logps_BC,
                 mb["advantages"],

@@ -98,10 +98,77 @@ class SFTTrainer(Trainer):
 
     def __init__(self, model: Any, args: SFTConfig | None = None, *a, formatting_func=None, **kw):
         self.formatting_func = formatting_func
+        # The model generation config's EOS ids once `args.eos_token` has been put first
+        # (None: unchanged).
+        self._generation_eos_ids: list[int] | None = None
         super().__init__(model, args, *a, **kw)
         # Completion-only / assistant-only losses score part of each row: the LM head runs on
         # the widest trained stretch of the data only (`lm_forward`'s `score_span`).
         self.score_span = self._score_span([self.train_dataset, self.eval_dataset])
+
+    def _load_tokenizer(self, processing_class):
+        # TRL applies `eos_token` before it picks the pad token (the tokenizer's, else its EOS),
+        # so a tokenizer without a pad token pads with the new EOS.
+        if self.args.eos_token is not None:
+            if processing_class is None and self.model_path is not None:
+                from transformers import AutoTokenizer
+
+                processing_class = AutoTokenizer.from_pretrained(self.model_path)
+            if processing_class is not None:
+                self._apply_eos_token(processing_class)
+        return super()._load_tokenizer(processing_class)
+
+    def _apply_eos_token(self, tokenizer: Any) -> None:
+        """TRL's `SFTConfig.eos_token`: it becomes the tokenizer's EOS (chat templates render it,
+        the appended EOS is it, the saved tokenizer carries it), the model config's
+        `eos_token_id`, and the first of the model generation config's EOS ids, ahead of the
+        ones it had."""
+        eos = self.args.eos_token
+        if eos not in tokenizer.get_vocab():
+            raise ValueError(
+                f"eos_token={eos!r} is not in the tokenizer vocabulary; use an existing token "
+                f"(the tokenizer's is {tokenizer.eos_token!r})."
+            )
+        old_ids = self._model_generation_eos_ids()  # read before the model config changes
+        tokenizer.eos_token = eos
+        new_id = int(tokenizer.eos_token_id)
+        hf_config = getattr(getattr(self.model, "config", None), "hf_config", None)
+        if hf_config is not None:
+            hf_config.get_text_config().eos_token_id = new_id
+        if new_id not in old_ids:  # else TRL leaves the generation config as it is
+            self._generation_eos_ids = [new_id, *old_ids]
+
+    def _model_generation_eos_ids(self) -> list[int]:
+        """`eos_token_id` of the model's generation config as transformers loads it: the model
+        directory's `generation_config.json`, else derived from the model config (none for a
+        user-built model without an HF config)."""
+        from transformers import GenerationConfig as HFGenerationConfig
+
+        gen = None
+        if self.model_path is not None:
+            try:
+                gen = HFGenerationConfig.from_pretrained(self.model_path, local_files_only=True)
+            except OSError:
+                gen = None  # no generation_config.json: derived from the config, as below
+        if gen is None:
+            hf_config = getattr(getattr(self.model, "config", None), "hf_config", None)
+            if hf_config is not None:
+                gen = HFGenerationConfig.from_model_config(hf_config)
+        ids = getattr(gen, "eos_token_id", None)
+        ids = [] if ids is None else [ids] if isinstance(ids, int) else ids
+        return [int(i) for i in ids]
+
+    def generation_config(self, generation_config: Any = None, **overrides: Any):
+        # The model's own generation config (generation_config=None) stops at `eos_token` too.
+        if generation_config is None and self._generation_eos_ids is not None:
+            overrides.setdefault("eos_token_id", tuple(self._generation_eos_ids))
+        return super().generation_config(generation_config, **overrides)
+
+    def _export_generation_config(self, out: str) -> Any:
+        config = super()._export_generation_config(out)
+        if self._generation_eos_ids is not None:
+            config.eos_token_id = list(self._generation_eos_ids)
+        return config
 
     def _score_span(self, sources: list) -> int | None:
         widths = [trained_width(ds["loss_mask"]) for ds in sources if ds is not None]

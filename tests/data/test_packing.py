@@ -1,4 +1,5 @@
-"""Packing: same bins as TRL's BFD, rows within bounds, positions restart, documents isolated."""
+"""Packing: same bins as TRL's BFD, rows within bounds, positions restart, documents isolated
+(best fit); wrapped rows are cuts of the token stream (see test_wrapped_packing_trl.py)."""
 
 import numpy as np
 import pytest
@@ -25,11 +26,7 @@ def test_bfd_matches_trl_rows(strategy, overflow):
 
 def test_rows_bounded_and_positions_restart_per_document():
     docs = random_docs(max_len=40)
-    for packed in (
-        pack_bfd(docs, 16),
-        pack_bfd(docs, 16, on_seq_length_overflow="split"),
-        pack_wrapped(docs, 16),
-    ):
+    for packed in (pack_bfd(docs, 16), pack_bfd(docs, 16, on_seq_length_overflow="split")):
         for ids, seg, pos in zip(
             packed["input_ids"], packed["segment_ids"], packed["positions"], strict=True
         ):
@@ -49,10 +46,20 @@ def test_split_keeps_all_tokens_truncate_drops_overflow():
 
 
 def test_wrapped_hand_computed():
+    # As TRL's wrapped packing: only the cut stream, no segment ids or positions (one causal
+    # sequence per row).
     out = pack_wrapped({"input_ids": [[1, 2, 3], [4, 5], [6]]}, 4)
-    assert out["input_ids"] == [[1, 2, 3, 4], [5, 6]]
-    assert out["segment_ids"] == [[1, 1, 1, 2], [1, 2]]
-    assert out["positions"] == [[0, 1, 2, 0], [0, 0]]
+    assert out.to_dict() == {"input_ids": [[1, 2, 3, 4], [5, 6]]}
+
+
+def test_wrapped_matches_trl_rows():
+    docs = random_docs(max_len=40)
+    ours = pack_wrapped(docs, 16)
+    theirs = pack_dataset(Dataset.from_dict(docs), 16, "wrapped")
+    assert ours.column_names == theirs.column_names == ["input_ids", "loss_mask"]
+    assert ours["input_ids"] == theirs["input_ids"]
+    assert ours["loss_mask"] == theirs["loss_mask"]
+    assert all(len(row) == 16 for row in ours["input_ids"][:-1])
 
 
 def _toy_attention(x_TD, positions_T, segment_ids_T):

@@ -95,7 +95,9 @@ def test_packing_wrapped_keeps_every_token(tok):
     ds = Dataset.from_dict({"text": ["abcdef", "ab"]})
     out = prepare_sft_dataset(ds, tok, packing=True, packing_strategy="wrapped", max_length=4)
     assert sum(out["input_ids"], []) == enc(tok, "abcdef<eos>ab<eos>")
-    assert out["segment_ids"] == [[1, 1, 1, 1], [1, 1, 1, 2], [1, 1]]
+    # As TRL: each row is one causal sequence (no segment ids; the collator counts 0..L-1).
+    assert out.column_names == ["input_ids", "loss_mask"]
+    assert [len(row) for row in out["input_ids"]] == [4, 4, 2]
 
 
 def test_many_leading_empty_examples_keep_int_columns(tok):

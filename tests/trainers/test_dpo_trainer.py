@@ -403,6 +403,8 @@ def test_prefix_sharing_same_metrics_as_two_rows(tmp_path, tokenizer, hf_model_d
         assert set(evals) == set(rows_eval)
         assert "eval_task_accuracy" in evals
         for key, want in rows_eval.items():
+            if key.endswith(("_runtime", "_per_second")):  # HF's timings
+                continue
             np.testing.assert_allclose(evals[key], want, rtol=5e-5, atol=1e-6, err_msg=key)
 
 

@@ -5,7 +5,7 @@ reward trainers: logits aligned to the inputs (checked against PyTorch), unshift
 import jax
 import numpy as np
 import pytest
-from trainer_utils import base_args
+from trainer_utils import base_args, per_batch_mean
 
 from jaxrl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from jaxrl.callbacks.base import TrainerCallback
@@ -47,12 +47,14 @@ def test_sft_predictions_are_hf_logits_and_labels(tmp_path, tokenizer, hf_model_
         ]
         want += [-100] * (t - len(ids))
         np.testing.assert_array_equal(labels[i], want)
-    # HF's recipe on these gives the logged token accuracy.
+    # HF's recipe on these gives the logged token accuracy, taken per eval batch (8 rows, then
+    # 4) and averaged over the batches as TRL does.
     pred_ids, targets = logits.argmax(-1)[:, :-1], labels[:, 1:]
-    scored = targets != -100
-    assert metrics["eval_mean_token_accuracy"] == pytest.approx(
-        np.mean(pred_ids[scored] == targets[scored]), abs=1e-6
-    )
+    per_batch = []
+    for lo in (0, 8):
+        scored = targets[lo : lo + 8] != -100
+        per_batch.append(np.mean(pred_ids[lo : lo + 8][scored] == targets[lo : lo + 8][scored]))
+    assert metrics["eval_mean_token_accuracy"] == pytest.approx(np.mean(per_batch), abs=1e-6)
 
 
 @pytest.mark.slow
@@ -152,9 +154,15 @@ def test_reward_compute_metrics_gets_pair_scores(tmp_path, tokenizer, hf_model_d
     assert scores.shape == (12, 2) and labels.shape == (12,)
     np.testing.assert_array_equal(labels, 0)
     # The (chosen, rejected) columns are the scores the trainer's own metrics are made of.
-    assert metrics["eval_pair_accuracy"] == pytest.approx(metrics["eval_accuracy"], abs=1e-6)
-    assert np.mean(scores) == pytest.approx(metrics["eval_mean_reward"], rel=1e-5)
-    assert np.mean(scores[:, 0] - scores[:, 1]) == pytest.approx(metrics["eval_margin"], rel=1e-5)
-    assert scores.min() == pytest.approx(metrics["eval_min_reward"], rel=1e-6)
+    # compute_metrics sees all 12 pairs at once; the trainer's metrics are TRL's per-batch
+    # values (8 pairs, then 4) averaged over the batches.
+    wins = scores.argmax(1) == labels
+    assert metrics["eval_pair_accuracy"] == pytest.approx(np.mean(wins), abs=1e-6)
+    assert metrics["eval_accuracy"] == pytest.approx(per_batch_mean(wins, 8), abs=1e-6)
+    assert per_batch_mean(scores, 8) == pytest.approx(metrics["eval_mean_reward"], rel=1e-5)
+    margins = scores[:, 0] - scores[:, 1]
+    assert per_batch_mean(margins, 8) == pytest.approx(metrics["eval_margin"], rel=1e-5)
+    min_reward = per_batch_mean(scores, 8, reduce=np.min)
+    assert min_reward == pytest.approx(metrics["eval_min_reward"], rel=1e-6)
     out = trainer.predict(pref_data[1].select(range(3)))
     np.testing.assert_allclose(out.predictions, scores[:3], rtol=1e-6)

@@ -111,11 +111,15 @@ def test_loss_decreases_and_eval_metrics(tmp_path, tokenizer, sft_data):
     assert metrics["eval_rows"] == 20.0
     assert seen[0].predictions.shape == seen[0].label_ids.shape
     assert 0 <= seen[0].predictions.min() and seen[0].predictions.max() < 16  # argmax token ids
-    # HF's recipe: prediction t scores label t + 1. Token accuracy over the trained tokens of all
-    # rows is what the trainer logs as mean_token_accuracy.
+    # HF's recipe: prediction t scores label t + 1. Token accuracy over the trained tokens of
+    # each eval batch (8, 8 and 4 rows), averaged over the batches, is what the trainer logs as
+    # mean_token_accuracy (TRL's per-batch values).
     preds, labels = seen[-1].predictions[:, :-1], seen[-1].label_ids[:, 1:]
-    trained = labels != -100
-    want = np.mean(preds[trained] == labels[trained])
+    per_batch = []
+    for lo in range(0, 20, 8):
+        p, lab = preds[lo : lo + 8], labels[lo : lo + 8]
+        per_batch.append(np.mean(p[lab != -100] == lab[lab != -100]))
+    want = np.mean(per_batch)
     assert metrics["eval_mean_token_accuracy"] == pytest.approx(want, abs=1e-6)
     assert metrics["eval_loss"] < logs[0]["loss"]  # held-out loss also went down
 

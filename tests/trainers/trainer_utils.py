@@ -1,5 +1,6 @@
 """Helpers shared by the trainer tests (importable by name: pytest puts this dir on sys.path)."""
 
+import numpy as np
 from transformers import Qwen2Config
 
 
@@ -40,6 +41,15 @@ def base_args(tmp_path, **kw) -> dict:
     )
     args.update(kw)
     return args
+
+
+def per_batch_mean(values, batch_size: int, reduce=np.mean) -> float:
+    """HF/TRL's eval averaging: `reduce` over each eval batch of `batch_size` examples (the
+    last one shorter), then the plain mean of the batch values."""
+    values = np.asarray(values)
+    return float(
+        np.mean([reduce(values[i : i + batch_size]) for i in range(0, len(values), batch_size)])
+    )
 
 
 def train_logs(trainer) -> list[dict]:
