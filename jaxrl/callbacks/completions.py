@@ -12,7 +12,8 @@ through the chat template), generate completions with the trainer's KV-cache sam
   per-prediction scores and an `avg_<name>` summary). `weave` is an optional extra
   (`pip install jaxrl[weave]`); without it the callback raises at construction.
 
-Only process 0 writes. Generation is host-driven and happens between steps, never inside one.
+`write_completions_log` is GRPO/RLOO's `log_completions` (rich table, parquet files, wandb
+Table). Only process 0 writes. Generation is host-driven and happens between steps, never inside one.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import dataclasses
 import json
 import logging
 import os
+import random
 from typing import Any
 
 from jaxrl.callbacks.base import TrainerCallback
@@ -66,6 +68,111 @@ def format_prompts(prompts: list[Any], tokenizer: Any) -> list[str]:
             )
         out.append(prompt)
     return out
+
+
+def _cell(entry: Any) -> Any:
+    """A prompt or completion as a rich cell: messages as `ROLE` headers over their content
+    (and reasoning, tool calls), anything else as its text."""
+    from rich.text import Text
+
+    text = Text()
+    if not (isinstance(entry, list) and all(isinstance(m, dict) for m in entry)):
+        text.append(str(entry))
+        return text
+    for j, message in enumerate(entry):
+        text.append(f"{str(message.get('role', '')).upper()}\n", style="bold red")
+        reasoning = message.get("reasoning_content") or message.get("thinking")
+        if reasoning:
+            text.append(f"{reasoning}\n", style="italic dim white")
+        content = message.get("content")
+        if isinstance(content, list):  # typed blocks
+            for block in content:
+                text.append(block.get("text", "") if block.get("type") == "text" else "[IMAGE]")
+        elif content is not None:
+            text.append(str(content))
+        for k, call in enumerate(message.get("tool_calls") or []):
+            fn = call.get("function", {})
+            args = fn.get("arguments", {})
+            args = json.loads(args) if isinstance(args, str) else args
+            shown = ", ".join(f"{name}={value!r}" for name, value in args.items())
+            text.append(("\n" if k else "") + f"{fn.get('name', '?')}({shown})")
+        if j < len(entry) - 1:
+            text.append("\n\n")
+    return text
+
+
+def print_completions(logs: dict[str, Any], step: int, num_samples: int | None) -> None:
+    """TRL's console table of completions (`print_prompt_completions_sample`): columns Prompt,
+    Completion, one per reward function, Advantage, then the `log_extra` columns;
+    `num_samples` random rows (all when None or not fewer than the rows, none when <= 0)."""
+    from rich.console import Console
+    from rich.panel import Panel
+    from rich.table import Table
+
+    n = len(logs["prompt"])
+    if num_samples is not None and num_samples <= 0:
+        return
+    rows = range(n)
+    if num_samples is not None and num_samples < n:
+        rows = sorted(random.sample(range(n), num_samples))
+    table = Table(show_header=True, header_style="bold white", expand=True)
+    table.add_column("Prompt", style="bright_yellow")
+    table.add_column("Completion", style="bright_green")
+    for name in logs["rewards"]:
+        table.add_column(name, style="bold cyan", justify="right")
+    table.add_column("Advantage", style="bold magenta", justify="right")
+    for name in logs["extra"]:
+        table.add_column(name, style="bright_white")
+    for i in rows:
+        table.add_row(
+            _cell(logs["prompt"][i]),
+            _cell(logs["completion"][i]),
+            *(f"{values[i]:.2f}" for values in logs["rewards"].values()),
+            f"{logs['advantages'][i]:.2f}",
+            *(str(values[i]) for values in logs["extra"].values()),
+        )
+        table.add_section()
+    Console().print(Panel(table, expand=False, title=f"Step {step}", border_style="bold white"))
+
+
+def write_completions_log(
+    logs: dict[str, Any],
+    step: int,
+    *,
+    out_dir: str,
+    num_to_print: int | None,
+    unique_prompts: bool,
+    to_wandb: bool,
+) -> None:
+    """GRPO/RLOO's `log_completions` (TRL's): print the completions, write them to
+    `out_dir/completions_<step:05d>.parquet` (columns step, prompt, completion, one per reward
+    function, the `log_extra` columns, advantage) and, when a wandb run is active and
+    `to_wandb`, log them as the wandb Table `completions` (first row per prompt only with
+    `unique_prompts`). `logs`: `prompt`, `completion`, `advantages` lists and `rewards` /
+    `extra` dicts of lists, row-aligned."""
+    import pandas as pd
+
+    print_completions(logs, step, num_to_print)
+    n = len(logs["prompt"])
+    frame = pd.DataFrame(
+        {
+            "step": [step] * n,
+            "prompt": logs["prompt"],
+            "completion": logs["completion"],
+            **logs["rewards"],
+            **logs["extra"],
+            "advantage": logs["advantages"],
+        }
+    )
+    os.makedirs(out_dir, exist_ok=True)
+    frame.to_parquet(os.path.join(out_dir, f"completions_{step:05d}.parquet"))
+    if to_wandb:
+        import wandb
+
+        if wandb.run is not None:
+            if unique_prompts:
+                frame = frame[~frame["prompt"].astype(str).duplicated()]
+            wandb.log({"completions": wandb.Table(dataframe=frame)})
 
 
 class LogCompletionsCallback(TrainerCallback):

@@ -28,7 +28,11 @@ _UNSUPPORTED_GRPO = {
     "vllm_importance_sampling_clip_max": (3.0, "vLLM is not used"),
     "vllm_importance_sampling_clip_min": (None, "vLLM is not used"),
     "vllm_importance_sampling_cap": (None, "vLLM is not used"),
-    "log_completions_hub_repo": (None, "completion logging is not implemented yet"),
+    "log_completions_hub_repo": (
+        None,
+        "completion logs are not uploaded to the Hub; `log_completions` writes them to "
+        "output_dir/completions/",
+    ),
 }
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
@@ -50,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl import lora, parallel
 from jaxrl.callbacks.base import TrainerCallback
+from jaxrl.callbacks.completions import write_completions_log
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.config import ConfigError
 from jaxrl.core.logprobs import token_logprobs
@@ -265,6 +267,20 @@ class OnPolicyTrainer(Trainer):
         self.completion_extras: dict[str, deque] = defaultdict(
             lambda: deque(maxlen=self.generation_batch_size)
         )
+        # The rest of TRL's `_logs` (`log_completions`): prompts, completions, each reward
+        # function's rewards and the advantages of the latest `generation_batch_size`
+        # completions, train and eval alike. Metrics are logged one step late, after the next
+        # step has generated, so each step keeps a copy of them as they were when it ran.
+        gbs = self.generation_batch_size
+        self.completion_logs: dict[str, Any] = {
+            "prompt": deque(maxlen=gbs),
+            "completion": deque(maxlen=gbs),
+            "rewards": {name: deque(maxlen=gbs) for name in self.reward_func_names},
+            "advantages": deque(maxlen=gbs),
+        }
+        self._completion_logs_at: dict[int, dict[str, Any]] = {}
+        if a.log_completions and self.is_world_process_zero():
+            os.makedirs(os.path.join(a.output_dir, "completions"), exist_ok=True)
 
     def _eos_token_ids(self) -> list[int]:
         """TRL's stop ids: the tokenizer's EOS, then `model.generation_config.eos_token_id` (one
@@ -558,6 +574,7 @@ class OnPolicyTrainer(Trainer):
             lengths_N=lengths_N,
             truncated_N=truncated_N,
             rewards_NK=rewards_NK,
+            prompts=prompts,
             completions=completions,
             user_metrics=user_metrics,
         )
@@ -622,6 +639,7 @@ class OnPolicyTrainer(Trainer):
             rollout["ref_logps"] = self._jit_ref_logps(state, rollout)
         advantages_N, metrics = self._advantages(s["rewards_NK"], rollout)
         rollout["advantages"] = advantages_N
+        self._record_completions(s, advantages_N)
         if not self._needs_old_logps():
             rollout.pop("old_logps", None)
         metrics.update(self._completion_metrics(s["lengths_N"], s["truncated_N"]))
@@ -652,11 +670,64 @@ class OnPolicyTrainer(Trainer):
             "completions/max_terminated_length": float(term.max()),
         }
 
+    # ----------------------------------------------------------------- completion logs
+    def _record_completions(self, s: dict, advantages_N: Any) -> None:
+        """Add one scored `_sample` call to `completion_logs` (TRL's `_logs`)."""
+        logs = self.completion_logs
+        logs["prompt"].extend(s["prompts"])
+        logs["completion"].extend(s["completions"])
+        rewards_NK = np.asarray(s["rewards_NK"], np.float64)
+        for k, name in enumerate(self.reward_func_names):
+            logs["rewards"][name].extend(rewards_NK[:, k].tolist())
+        logs["advantages"].extend(np.asarray(advantages_N, np.float64).tolist())
+
+    def _completion_logs_copy(self) -> dict[str, Any]:
+        logs = self.completion_logs
+        return {
+            "prompt": list(logs["prompt"]),
+            "completion": list(logs["completion"]),
+            "rewards": {name: list(v) for name, v in logs["rewards"].items()},
+            "advantages": list(logs["advantages"]),
+            "extra": {name: list(v) for name, v in self.completion_extras.items()},
+        }
+
+    def log(self, logs: dict[str, float], step: int | None = None):
+        """HF's `log`, then TRL's `log_completions` on process 0: the completions behind this
+        log (the latest `generation_batch_size`) printed as a rich table
+        (`num_completions_to_print` random ones; all when None), written to
+        `output_dir/completions/completions_<step>.parquet` and, when wandb runs, logged as the
+        wandb Table `completions` (one row per prompt with `log_unique_prompts`)."""
+        super().log(logs, step)
+        a = self.args
+        if not (a.log_completions and self.is_world_process_zero()):
+            return
+        step = self.state.global_step if step is None else step
+        at = self._completion_logs_at
+        # An evaluation logs the completions it just made (TRL's live `_logs`); a training log
+        # those of its step.
+        is_eval = any(k.startswith("eval_") for k in logs)
+        snapshot = None if is_eval else at.pop(step, None)
+        for old in [k for k in at if k <= step and not is_eval]:
+            del at[old]
+        if snapshot is None:
+            snapshot = self._completion_logs_copy()
+        if snapshot["prompt"]:
+            write_completions_log(
+                snapshot,
+                step,
+                out_dir=os.path.join(a.output_dir, "completions"),
+                num_to_print=a.num_completions_to_print,
+                unique_prompts=a.log_unique_prompts,
+                to_wandb="wandb" in a.report_to,
+            )
+
     # ----------------------------------------------------------------- the on-policy iteration
     def _train_iteration(self, plan: StepPlan) -> dict:
         generated = plan.starts_cycle or self._buffer_generation != plan.generation
         if generated:
             self._generate_and_score(plan)
+        if self.args.log_completions:  # this step logs the completions as they are now
+            self._completion_logs_at[self.state.global_step + 1] = self._completion_logs_copy()
         slices_A = jnp.asarray(plan.slices, jnp.int32)
         self.train_state, metrics = self._jit_train_step(self.train_state, self.rollout, slices_A)
         # Generation metrics ride on every step of their cycle, so the window mean is TRL's mean
@@ -760,6 +831,7 @@ class OnPolicyTrainer(Trainer):
         if self._needs_ref():
             rollout["ref_logps"] = self._jit_ref_logps(self.train_state, rollout)
         rollout["advantages"], _ = self._advantages(s["rewards_NK"], rollout, group_size)
+        self._record_completions(s, rollout["advantages"])  # TRL's eval batches log theirs too
         # No `old_logps` (ratio 1) and no `num_items_in_batch` (the loss normalises a
         # token-normalised type by the batch's own tokens, TRL's eval normaliser).
         rollout.pop("old_logps", None)

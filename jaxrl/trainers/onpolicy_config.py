@@ -41,9 +41,6 @@ _UNSUPPORTED = {
     "repetition_penalty": (1.0, "the sampler implements temperature, top_k and top_p"),
     "generation_kwargs": (None, "set temperature/top_k/top_p fields instead"),
     "cache_implementation": (None, "the sampler always uses its own static KV cache"),
-    "log_completions": (False, "completion logging is not implemented yet"),
-    "log_unique_prompts": (False, "completion logging is not implemented yet"),
-    "num_completions_to_print": (None, "completion logging is not implemented yet"),
 }
 
 
