@@ -109,6 +109,7 @@ class Trainer(TrainLoop):
         self.model = self._load_model(model, task=self.model_task)
         self._setup_peft(peft_config, quantization_config)
         self.processing_class = self._load_tokenizer(processing_class)
+        self._mirror_pad_token()
         self.compute_metrics = compute_metrics
         # HF's hook, traced into the jitted predict step: it reduces each batch's logits on
         # device (e.g. to argmax ids), so a full [N, T, V] array never reaches the host.
@@ -244,6 +245,15 @@ class Trainer(TrainLoop):
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
         return processing_class
+
+    def _mirror_pad_token(self) -> None:
+        """TRL: the model agrees with the tokenizer on the pad token from construction, so the
+        model config's `pad_token_id` becomes the tokenizer's (saved in config.json; a reward
+        model's score position reads it) and, for a model that generates, so does its
+        generation config's (`generation_config()`, the exported generation_config.json)."""
+        hf_config = getattr(getattr(self.model, "config", None), "hf_config", None)
+        if hf_config is not None:
+            hf_config.get_text_config().pad_token_id = self.processing_class.pad_token_id
 
     def _choose_seq_len(self) -> int:
         from jaxrl.data.collate import choose_seq_len
@@ -697,7 +707,8 @@ class Trainer(TrainLoop):
     def generation_config(self, generation_config: Any = None, **overrides: Any):
         """A `jaxrl.generation.GenerationConfig` from a transformers `GenerationConfig` (or ours,
         or None: the model directory's `generation_config.json` if any, else transformers'
-        defaults), with the tokenizer's EOS and pad ids where the config gives none."""
+        defaults), with the tokenizer's EOS and pad ids where the config gives none (the model's
+        own config always pads with the tokenizer's pad, which TRL mirrors onto it)."""
         from jaxrl.generation import GenerationConfig
 
         tok = self.processing_class
@@ -707,6 +718,8 @@ class Trainer(TrainLoop):
         if generation_config is None:
             from transformers import GenerationConfig as HFGenerationConfig
 
+            # The model's own generation config pads with the tokenizer's pad (TRL mirrors it).
+            overrides.setdefault("pad_token_id", tok.pad_token_id)
             generation_config = HFGenerationConfig()
             if self.model_path is not None and os.path.isfile(
                 os.path.join(self.model_path, "generation_config.json")
@@ -828,22 +841,32 @@ class Trainer(TrainLoop):
                 json.dump(self.args.to_dict(), f, indent=2, default=str)
             adapter_only = self.is_peft and not merged
             if self.model_task == "causal_lm" and not adapter_only:
-                # As transformers' save_pretrained for a model that can generate.
-                self._export_generation_config(out).save_pretrained(out)
+                # As transformers' save_pretrained for a model that can generate. Our own edits
+                # (pad/EOS ids) must not make transformers validate a source config strictly: it
+                # refuses to save a modified config that only warns (e.g. top_k without
+                # do_sample), and saves an unmodified one back as it was published.
+                generation_config = self._export_generation_config(out)
+                generation_config._original_object_hash = hash(generation_config)
+                generation_config.save_pretrained(out)
             self._write_model_card(out, library_name="peft" if adapter_only else "transformers")
         return out
 
     def _export_generation_config(self, out: str) -> Any:
         """The source model's `generation_config.json` if it has one (local or cached), else
-        derived from the exported config.json as transformers does when it loads a model."""
+        derived from the exported config.json as transformers does when it loads a model; its
+        `pad_token_id` is the tokenizer's (TRL mirrors it)."""
         from transformers import AutoConfig, GenerationConfig
 
+        config = None
         if self.model_path is not None:
             try:
-                return GenerationConfig.from_pretrained(self.model_path, local_files_only=True)
+                config = GenerationConfig.from_pretrained(self.model_path, local_files_only=True)
             except OSError:
                 pass  # the source has none: derive it below
-        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(out))
+        if config is None:
+            config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(out))
+        config.pad_token_id = self.processing_class.pad_token_id  # TRL mirrors the tokenizer's
+        return config
 
     # What the model card says about the trainer (TRL's class attributes of the same names).
     _name = "Trainer"
