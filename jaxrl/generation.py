@@ -14,14 +14,18 @@ Design (after Tunix's sampler):
   `lax.while_loop` that feeds one token per step and stops as soon as every row has finished.
   The sampling state, cache included, is donated to `decode`.
 - Randomness: the key for completion token t is `fold_in(rng, t)`, so a seed fixes the output.
-- Token choice follows transformers' `generate`: `min_new_tokens` masks EOS/stop ids while
-  fewer tokens have been generated, then temperature, top-k, top-p (sampling) or argmax (greedy).
+- Token choice follows transformers' `generate` (`process_logits`): the repetition penalty (on
+  the float32 logits, for every id in the row's prompt or generated so far), the
+  `min_new_tokens` mask of EOS/stop ids while fewer tokens have been generated, then
+  temperature, top-k, top-p, min-p and a draw (sampling) or argmax (greedy). With
+  `repetition_penalty != 1` the decode loop carries a [B, V] bool mask of the ids seen so far.
 
 Output (`SampleOutput`, device arrays): the left-padded prompt and its mask [B, P]; completion
 ids [B, N] (N = max_new_tokens, pad after a row finished); a completion mask that is 1 up to and
 including the first EOS/stop id; and each sampled token's log-prob: log_softmax of the
-temperature-scaled logits before top-k/top-p filtering and before the min_new_tokens mask
-(greedy: of the raw logits), i.e. what a full forward of the model on the produced sequence gives.
+temperature-scaled logits before the repetition penalty, the min_new_tokens mask and
+top-k/top-p/min-p filtering (greedy: of the raw logits), i.e. what a full forward of the model on
+the produced sequence gives.
 
 This module does no tokenization and no scoring.
 """
@@ -51,8 +55,6 @@ MIN_BUCKET = 16
 _UNSUPPORTED_HF_FIELDS = {
     "num_beams": 1,
     "num_return_sequences": 1,
-    "repetition_penalty": 1.0,
-    "min_p": None,
     "typical_p": 1.0,
     "epsilon_cutoff": 0.0,
     "eta_cutoff": 0.0,
@@ -78,10 +80,20 @@ class GenerationConfig:
 
     `max_new_tokens` counts completion tokens (transformers' default budget is `max_length=20`
     tokens in total; here it is 20 new ones). `top_k=0` or `top_p=1.0` turn those filters off;
-    temperature, top-k and top-p apply only with `do_sample=True` (as transformers).
+    temperature, top-k, top-p and min-p apply only with `do_sample=True` (as transformers, which
+    only warns when they are set for greedy decoding; here they are ignored then).
     `eos_token_id` may be one id or several; `stop_token_ids` are extra ids that end a
     completion exactly like EOS (vLLM's name). `pad_token_id` fills completions after they end
     (default: the first EOS id, as transformers, else 0).
+
+    `repetition_penalty` (> 0, 1.0 = off; transformers' `RepetitionPenaltyLogitsProcessor`):
+    the logit of every id that occurs in the row's prompt (its real tokens, not its padding) or
+    among its tokens generated so far is divided by the penalty if it is >= 0 and multiplied
+    by it if it is < 0, once per id however often it occurs. It applies before everything
+    else, to greedy decoding too. `min_p` (in [0, 1], None = off; transformers'
+    `MinPLogitsWarper`): after temperature, top-k and top-p, tokens whose probability
+    (renormalised over what those kept) is below `min_p` times the most likely token's are
+    dropped. Neither changes the returned log-probs (see the module docstring).
     """
 
     max_new_tokens: int = 20
@@ -93,6 +105,8 @@ class GenerationConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    repetition_penalty: float = 1.0
+    min_p: float | None = None
 
     def __post_init__(self) -> None:
         eos = self.eos_token_id
@@ -113,6 +127,18 @@ class GenerationConfig:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        penalty = float(self.repetition_penalty)
+        if not penalty > 0:
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1.0 = off, above 1 discourages repeating a "
+                f"token of the prompt or completion), got {self.repetition_penalty}."
+            )
+        object.__setattr__(self, "repetition_penalty", penalty)
+        if self.min_p is not None:
+            min_p = float(self.min_p)
+            if not 0.0 <= min_p <= 1.0:
+                raise ValueError(f"min_p must be in [0, 1] or None (off), got {self.min_p}.")
+            object.__setattr__(self, "min_p", min_p)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -132,7 +158,7 @@ class GenerationConfig:
         """From a `transformers.GenerationConfig` (unset fields take transformers' defaults).
 
         Raises on options that change the output but are not implemented here (beam search,
-        repetition penalty, min_p, ...), and when neither the config nor `overrides` give
+        no_repeat_ngram_size, typical_p, ...), and when neither the config nor `overrides` give
         `max_new_tokens` (a `max_length` budget depends on each prompt's length).
         """
         defaults = type(hf_config)._get_default_generation_params()
@@ -150,8 +176,8 @@ class GenerationConfig:
         if active:
             raise ValueError(
                 f"jaxrl.generation does not implement these generation options: {active}; unset "
-                "them (greedy/sampling with temperature, top_k, top_p, min_new_tokens and "
-                "EOS/stop ids are supported)."
+                "them (greedy/sampling with temperature, top_k, top_p, min_p, "
+                "repetition_penalty, min_new_tokens and EOS/stop ids are supported)."
             )
         values = {
             "max_new_tokens": getattr(hf_config, "max_new_tokens", None),
@@ -160,6 +186,8 @@ class GenerationConfig:
             "temperature": float(field("temperature")),
             "top_k": int(field("top_k") or 0),
             "top_p": float(field("top_p")),
+            "repetition_penalty": float(field("repetition_penalty")),
+            "min_p": field("min_p"),
             "eos_token_id": getattr(hf_config, "eos_token_id", None),
             "pad_token_id": getattr(hf_config, "pad_token_id", None),
         }
@@ -195,6 +223,8 @@ class SamplingState:
     key_mask_BS: jax.Array
     cache: Cache
     rng: jax.Array
+    # [B, V]: ids in each row's prompt or completion so far; None without a repetition penalty.
+    seen_BV: jax.Array | None = None
 
 
 def bucket_length(longest: int, buckets: Sequence[int] | None) -> int:
@@ -289,24 +319,87 @@ def sample_categorical(rng: jax.Array, logits_BV: jax.Array, block: int = 64) ->
     return j_B * block + i_B
 
 
+def token_presence(ids_BL: jax.Array, mask_BL: jax.Array, vocab: int) -> jax.Array:
+    """[B, vocab] bool: which ids occur at the unmasked positions of each row (ids outside
+    [0, vocab) are ignored, as transformers ignores ids beyond the logits' vocabulary)."""
+    batch = ids_BL.shape[0]
+    valid_BL = mask_BL.astype(bool) & (ids_BL >= 0) & (ids_BL < vocab)
+    # Masked and out-of-range positions all write into one extra column, dropped afterwards.
+    cols_BL = jnp.where(valid_BL, ids_BL, vocab)
+    seen_BV = jnp.zeros((batch, vocab + 1), bool).at[jnp.arange(batch)[:, None], cols_BL].set(True)
+    return seen_BV[:, :vocab]
+
+
+def mark_seen(seen_BV: jax.Array, tokens_B: jax.Array) -> jax.Array:
+    """`seen_BV` with each row's new token added."""
+    return seen_BV.at[jnp.arange(seen_BV.shape[0]), tokens_B].set(True)
+
+
+def apply_repetition_penalty(logits_BV: jax.Array, seen_BV: jax.Array, penalty: float) -> jax.Array:
+    """transformers' RepetitionPenaltyLogitsProcessor: the logits of seen ids are divided by
+    `penalty` when >= 0 and multiplied by it when < 0 (so > 1 always makes them less likely)."""
+    penalised_BV = jnp.where(logits_BV < 0, logits_BV * penalty, logits_BV / penalty)
+    return jnp.where(seen_BV, penalised_BV, logits_BV)
+
+
+def filter_min_p(scaled_BV: jax.Array, min_p: float) -> jax.Array:
+    """transformers' MinPLogitsWarper: -inf for tokens whose probability is below `min_p` times
+    the most likely token's (which, min_p being <= 1, always stays)."""
+    probs_BV = jax.nn.softmax(scaled_BV, axis=-1)
+    threshold_B1 = min_p * jnp.max(probs_BV, axis=-1, keepdims=True)
+    return jnp.where(probs_BV < threshold_B1, -jnp.inf, scaled_BV)
+
+
+def process_logits(
+    logits_BV: jax.Array,
+    step: jax.Array | int,
+    config: GenerationConfig,
+    seen_BV: jax.Array | None = None,
+) -> jax.Array:
+    """The float32 logits completion token `step` is drawn from (sampling) or argmax'ed from
+    (greedy), as transformers' `generate` processes them: repetition penalty (needs `seen_BV`,
+    the ids of each row's prompt and completion so far), then the `min_new_tokens` ban of
+    EOS/stop ids, then (sampling only) temperature, top-k, top-p, min-p.
+
+    The temperature is applied before the ban here (transformers: after): -inf / T is -inf, so
+    the result is the same bit for bit, and without a penalty `logits / T` is the very array
+    the log-probs come from."""
+    x_BV = logits_BV.astype(jnp.float32)
+    if config.repetition_penalty != 1.0:
+        if seen_BV is None:
+            raise ValueError("repetition_penalty != 1 needs the seen-token mask seen_BV.")
+        x_BV = apply_repetition_penalty(x_BV, seen_BV, config.repetition_penalty)
+    if config.do_sample:
+        x_BV = x_BV / config.temperature
+    if config.min_new_tokens > 0 and config.stop_ids:
+        stop_ids = jnp.asarray(config.stop_ids, dtype=jnp.int32)
+        too_early = step < config.min_new_tokens
+        banned_V = jnp.zeros(x_BV.shape[-1], bool).at[stop_ids].set(True) & too_early
+        x_BV = jnp.where(banned_V, -jnp.inf, x_BV)
+    if config.do_sample:
+        x_BV = filter_top_k_top_p(x_BV, config.top_k, config.top_p)
+        if config.min_p:  # None or 0.0: nothing is below the threshold
+            x_BV = filter_min_p(x_BV, config.min_p)
+    return x_BV
+
+
 def choose_tokens(
-    logits_BV: jax.Array, rng: jax.Array, step: jax.Array, config: GenerationConfig
+    logits_BV: jax.Array,
+    rng: jax.Array,
+    step: jax.Array,
+    config: GenerationConfig,
+    seen_BV: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Completion token `step` of every row and its log-prob (see the module docstring)."""
     scaled_BV = logits_BV.astype(jnp.float32)
     if config.do_sample:
         scaled_BV = scaled_BV / config.temperature
     logprobs_BV = jax.nn.log_softmax(scaled_BV, axis=-1)
-    stop_ids = jnp.asarray(config.stop_ids, dtype=jnp.int32)
-    if config.min_new_tokens > 0 and config.stop_ids:
-        too_early = step < config.min_new_tokens
-        banned_V = jnp.zeros(scaled_BV.shape[-1], bool).at[stop_ids].set(True) & too_early
-        scaled_BV = jnp.where(banned_V, -jnp.inf, scaled_BV)
+    processed_BV = process_logits(logits_BV, step, config, seen_BV)
     if config.do_sample:
-        filtered_BV = filter_top_k_top_p(scaled_BV, config.top_k, config.top_p)
-        tokens_B = sample_categorical(jax.random.fold_in(rng, step), filtered_BV)
+        tokens_B = sample_categorical(jax.random.fold_in(rng, step), processed_BV)
     else:
-        tokens_B = jnp.argmax(scaled_BV, axis=-1)
+        tokens_B = jnp.argmax(processed_BV, axis=-1)
     tokens_B = tokens_B.astype(jnp.int32)
     return tokens_B, jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=-1)[:, 0]
 
@@ -429,24 +522,34 @@ class Sampler:
         h_BPD, cache = model.cached_hidden_states(prompt_ids_BP, positions_BP, cache, view)
         # Left padding: every row's last prompt token sits in the last slot.
         logits_BV = unembed_logits(h_BPD[:, -1], model.unembed_weight())
+        seen_BV = None
+        if config.repetition_penalty != 1.0:
+            # transformers penalises every id of input_ids but its left padding (generate passes
+            # the leading pad count as `prompt_ignore_length`); here padding is always left.
+            seen_BV = token_presence(prompt_ids_BP, prompt_mask_BP, logits_BV.shape[-1])
         if group_size > 1:
             # One prefill per prompt; its cache rows serve the whole group (rows i*G .. i*G+G-1).
             batch *= group_size
-            cache, logits_BV, key_mask_BS, prompt_mask_BP = (
+            cache, logits_BV, key_mask_BS, prompt_mask_BP, seen_BV = (
                 jax.tree.map(lambda x, a=axis: jnp.repeat(x, group_size, axis=a), tree)
                 for tree, axis in (
                     (cache, 1 if model.config.scan_layers else 0),
                     (logits_BV, 0),
                     (key_mask_BS, 0),
                     (prompt_mask_BP, 0),
+                    (seen_BV, 0),
                 )
             )
             if self.mesh is not None:
                 cache = jax.lax.with_sharding_constraint(
                     cache, cache_shardings(model.config, batch, cache_len, self.mesh, self.rules)
                 )
+        if seen_BV is not None and self.mesh is not None:
+            seen_BV = jax.lax.with_sharding_constraint(
+                seen_BV, batch_sharding(self.mesh, self.rules)
+            )
         step = jnp.zeros((), jnp.int32)
-        tokens_B, logprobs_B = choose_tokens(logits_BV, rng, step, config)
+        tokens_B, logprobs_B = choose_tokens(logits_BV, rng, step, config, seen_BV)
         return SamplingState(
             step=step + 1,
             tokens_BN=jnp.full((batch, n_new), config.pad_id, jnp.int32).at[:, 0].set(tokens_B),
@@ -457,6 +560,7 @@ class Sampler:
             key_mask_BS=key_mask_BS,
             cache=cache,
             rng=rng,
+            seen_BV=None if seen_BV is None else mark_seen(seen_BV, tokens_B),
         )
 
     def _decode_fn(
@@ -478,9 +582,11 @@ class Sampler:
                 last_B1, s.positions_B[:, None], s.cache, view
             )
             logits_BV = unembed_logits(h_B1D[:, 0], unembed_DV)
-            tokens_B, logprobs_B = choose_tokens(logits_BV, s.rng, s.step, config)
+            tokens_B, logprobs_B = choose_tokens(logits_BV, s.rng, s.step, config, s.seen_BV)
             tokens_B = jnp.where(s.done_B, config.pad_id, tokens_B)
             logprobs_B = jnp.where(s.done_B, 0.0, logprobs_B)
+            # (Finished rows add the pad id, as in transformers; their tokens are pad anyway.)
+            seen_BV = None if s.seen_BV is None else mark_seen(s.seen_BV, tokens_B)
             return s.replace(
                 step=s.step + 1,
                 tokens_BN=jax.lax.dynamic_update_slice_in_dim(
@@ -493,6 +599,7 @@ class Sampler:
                 lengths_B=jnp.where(s.done_B, s.lengths_B, s.lengths_B + 1),
                 positions_B=s.positions_B + 1,
                 cache=cache,
+                seen_BV=seen_BV,
             )
 
         state = jax.lax.while_loop(unfinished, one_token, state)

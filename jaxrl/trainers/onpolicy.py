@@ -49,7 +49,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl import lora, parallel
+from jaxrl import generation, lora, parallel
 from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.callbacks.completions import write_completions_log
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
@@ -125,6 +125,27 @@ def hf_eval_loss(batch_losses: Sequence[float], num_prompts: int, batch_size: in
     if finite.any():
         losses = losses[finite]
     return float(losses.mean())
+
+
+# `generation_kwargs` keys the rollouts honour (the sampler's fields), accept as harmless, or
+# reject when set to anything that changes the output (`jaxrl.generation`'s list).
+_GENERATION_KWARGS = frozenset(
+    {
+        "max_new_tokens",
+        "min_new_tokens",
+        "do_sample",
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "eos_token_id",
+        "pad_token_id",
+        "bos_token_id",  # only read by encoder-decoder models
+        "use_cache",  # the sampler always uses its KV cache
+        *generation._UNSUPPORTED_HF_FIELDS,
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,15 +259,7 @@ class OnPolicyTrainer(Trainer):
         self.eos_token_ids = self._eos_token_ids()
         # Not `generation_config`: that is `Trainer.generation_config()`, which
         # `generate_completions` and the completion callbacks call.
-        self.rollout_generation_config = GenerationConfig(
-            max_new_tokens=a.max_completion_length,
-            do_sample=True,
-            temperature=a.temperature,
-            top_k=a.top_k,
-            top_p=a.top_p,
-            eos_token_id=tuple(self.eos_token_ids),
-            pad_token_id=self.processing_class.pad_token_id,
-        )
+        self.rollout_generation_config = self._rollout_generation_config()
         # Not `sampler`: that is `Trainer.sampler()`, which `generate_completions` calls (it
         # returns this one once compiled, see `sampler`).
         self.rollout_sampler: Sampler | None = None
@@ -281,6 +294,39 @@ class OnPolicyTrainer(Trainer):
         self._completion_logs_at: dict[int, dict[str, Any]] = {}
         if a.log_completions and self.is_world_process_zero():
             os.makedirs(os.path.join(a.output_dir, "completions"), exist_ok=True)
+
+    def _rollout_generation_config(self) -> GenerationConfig:
+        """TRL's sampling settings for rollouts and eval: `max_completion_length` new tokens
+        sampled with `temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty`, stopping
+        at every EOS id, then `generation_kwargs` over them (TRL: they override the fields); an
+        option the sampler does not implement is an error naming it."""
+        from transformers import GenerationConfig as HFGenerationConfig
+
+        a = self.args
+        settings = {
+            "max_new_tokens": a.max_completion_length,
+            "do_sample": True,
+            "pad_token_id": self.processing_class.pad_token_id,
+            "eos_token_id": list(self.eos_token_ids),
+            "temperature": a.temperature,
+            "top_p": a.top_p,
+            "top_k": a.top_k,
+            "min_p": a.min_p,
+            "repetition_penalty": a.repetition_penalty,
+        }
+        extra = dict(a.generation_kwargs or {})
+        unknown = sorted(set(extra) - _GENERATION_KWARGS)
+        if unknown:
+            raise ConfigError(
+                f"generation_kwargs {unknown} are not supported by jaxrl's sampler; it takes "
+                f"{sorted(_GENERATION_KWARGS)} (an unsupported option is an error at its "
+                "non-default values)."
+            )
+        settings.update(extra)
+        try:
+            return GenerationConfig.from_transformers(HFGenerationConfig(**settings))
+        except ValueError as e:
+            raise ConfigError(f"GRPO/RLOO generation settings (generation_kwargs): {e}") from e
 
     def _eos_token_ids(self) -> list[int]:
         """TRL's stop ids: the tokenizer's EOS, then `model.generation_config.eos_token_id` (one

@@ -37,9 +37,6 @@ _UNSUPPORTED = {
     "ds3_gather_for_generation": (True, "DeepSpeed is not used (params are sharded by the mesh)"),
     "trust_remote_code": (False, "jaxrl loads only its own model families"),
     "router_aux_loss_coef": (None, "jaxrl has no mixture-of-experts models"),
-    "min_p": (None, "the sampler implements temperature, top_k and top_p"),
-    "repetition_penalty": (1.0, "the sampler implements temperature, top_k and top_p"),
-    "generation_kwargs": (None, "set temperature/top_k/top_p fields instead"),
     "cache_implementation": (None, "the sampler always uses its own static KV cache"),
 }
 

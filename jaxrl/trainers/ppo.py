@@ -73,8 +73,8 @@ WANDB_PADDING = -1  # TRL's fill value for NaN advantages in the logged arrays
 SIGNATURE_COLUMNS = ("input_ids", "past_key_values", "attention_mask", "label", "query", "response")
 # transformers `generate` keyword arguments that map onto jaxrl's GenerationConfig.
 GENERATION_KWARGS = (
-    "max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
-    "eos_token_id", "pad_token_id",
+    "max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
+    "repetition_penalty", "eos_token_id", "pad_token_id",
 )  # fmt: skip
 # Scalar stats step() returns that train() logs besides TRL's (jaxrl additions).
 TRAIN_TIMINGS = ("time/ppo/generate", "time/ppo/score")

@@ -114,7 +114,14 @@ def test_generate_rejects_unsupported(trainer, tokenizer):
     with pytest.raises(ValueError, match="min_new_tokens"):
         trainer.generate(q, min_length=3)
     with pytest.raises(ValueError, match="Unsupported"):
-        trainer.generate(q, repetition_penalty=1.2)
+        trainer.generate(q, no_repeat_ngram_size=2)
+    # transformers' repetition penalty and min-p are the sampler's (HF's order and semantics).
+    with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
+        trainer.generate(q, repetition_penalty=0.0)
+    greedy = dict(do_sample=False, max_new_tokens=6)
+    plain = trainer.generate(q, **greedy)
+    assert not np.array_equal(trainer.generate(q, repetition_penalty=50.0, **greedy), plain)
+    np.testing.assert_array_equal(trainer.generate(q, min_p=0.5, **greedy), plain)  # greedy
 
 
 def _ones_reward(prompts, completions):
