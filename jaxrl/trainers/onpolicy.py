@@ -55,7 +55,7 @@ from jaxrl.callbacks.completions import write_completions_log
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.config import ConfigError
 from jaxrl.core.logprobs import token_logprobs
-from jaxrl.core.step import make_eval_step, make_train_step
+from jaxrl.core.step import make_eval_step, make_train_step, reduce_aux
 from jaxrl.data.batching import BatchIterator
 from jaxrl.data.formats import is_conversational
 from jaxrl.generation import GenerationConfig, Sampler
@@ -63,7 +63,6 @@ from jaxrl.rewards import (
     RewardFunc,
     completions_from_texts,
     compute_rewards,
-    group_reward_metrics,
     resolve_reward_weights,
     reward_func_name,
 )
@@ -824,6 +823,7 @@ class OnPolicyTrainer(Trainer):
         greedy_rewards = []
         user_metrics: dict[str, list[float]] = defaultdict(list)
         batch_losses: list[float] = []
+        batch_metrics: dict[str, list[float]] = defaultdict(list)
         rows = [ds[i] for i in range(len(ds))]
         policy = self.current_params()
         for b, start in enumerate(range(0, len(rows), per_batch)):
@@ -831,21 +831,22 @@ class OnPolicyTrainer(Trainer):
             seed = jax.random.fold_in(jax.random.key(a.seed + 1), b)
             s = self._sample(policy, examples, G, sampling, seed)
             sampled.append(s)
-            batch_losses.append(self._eval_batch_loss(policy, s, G))
+            loss, values = self._eval_batch(policy, s, G)
+            batch_losses.append(loss)
+            values.update(self._completion_metrics(s["lengths_N"], s["truncated_N"]))
+            for name, value in values.items():
+                batch_metrics[name].append(value)
             g = self._sample(policy, examples, 1, greedy, seed)
             greedy_rewards.append(g["rewards_NK"])
             for prefix, call in (("", s), ("greedy/", g)):
                 for name, value in call["user_metrics"].items():
                     user_metrics[prefix + name].append(value)
-        rewards_NK = np.concatenate([s["rewards_NK"] for s in sampled])
         metrics = {"loss": hf_eval_loss(batch_losses, len(rows), batch_size)}
-        metrics.update(self._reward_summary(rewards_NK, G))
-        metrics.update(
-            self._completion_metrics(
-                np.concatenate([s["lengths_N"] for s in sampled]),
-                np.concatenate([s["truncated_N"] for s in sampled]),
-            )
-        )
+        # TRL's `log()`: each metric's mean over the eval batches' values, NaN ones left out.
+        for name, values in batch_metrics.items():
+            values = [v for v in values if not math.isnan(v)]
+            metrics[name] = float(np.mean(values)) if values else math.nan
+        metrics["num_tokens"] = float(getattr(self, "_tokens_seen", 0))  # TRL: training's so far
         greedy_NK = np.concatenate(greedy_rewards)
         weighted = np.nansum(greedy_NK * self.reward_weights[None], axis=1)
         metrics["greedy/reward"] = float(np.mean(weighted))
@@ -867,29 +868,28 @@ class OnPolicyTrainer(Trainer):
         self._event("on_evaluate", metrics=metrics)
         return metrics
 
-    def _eval_batch_loss(self, policy: Any, s: dict, group_size: int) -> float:
+    def _eval_batch(self, policy: Any, s: dict, group_size: int) -> tuple[float, dict]:
         """TRL's `compute_loss` on one eval batch (a `_sample` call with `group_size`
         completions per prompt): advantages of the batch alone, the evaluated policy's log-probs
-        as the old ones, the training loss function forward only."""
+        as the old ones, the training loss function forward only. Returns the batch's loss and
+        its metrics: the scoring ones (`reward`, `reward_std`, `rewards/<name>/*`,
+        `frac_reward_zero_std`, RLOO's `kl`) and the loss's (`entropy`, GRPO's `kl`,
+        `clip_ratio/*`, ...), as TRL appends them per eval batch."""
         rollout = self._rollout_rows(s)
         if self._kl_in_reward():  # RLOO's KL reward: TRL recomputes the policy's log-probs
             rollout["old_logps"] = self._jit_logps(policy, rollout)
         if self._needs_ref():
             rollout["ref_logps"] = self._jit_ref_logps(self.train_state, rollout)
-        rollout["advantages"], _ = self._advantages(s["rewards_NK"], rollout, group_size)
+        rollout["advantages"], metrics = self._advantages(s["rewards_NK"], rollout, group_size)
         self._record_completions(s, rollout["advantages"])  # TRL's eval batches log theirs too
         # No `old_logps` (ratio 1) and no `num_items_in_batch` (the loss normalises a
         # token-normalised type by the batch's own tokens, TRL's eval normaliser).
         rollout.pop("old_logps", None)
         batch_A = jax.tree.map(lambda x: x[None], rollout)  # one micro-batch
         aux = jax.device_get(self._jit_eval_step(self.train_state, batch_A))
-        # The step's division (`reduce_aux`): loss units as `loss_type` counts them, at least 1.
-        return float(np.sum(aux["sum"]["loss"]) / max(float(np.sum(aux["count"]["loss"])), 1.0))
-
-    def _reward_summary(self, rewards_NK: np.ndarray, group_size: int) -> dict[str, float]:
-        """Reward metrics without advantages (eval): TRL's names over scorable completions."""
-        grouped = np.nansum(rewards_NK * self.reward_weights[None], axis=1).reshape(-1, group_size)
-        is_std_zero = np.isclose(grouped.std(axis=1, ddof=1) if group_size > 1 else 0.0, 0.0)
-        return group_reward_metrics(
-            rewards_NK, self.reward_weights, self.reward_func_names, np.atleast_1d(is_std_zero)
-        )
+        # The step's reductions (`reduce_aux`); the loss over its units as `loss_type` counts
+        # them (at least 1).
+        values = {k: float(v) for k, v in jax.device_get(reduce_aux(aux)).items()}
+        loss = values.pop("loss")
+        metrics.update(values)
+        return loss, metrics

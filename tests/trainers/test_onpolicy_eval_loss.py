@@ -198,3 +198,26 @@ def test_hf_eval_loss_weights():
     assert hf_eval_loss([1.0, math.nan, 3.0], 12, 4) == pytest.approx(2.0)
     assert math.isnan(hf_eval_loss([math.nan], 4, 4))
     assert math.isnan(hf_eval_loss([], 0, 4))
+
+
+def test_grpo_eval_metrics_are_means_of_batch_values(grpo_eval):
+    """TRL appends each eval batch's scoring and loss metrics and `log()` averages them: the
+    batches count alike (2, 2 and 1 prompts here), unlike a mean over every completion."""
+    trainer, metrics, batches = grpo_eval
+    rewards = [b["rewards"].astype(np.float64).sum(1) for b in batches]
+    per_batch = [r.mean() for r in rewards]
+    assert metrics["eval_reward"] == pytest.approx(np.mean(per_batch), rel=1e-5)
+    assert np.mean(per_batch) != pytest.approx(np.concatenate(rewards).mean(), rel=1e-3)
+    stds = [r.std(ddof=1) for r in rewards]
+    assert metrics["eval_reward_std"] == pytest.approx(np.mean(stds), rel=1e-5)
+    lengths = [b["completion_mask"].sum(1).mean() for b in batches]
+    assert metrics["eval_completions/mean_length"] == pytest.approx(np.mean(lengths), rel=1e-6)
+    # The loss's own metrics ride along (GRPO's kl: the mean k3 per batch, then averaged).
+    kls = []
+    for b in batches:
+        d, mask = b["ref_logps"] - b["policy_logps"], b["completion_mask"].astype(np.float64)
+        kls.append(((np.exp(d) - d - 1) * mask).sum() / mask.sum())
+    assert metrics["eval_kl"] == pytest.approx(np.mean(kls), rel=1e-3)
+    assert "eval_entropy" in metrics and "eval_clip_ratio/region_mean" in metrics
+    train_logs = [h for h in trainer.state.log_history if "loss" in h and "num_tokens" in h]
+    assert metrics["eval_num_tokens"] == train_logs[-1]["num_tokens"] > 0  # training's so far
