@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 from trl.data_utils import pack_dataset
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from trl.trainer.sft_trainer import SFTTrainer as TRLSFTTrainer
 
 from jaxrl.data import build_char_tokenizer, collate_sft, pack_wrapped, prepare_sft_dataset
 from jaxrl.data.collate import model_masks
+from tests.trainers.trainer_utils import tiny_config
 
 L = 8  # packed row length
 # "U:<user text>\n" and "A:<assistant text><eos>", the assistant text and EOS marked as generated
@@ -192,19 +193,7 @@ def test_wrapped_loss_matches_transformers_on_trl_batch(tok, tmp_path):
     from jaxrl import models
     from jaxrl.trainers.sft import lm_forward
 
-    config = Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
+    config = tiny_config(vocab_size=len(tok))
     torch.manual_seed(0)
     hf = Qwen2ForCausalLM(config).eval()
     hf.save_pretrained(tmp_path)

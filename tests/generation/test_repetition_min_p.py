@@ -26,7 +26,7 @@ from jaxrl.generation import (
     process_logits,
     token_presence,
 )
-from tests.generation.conftest import ragged_prompts
+from tests.generation.conftest import hf_generate, ragged_prompts
 from tests.generation.test_generate_parity import emitted_eos
 from tests.models.conftest import FAMILIES, _build
 
@@ -47,26 +47,9 @@ def sampler(llama):
     return Sampler(models.from_pretrained(llama.path))
 
 
-def hf_greedy(model, prompts, pad, **kwargs) -> np.ndarray:
-    """transformers greedy `generate` on left-padded prompts (pad id `pad`): new ids [B, N] and
-    the raw logits [B, N', V] (N' <= N steps)."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            pad_token_id=pad,
-            max_new_tokens=N_NEW,
-            do_sample=False,
-            return_dict_in_generate=True,
-            output_logits=True,
-            **kwargs,
-        )
-    new = out.sequences[:, width:].numpy()
-    new = np.pad(new, ((0, 0), (0, N_NEW - new.shape[1])), constant_values=pad)
-    return new, torch.stack(out.logits, dim=1).float().numpy()
+def hf_greedy(model, prompts, pad, **kwargs) -> tuple[np.ndarray, np.ndarray]:
+    """transformers greedy `generate` of `N_NEW` tokens on prompts left-padded with `pad`."""
+    return hf_generate(model, prompts, pad=pad, max_new_tokens=N_NEW, do_sample=False, **kwargs)
 
 
 @pytest.mark.parametrize("penalty", [1.3, 0.7])
