@@ -22,13 +22,27 @@ tokens x `gradient_accumulation_steps / steps_per_generation`: pass `token_count
 generation batch's active tokens / `steps_per_generation`) as each micro-batch's count to get
 exactly that; with the default `steps_per_generation == gradient_accumulation_steps` it equals
 the step's own active-token count, the default count.
+
+Entropy bonus (TRL's `entropy_coef` / `use_adaptive_entropy`). TRL subtracts `coef * H` from
+each micro-batch's loss, `H` the micro-batch's mean entropy over the tokens the loss acts on
+(`completion_mask`, times the top-entropy mask), divided by `gradient_accumulation_steps`
+whatever the loss type. `grpo_loss(entropy_coef=...)` subtracts `coef * H * count` from the
+micro-batch's `loss_sum`: the step divides by the summed counts, `A x count` when every
+micro-batch has the same count (in `GRPOTrainer`: its rows for the sequence-normalised types,
+the generation batch's tokens / `steps_per_generation` for `dapo`/`cispo`/`vespo`, 1 for
+`bnpo`), which leaves `coef x sum_i H_i / A`, TRL's bonus. `adaptive_entropy_coef` and
+`entropy_bonus_coef` are TRL's controller; `entropy_with_head_grad` gives the entropies their
+gradient through the LM head.
 """
 
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jaxrl.core.logprobs import unembed_logits
+from jaxrl.core.matmul import weight_grad
 from jaxrl.core.shapes import same_shape, shape_in, shape_is
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
@@ -224,6 +238,113 @@ def vespo_gamma_weights(
     lam_B1 = jnp.maximum(jnp.where(nonneg_B1, lambda_pos, lambda_neg), 1e-4)
     phi_B1 = jnp.exp(lam_B1 + k_B1 * log_w_B1 - lam_B1 * jnp.exp(log_w_B1))
     return jax.lax.stop_gradient(jnp.nan_to_num(phi_B1, nan=0.0, posinf=0.0, neginf=0.0))
+
+
+def entropy_bonus_coef(
+    entropy_coef: jax.Array | float, last_entropy: jax.Array | float, entropy_target: float
+) -> jax.Array:
+    """The coefficient adaptive entropy control applies during an optimizer step (TRL 1.16):
+    the coefficient left by the previous step, 0 unless that step's entropy was at most
+    `entropy_target` (TRL starts from an entropy of +inf, so the first step applies none)."""
+    return jnp.where(last_entropy <= entropy_target, entropy_coef, 0.0)
+
+
+def adaptive_entropy_coef(
+    entropy_coef: jax.Array | float,
+    window_entropy: jax.Array | float,
+    *,
+    entropy_target: float,
+    entropy_coef_delta: float,
+    entropy_coef_min: float,
+    entropy_coef_max: float,
+) -> jax.Array:
+    """TRL 1.16's adaptive entropy controller (Skywork-OR1), once per optimizer step: up by
+    `entropy_coef_delta` (at most `entropy_coef_max`) when the step's token-weighted entropy is
+    at most `entropy_target`, else down by it (at least `entropy_coef_min`)."""
+    return jnp.where(
+        window_entropy <= entropy_target,
+        jnp.minimum(entropy_coef + entropy_coef_delta, entropy_coef_max),
+        jnp.maximum(entropy_coef - entropy_coef_delta, entropy_coef_min),
+    )
+
+
+def entropy_with_head_grad(
+    entropies_BT: jax.Array,
+    hidden_BTD: jax.Array,
+    unembed_DV: jax.Array,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 128,
+) -> jax.Array:
+    """`entropies_BT` (the LM head's per-token entropies, e.g. `token_logprobs`'s statistic,
+    which carries no gradient) with the gradient of the entropy of
+    `softmax(hidden @ unembed / temperature)` w.r.t. `hidden_BTD` and `unembed_DV`, as TRL's
+    fused head gives its entropy output (the entropy bonus differentiates it).
+
+    The forward is free (the values pass through); the backward recomputes the logits chunk by
+    chunk along T (`chunk_size` positions, at most one `[B, chunk, V]` block at a time) with
+    the rounding of `unembed_logits` and uses `dH/dlogit_v = p_v (E_p[logit] - logit_v)`, the
+    weight gradient accumulated in f32 across chunks.
+    """
+    same_shape("entropy_with_head_grad", rank=2, entropies_BT=entropies_BT)
+    shape_is("entropy_with_head_grad", (*entropies_BT.shape, None), hidden_BTD=hidden_BTD)
+    return _entropy_grad(entropies_BT, hidden_BTD, unembed_DV, float(temperature), chunk_size)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _entropy_grad(entropies_BT, hidden_BTD, unembed_DV, temperature, chunk_size):
+    return entropies_BT
+
+
+def _entropy_grad_fwd(entropies_BT, hidden_BTD, unembed_DV, temperature, chunk_size):
+    return entropies_BT, (hidden_BTD, unembed_DV, jnp.zeros((), entropies_BT.dtype))
+
+
+def _entropy_grad_bwd(temperature, chunk_size, residuals, g_BT):
+    hidden_BTD, unembed_DV, entropy_like = residuals
+    B, T, D = hidden_BTD.shape
+    num_chunks = -(-T // chunk_size)
+    chunk = -(-T // num_chunks)
+    pad = num_chunks * chunk - T
+    g_BT = g_BT.astype(jnp.float32)
+    if pad:  # padded positions get a zero cotangent
+        hidden_BTD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
+        g_BT = jnp.pad(g_BT, ((0, 0), (0, pad)))
+    hidden_NBCD = hidden_BTD.reshape(B, num_chunks, chunk, D).swapaxes(0, 1)
+    g_NBC = g_BT.reshape(B, num_chunks, chunk).swapaxes(0, 1)
+
+    def step(d_unembed_DV, xs):
+        hidden_BCD, g_BC = xs
+        logits_BCV = unembed_logits(hidden_BCD, unembed_DV)
+        if temperature != 1.0:
+            logits_BCV = logits_BCV / temperature
+        log_z_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+        probs_BCV = jnp.exp(logits_BCV - log_z_BC[..., None])
+        mean_BC = jnp.sum(probs_BCV * logits_BCV, axis=-1)
+        d_logits_BCV = g_BC[..., None] * probs_BCV * (mean_BC[..., None] - logits_BCV)
+        if temperature != 1.0:
+            d_logits_BCV = d_logits_BCV / temperature
+        d_logits_BCV = d_logits_BCV.astype(unembed_DV.dtype)
+        d_hidden_BCD = jnp.einsum(
+            "bcv,dv->bcd", d_logits_BCV, unembed_DV, preferred_element_type=jnp.float32
+        )
+        v = unembed_DV.shape[1]
+        d_unembed_DV = d_unembed_DV + weight_grad(
+            hidden_BCD.astype(unembed_DV.dtype).reshape(-1, D),
+            d_logits_BCV.reshape(-1, v),
+            jnp.float32,
+        )
+        return d_unembed_DV, d_hidden_BCD.astype(hidden_BCD.dtype)
+
+    d_unembed_DV, d_hidden_NBCD = jax.lax.scan(
+        step, jnp.zeros(unembed_DV.shape, jnp.float32), (hidden_NBCD, g_NBC)
+    )
+    d_hidden_BTD = d_hidden_NBCD.swapaxes(0, 1).reshape(B, num_chunks * chunk, D)[:, :T]
+    d_entropies_BT = jnp.zeros((B, T), entropy_like.dtype)
+    return d_entropies_BT, d_hidden_BTD, d_unembed_DV.astype(unembed_DV.dtype)
+
+
+_entropy_grad.defvjp(_entropy_grad_fwd, _entropy_grad_bwd)
 
 
 def _validate(loss_type: str, importance_sampling_level: str, beta: float, ref) -> None:
@@ -503,6 +624,7 @@ def grpo_loss(
     example_mask_B: jax.Array | None = None,
     entropies_BT: jax.Array | None = None,
     token_count: jax.Array | float | None = None,
+    entropy_coef: jax.Array | float | None = None,
     **kwargs: Any,
 ) -> tuple[jax.Array, dict[str, dict[str, jax.Array]]]:
     """`(loss_sum, aux)` of one micro-batch, ready for a `make_train_step` loss function.
@@ -510,6 +632,13 @@ def grpo_loss(
     Composes `grpo_per_token_loss` (`kwargs` go there), `grpo_aggregate` and `grpo_metrics`;
     `aux["sum"]["loss"]` / `aux["count"]["loss"]` carry the pair the step divides once.
     `loss_sum / count` of the whole step equals TRL's loss (summed over accumulation steps).
+
+    `entropy_coef` (not None: TRL's entropy bonus is on, even at 0 as under adaptive control)
+    subtracts `entropy_coef x H x count`, `H` the mean of `entropies_BT` over the loss's tokens
+    (`mask_BT`, times `entropy_mask_BT` when given): TRL's `coef x H / accumulation steps` once
+    the step divides by the summed counts of equally counted micro-batches (module docstring).
+    `entropies_BT` is then differentiated (`entropy_with_head_grad`). `aux` adds TRL's
+    `policy_loss`, the loss without the bonus.
     """
     per_token_loss_BT, parts = grpo_per_token_loss(
         per_token_logps_BT,
@@ -538,6 +667,48 @@ def grpo_loss(
         entropies_BT=entropies_BT,
         example_mask_B=example_mask_B,
     )
+    if entropy_coef is not None:
+        if entropies_BT is None:
+            raise ValueError("The entropy bonus (entropy_coef) needs entropies_BT.")
+        mean_entropy = masked_entropy(
+            entropies_BT,
+            mask_BT,
+            entropy_mask_BT=kwargs.get("entropy_mask_BT"),
+            example_mask_B=example_mask_B,
+        )
+        aux["sum"]["policy_loss"] = jax.lax.stop_gradient(loss_sum)
+        aux["count"]["policy_loss"] = count
+        loss_sum = loss_sum - entropy_coef * mean_entropy * count
     aux["sum"]["loss"] = jax.lax.stop_gradient(loss_sum)
     aux["count"]["loss"] = count
     return loss_sum, aux
+
+
+def entropy_bonus_mask(
+    mask_BT: jax.Array,
+    entropy_mask_BT: jax.Array | None = None,
+    example_mask_B: jax.Array | None = None,
+) -> jax.Array:
+    """`[B, T]` f32 mask of the tokens the entropy bonus averages over: those the policy loss
+    acts on (`mask_BT`, times the top-entropy mask when `top_entropy_quantile < 1`, as TRL's
+    `effective_mask`), padding rows (`example_mask_B` 0) left out."""
+    m_BT = mask_BT.astype(jnp.float32)
+    if entropy_mask_BT is not None:
+        m_BT = m_BT * entropy_mask_BT.astype(jnp.float32)
+    if example_mask_B is not None:
+        m_BT = m_BT * example_mask_B.astype(jnp.float32)[:, None]
+    return m_BT
+
+
+def masked_entropy(
+    entropies_BT: jax.Array,
+    mask_BT: jax.Array,
+    *,
+    entropy_mask_BT: jax.Array | None = None,
+    example_mask_B: jax.Array | None = None,
+) -> jax.Array:
+    """TRL's entropy-bonus `H` of one micro-batch: the mean entropy over `entropy_bonus_mask`'s
+    tokens (0 when there is none), whatever the loss type's normaliser."""
+    same_shape("masked_entropy", rank=2, entropies_BT=entropies_BT, mask_BT=mask_BT)
+    m_BT = entropy_bonus_mask(mask_BT, entropy_mask_BT, example_mask_B)
+    return jnp.sum(entropies_BT.astype(jnp.float32) * m_BT) / jnp.maximum(jnp.sum(m_BT), 1.0)

@@ -3,7 +3,20 @@
 The online shell (prompts -> sampler -> rewards -> update) is `OnPolicyTrainer`; this file
 supplies the group-relative advantages (`jaxrl.losses.grpo.grpo_advantages`, TRL's reward
 metrics) and the loss function (`grpo_loss`: every TRL loss type, token- or sequence-level
-importance sampling, optional k3 KL to the reference, top-entropy masking).
+importance sampling, optional k3 KL to the reference, top-entropy masking, TRL's entropy bonus).
+
+Entropy bonus (`entropy_coef`, `use_adaptive_entropy`). The loss subtracts `coef x H`, `H` each
+micro-batch's mean entropy over the loss's tokens, divided by the accumulation steps as TRL does
+(`grpo_loss(entropy_coef=...)`); the entropies get their gradient through the LM head
+(`entropy_with_head_grad`). Adaptive control keeps TRL's controller state in the train state,
+`extras["entropy_control"]`, so a checkpoint holds it (TRL's `entropy_ctrl_state.json`): the
+coefficient and the entropy left by the last optimizer step, and the entropy sum / token count
+of the current step's micro-batches so far with their number. Each micro-batch applies the
+coefficient of the previous step, gated to 0 when that step's entropy exceeded
+`entropy_target` (TRL's first step: no entropy yet, +inf, so no bonus); the last micro-batch of
+an optimizer step moves it by `entropy_coef_delta` from the step's token-weighted entropy over
+all its micro-batches and devices. Evaluation applies the bonus with the state's gated
+coefficient and logs `policy_loss`, but never updates the controller nor logs `entropy_coef`.
 """
 
 from __future__ import annotations
@@ -14,10 +27,48 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.losses.grpo import grpo_advantages, grpo_loss, high_entropy_mask
+from jaxrl.core.logprobs import resolve_chunk_size, token_logprobs
+from jaxrl.losses.grpo import (
+    adaptive_entropy_coef,
+    entropy_bonus_coef,
+    entropy_bonus_mask,
+    entropy_with_head_grad,
+    grpo_advantages,
+    grpo_loss,
+    high_entropy_mask,
+)
 from jaxrl.rewards import group_reward_metrics
 from jaxrl.trainers.grpo_config import GRPOConfig
 from jaxrl.trainers.onpolicy import OnPolicyTrainer, completion_logprobs
+
+
+def completion_logprobs_and_entropy(
+    model: Any, batch: dict[str, jax.Array], *, temperature: float, chunk_size: int | None
+) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
+    """`completion_logprobs(..., with_stats=True)` plus the entropies `[B, C]` with their
+    gradient through the LM head (`entropy_with_head_grad`), for the entropy bonus: the same
+    forward (hidden states of `prompt + completion`, the C positions that predict completion
+    tokens through the unembedding divided by `temperature`), its hidden states kept."""
+    ids_BT = batch["input_ids"]
+    n_completion = batch["completion_mask"].shape[1]
+    n_prompt = ids_BT.shape[1] - n_completion
+    h_BTD = model.hidden_states(ids_BT, batch["attention_mask"])
+    h_BCD = h_BTD[:, n_prompt - 1 : n_prompt + n_completion - 1]
+    unembed_DV = model.unembed_weight()
+    logps_BC, stats = token_logprobs(
+        h_BCD,
+        unembed_DV,
+        ids_BT[:, n_prompt:],
+        chunk_size=chunk_size,
+        with_stats=True,
+        temperature=temperature,
+    )
+    B, C = logps_BC.shape
+    chunk = resolve_chunk_size(chunk_size, B, C, unembed_DV.shape[1], unembed_DV.dtype)
+    entropies_BC = entropy_with_head_grad(
+        stats["entropy"], h_BCD, unembed_DV, temperature=temperature, chunk_size=chunk
+    )
+    return logps_BC, stats, entropies_BC
 
 
 class GRPOTrainer(OnPolicyTrainer):
@@ -46,6 +97,23 @@ class GRPOTrainer(OnPolicyTrainer):
         )
         return advantages_N, metrics
 
+    @property
+    def _entropy_bonus(self) -> bool:
+        """TRL's `_entropy_bonus_enabled`: a non-zero `entropy_coef`, or adaptive control (on
+        even at 0, so that a coefficient decremented to `entropy_coef_min` can recover)."""
+        return self.args.entropy_coef != 0.0 or self.args.use_adaptive_entropy
+
+    def _init_extras(self) -> dict:
+        extras = super()._init_extras()
+        if self.args.use_adaptive_entropy:
+            extras["entropy_control"] = {
+                "entropy_coef": jnp.float32(self.args.entropy_coef),
+                "last_world_entropy": jnp.float32(jnp.inf),  # TRL's before any measurement
+                "window": jnp.zeros(2, jnp.float32),  # [entropy sum, token count] of the step
+                "micro_steps": jnp.int32(0),  # micro-batches of the step seen so far
+            }
+        return extras
+
     def _loss_fn(self):
         a = self.args
         chunk = a.logprob_chunk_size
@@ -70,17 +138,42 @@ class GRPOTrainer(OnPolicyTrainer):
         spg = self.steps_per_generation
         token_normalised = a.loss_type in ("dapo", "cispo", "vespo")
 
+        bonus = self._entropy_bonus
+        adaptive = a.use_adaptive_entropy
+        accum = a.gradient_accumulation_steps
+        controller = dict(
+            entropy_target=a.entropy_target,
+            entropy_coef_delta=a.entropy_coef_delta,
+            entropy_coef_min=a.entropy_coef_min,
+            entropy_coef_max=a.entropy_coef_max,
+        )
+
         def loss_fn(params, state, mb, rng, extras) -> tuple[jax.Array, Any]:
             model = self.apply_model(params, state)
-            logps_BC, stats = completion_logprobs(
-                model, mb, temperature=a.temperature, chunk_size=chunk, with_stats=True
-            )
+            if bonus:
+                logps_BC, stats, entropies_BC = completion_logprobs_and_entropy(
+                    model, mb, temperature=a.temperature, chunk_size=chunk
+                )
+            else:
+                logps_BC, stats = completion_logprobs(
+                    model, mb, temperature=a.temperature, chunk_size=chunk, with_stats=True
+                )
+                entropies_BC = stats["entropy"]
             mask_BC = mb["completion_mask"]
             entropy_mask = (
                 high_entropy_mask(stats["entropy"], mask_BC, a.top_entropy_quantile)
                 if a.top_entropy_quantile < 1.0
                 else None
             )
+            coef = None
+            if adaptive:
+                # The step's coefficient: the state's (the previous optimizer step's), gated.
+                ctrl = state.extras["entropy_control"]
+                coef = entropy_bonus_coef(
+                    ctrl["entropy_coef"], ctrl["last_world_entropy"], a.entropy_target
+                )
+            elif bonus:
+                coef = a.entropy_coef
             loss_sum, aux = grpo_loss(
                 logps_BC,
                 mb["advantages"],
@@ -88,7 +181,8 @@ class GRPOTrainer(OnPolicyTrainer):
                 old_per_token_logps_BT=mb.get("old_logps"),
                 ref_per_token_logps_BT=mb.get("ref_logps"),
                 entropy_mask_BT=entropy_mask,
-                entropies_BT=stats["entropy"],
+                entropies_BT=entropies_BC,
+                entropy_coef=coef,
                 # TRL: the generation batch's tokens x accumulation / steps_per_generation per
                 # optimizer step, i.e. its tokens / steps_per_generation per micro-batch. An eval
                 # batch carries none: TRL's eval normaliser is the batch's own token count.
@@ -99,6 +193,44 @@ class GRPOTrainer(OnPolicyTrainer):
                 ),
                 **loss_kwargs,
             )
+            # An eval batch carries no `num_items_in_batch` (`_eval_batch`): TRL's eval mode,
+            # where `policy_loss` is the batch's and the controller neither moves nor logs.
+            training = "num_items_in_batch" in mb
+            if not (bonus and training):
+                return loss_sum, (aux, extras)
+            if token_normalised:
+                # TRL's `policy_loss` of a token-normalised type is each micro-batch's share of
+                # the step's loss (its normaliser spans the accumulation window), averaged over
+                # the micro-batches: the step's policy loss / accumulation steps.
+                aux["count"]["policy_loss"] = aux["count"]["policy_loss"] * accum
+            if not adaptive:
+                aux["sum"]["entropy_coef"] = jnp.float32(a.entropy_coef)
+                aux["count"]["entropy_coef"] = jnp.float32(1.0)
+                return loss_sum, (aux, extras)
+            # The controller: this micro-batch's entropy joins the step's window; the last
+            # micro-batch of the optimizer step moves the coefficient (TRL at sync_gradients).
+            ctrl = extras["entropy_control"]
+            m_BC = entropy_bonus_mask(mask_BC, entropy_mask)
+            entropy_sum = jnp.sum(jax.lax.stop_gradient(stats["entropy"]) * m_BC)
+            window = ctrl["window"] + jnp.stack([entropy_sum, jnp.sum(m_BC)])
+            micro_steps = ctrl["micro_steps"] + 1
+            last = micro_steps >= accum
+            world_entropy = window[0] / jnp.maximum(window[1], 1.0)
+            updated = adaptive_entropy_coef(ctrl["entropy_coef"], world_entropy, **controller)
+            extras = {
+                **extras,
+                "entropy_control": {
+                    "entropy_coef": jnp.where(last, updated, ctrl["entropy_coef"]),
+                    "last_world_entropy": jnp.where(
+                        last, world_entropy, ctrl["last_world_entropy"]
+                    ),
+                    "window": jnp.where(last, jnp.zeros_like(window), window),
+                    "micro_steps": jnp.where(last, 0, micro_steps),
+                },
+            }
+            # TRL logs the coefficient once per optimizer step, after its update.
+            aux["sum"]["entropy_coef"] = jnp.where(last, updated, 0.0)
+            aux["count"]["entropy_coef"] = last.astype(jnp.float32)
             return loss_sum, (aux, extras)
 
         return loss_fn

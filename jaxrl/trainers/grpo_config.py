@@ -1,12 +1,13 @@
 """`GRPOConfig`: TRL 1.16's `GRPOConfig` fields and defaults for `GRPOTrainer`.
 
 The shared generation/batching fields live in `OnPolicyConfig`; this file adds the GRPO loss
-fields. Fields for features jaxrl does not implement (adaptive entropy bonus, tool calling,
-vLLM importance-sampling correction) are accepted at their defaults and rejected otherwise.
+fields. Fields for features jaxrl does not implement (tool calling, vLLM importance-sampling
+correction) are accepted at their defaults and rejected otherwise.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from jaxrl.config import ConfigError
@@ -15,12 +16,6 @@ from jaxrl.trainers.onpolicy_config import OnPolicyConfig
 
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 _UNSUPPORTED_GRPO = {
-    "entropy_coef": (0.0, "the entropy bonus is not implemented"),
-    "use_adaptive_entropy": (False, "the adaptive entropy bonus is not implemented"),
-    "entropy_coef_min": (0.0, "the adaptive entropy bonus is not implemented"),
-    "entropy_coef_max": (1.0, "the adaptive entropy bonus is not implemented"),
-    "entropy_coef_delta": (0.005, "the adaptive entropy bonus is not implemented"),
-    "entropy_target": (0.2, "the adaptive entropy bonus is not implemented"),
     "max_tool_calling_iterations": (None, "tool calling is not implemented"),
     # The vLLM importance-sampling correction only acts when generating with vLLM.
     "vllm_importance_sampling_correction": (True, "vLLM is not used"),
@@ -99,3 +94,37 @@ class GRPOConfig(OnPolicyConfig):
             )
         if self.delta is not None and self.delta <= 1.0:
             raise ConfigError(f"`delta` must be > 1 (a cap on the ratio); got {self.delta}.")
+        self._check_entropy_bonus()
+
+    def _check_entropy_bonus(self) -> None:
+        """TRL 1.16 checks none of the entropy-bonus fields; jaxrl rejects the settings its
+        controller cannot mean: a NaN anywhere (it would poison the loss or freeze the
+        controller), and under `use_adaptive_entropy` an empty clamp range or a negative step."""
+        names = (
+            "entropy_coef",
+            "entropy_coef_min",
+            "entropy_coef_max",
+            "entropy_coef_delta",
+            "entropy_target",
+        )
+        for name in names:
+            if math.isnan(getattr(self, name)):
+                raise ConfigError(f"`{name}` must be a number; got nan.")
+        if not math.isfinite(self.entropy_coef):
+            raise ConfigError(
+                f"`entropy_coef` must be finite (the loss subtracts entropy_coef x entropy); "
+                f"got {self.entropy_coef}."
+            )
+        if not self.use_adaptive_entropy:
+            return
+        if self.entropy_coef_min > self.entropy_coef_max:
+            raise ConfigError(
+                f"`entropy_coef_min` ({self.entropy_coef_min}) must be <= `entropy_coef_max` "
+                f"({self.entropy_coef_max}): adaptive entropy control clamps the coefficient "
+                "to [entropy_coef_min, entropy_coef_max]."
+            )
+        if self.entropy_coef_delta < 0:
+            raise ConfigError(
+                f"`entropy_coef_delta` must be >= 0 (the step adaptive entropy control moves "
+                f"the coefficient by); got {self.entropy_coef_delta}."
+            )

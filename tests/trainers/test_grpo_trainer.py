@@ -214,8 +214,8 @@ def test_config_validation():
         GRPOConfig(num_generations=1)
     with pytest.raises(ConfigError, match="use_vllm"):
         GRPOConfig(use_vllm=True)
-    with pytest.raises(ConfigError, match="entropy_coef"):
-        GRPOConfig(entropy_coef=0.1)
+    with pytest.raises(ConfigError, match="max_tool_calling_iterations"):
+        GRPOConfig(max_tool_calling_iterations=2)
     assert GRPOConfig(scale_rewards=False).scale_rewards == "none"
     c = GRPOConfig()
     assert (c.learning_rate, c.num_generations, c.max_completion_length, c.beta, c.loss_type) == (
