@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from jaxrl import models
+from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.data import task
 from jaxrl.trainers.onpolicy import completion_logprobs
 
@@ -44,3 +45,14 @@ def recompute_logps(model_dir: str, rollout: dict, temperature: float = 1.0) -> 
         lambda b: completion_logprobs(model, b, temperature=temperature, chunk_size=128)
     )(batch)
     return np.asarray(logps)
+
+
+class StopAt(TrainerCallback):
+    """Stops the run after optimizer step `step` (a kill right after a checkpoint)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.step:
+            control.should_training_stop = True

@@ -14,11 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from onpolicy_utils import RecordingReward, prompt_rows
+from onpolicy_utils import RecordingReward, StopAt, prompt_rows
 from trainer_utils import base_args, train_logs
 
 from jaxrl import models
-from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.config import ConfigError
 from jaxrl.trainers.grpo import GRPOTrainer, completion_logprobs_and_entropy
 from jaxrl.trainers.grpo_config import GRPOConfig
@@ -223,15 +222,6 @@ def test_eval_applies_the_bonus_but_never_moves_the_controller(adaptive_run):
     assert aux["sum"]["policy_loss"].sum() / aux["count"]["policy_loss"].sum() == pytest.approx(
         float(policy), rel=1e-5, abs=1e-6
     )
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kw):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 @pytest.mark.slow

@@ -9,10 +9,9 @@ import chex
 import jax
 import numpy as np
 import pytest
-from onpolicy_utils import RecordingReward, prompt_rows, recompute_logps
+from onpolicy_utils import RecordingReward, StopAt, prompt_rows, recompute_logps
 from trainer_utils import base_args, train_logs
 
-from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.config import ConfigError
 from jaxrl.losses.grpo import grpo_advantages, grpo_loss
 from jaxrl.trainers.grpo import GRPOTrainer
@@ -115,17 +114,6 @@ def test_one_prefill_per_prompt_batch(hf_model_dir, tokenizer, tmp_path):
     trainer.train()
     assert seen == [(2, 4)]  # 2 prompts prefilled once, their caches shared by 4 completions
     assert trainer.rollout["input_ids"].shape[0] == 8
-
-
-class StopAt(TrainerCallback):
-    """Stops the run after optimizer step `step` (a kill right after a checkpoint)."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kw):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 @pytest.mark.slow
