@@ -43,6 +43,7 @@ from jaxrl.trainers.evaluation import (
     EvalPrediction,
     PredictionGatherer,
     PredictionOutput,
+    hf_eval_loss,
     prefixed,
     speed_metrics,
 )
@@ -629,14 +630,14 @@ class Trainer(TrainLoop):
 
         Averaged as HF and TRL do: each metric's value is taken per eval batch
         (`per_device_eval_batch_size` x data-parallel devices; the last one holds the remaining
-        examples), then the loss is averaged over the batches weighted by their example counts
-        (HF's `eval_loss`) and every other metric, a batch's min and max included, is the plain
+        examples), then the loss is averaged over the batches weighted by their example counts,
+        non-finite ones left out (HF's `eval_loss`, `hf_eval_loss`) and every other metric, a batch's min and max included, is the plain
         mean of the batch values (TRL's `log()`). `num_tokens` is the training tokens seen so
         far, as TRL logs it at evaluation. HF's `{prefix}_runtime`, `_samples_per_second` and
         `_steps_per_second` are added."""
         start = time.time()
         batch_values: dict[str, list[float]] = {}
-        loss_sum = loss_weight = 0.0
+        batch_losses: list[float] = []
         seen_totals: set[str] = set()
         # HF drops model outputs named in ignore_keys; the only output here is `logits`.
         want_predictions = want_predictions and "logits" not in (ignore_keys or [])
@@ -644,7 +645,7 @@ class Trainer(TrainLoop):
         preds = PredictionGatherer(self._prediction_groups)
         labels = PredictionGatherer(self._prediction_groups)
         bs = self.args.per_device_eval_batch_size * self.dp
-        for i, host in enumerate(self._eval_batches(ds)):
+        for host in self._eval_batches(ds):
             batch = self._to_device(host)
             aux = jax.device_get(self._jit_eval_step(self.train_state, batch))
             values = {
@@ -656,8 +657,7 @@ class Trainer(TrainLoop):
             seen_totals.update(aux.get("total", {}))
             for k, v in values.items():
                 if k == self._loss_metric:
-                    n = float(min(bs, len(ds) - i * bs))  # the batch's real examples
-                    loss_sum, loss_weight = loss_sum + v * n, loss_weight + n
+                    batch_losses.append(v)
                 else:
                     batch_values.setdefault(k, []).append(v)
             if predict is not None:
@@ -666,8 +666,8 @@ class Trainer(TrainLoop):
                 preds.add(p, keep)
                 labels.add(lab, keep)
         metrics = {}
-        if loss_weight > 0:
-            metrics[self._loss_metric] = loss_sum / loss_weight
+        if batch_losses:
+            metrics[self._loss_metric] = hf_eval_loss(batch_losses, len(ds), bs)
         metrics.update({k: float(np.mean(v)) for k, v in batch_values.items()})
         if "num_tokens" in seen_totals:
             metrics["num_tokens"] = float(getattr(self, "_tokens_seen", 0))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -109,3 +110,25 @@ def speed_metrics(prefix: str, start_time: float, num_samples: int, batch_size: 
         out[f"{prefix}_samples_per_second"] = round(num_samples / runtime, 3)
         out[f"{prefix}_steps_per_second"] = round(steps / runtime, 3)
     return out
+
+
+def hf_eval_loss(batch_losses: Sequence[float], num_samples: int, batch_size: int) -> float:
+    """HF's `eval_loss` from the losses of eval batches of `batch_size` examples over an eval
+    dataset of `num_samples`.
+
+    HF repeats each batch's loss `batch_size` times and averages the lot; accelerate's
+    `gather_for_metrics` cuts the last batch's copies to `num_samples % batch_size` when that is
+    non-zero. (For TRL's GRPO/RLOO the dataset holds prompts and a batch `batch_size`
+    completions, so that remainder counts prompts.) As HF's `logging_nan_inf_filter` (default
+    True), non-finite losses are left out when some are finite. NaN when there is no batch.
+    """
+    if not batch_losses:
+        return math.nan
+    weights = [batch_size] * len(batch_losses)
+    if num_samples % batch_size:
+        weights[-1] = num_samples % batch_size
+    losses = np.repeat(np.asarray(batch_losses, np.float64), weights)
+    finite = np.isfinite(losses)
+    if finite.any():
+        losses = losses[finite]
+    return float(losses.mean())

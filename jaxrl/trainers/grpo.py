@@ -39,7 +39,7 @@ from jaxrl.losses.grpo import (
 )
 from jaxrl.rewards import group_reward_metrics
 from jaxrl.trainers.grpo_config import GRPOConfig
-from jaxrl.trainers.onpolicy import OnPolicyTrainer, completion_logprobs
+from jaxrl.trainers.onpolicy import OnPolicyTrainer, completion_hidden, completion_logprobs
 
 
 def completion_logprobs_and_entropy(
@@ -49,16 +49,12 @@ def completion_logprobs_and_entropy(
     gradient through the LM head (`entropy_with_head_grad`), for the entropy bonus: the same
     forward (hidden states of `prompt + completion`, the C positions that predict completion
     tokens through the unembedding divided by `temperature`), its hidden states kept."""
-    ids_BT = batch["input_ids"]
-    n_completion = batch["completion_mask"].shape[1]
-    n_prompt = ids_BT.shape[1] - n_completion
-    h_BTD = model.hidden_states(ids_BT, batch["attention_mask"])
-    h_BCD = h_BTD[:, n_prompt - 1 : n_prompt + n_completion - 1]
+    h_BCD, targets_BC = completion_hidden(model, batch)
     unembed_DV = model.unembed_weight()
     logps_BC, stats = token_logprobs(
         h_BCD,
         unembed_DV,
-        ids_BT[:, n_prompt:],
+        targets_BC,
         chunk_size=chunk_size,
         with_stats=True,
         temperature=temperature,

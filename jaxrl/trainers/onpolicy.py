@@ -67,12 +67,22 @@ from jaxrl.rewards import (
     reward_func_name,
 )
 from jaxrl.trainers.base import Trainer
-from jaxrl.trainers.evaluation import speed_metrics
+from jaxrl.trainers.evaluation import hf_eval_loss, speed_metrics
 from jaxrl.trainers.onpolicy_config import OnPolicyConfig
 
 logger = logging.getLogger("jaxrl")
 
 PROMPT_IDS = "prompt_ids"  # the tokenized prompt column added by `_prepare_dataset`
+
+
+def completion_hidden(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """The hidden states `[B, C, D]` at the C positions of `prompt + completion` rows that
+    predict completion tokens, and those tokens `[B, C]` (see `completion_logprobs`)."""
+    ids_BT = batch["input_ids"]
+    n_completion = batch["completion_mask"].shape[1]
+    n_prompt = ids_BT.shape[1] - n_completion
+    h_BTD = model.hidden_states(ids_BT, batch["attention_mask"])
+    return h_BTD[:, n_prompt - 1 : n_prompt + n_completion - 1], ids_BT[:, n_prompt:]
 
 
 def completion_logprobs(
@@ -89,41 +99,15 @@ def completion_logprobs(
     `completion_mask` `[B, C]`. Only the C positions that predict completion tokens go through
     the unembedding, divided by `temperature` as TRL.
     """
-    ids_BT = batch["input_ids"]
-    n_completion = batch["completion_mask"].shape[1]
-    n_prompt = ids_BT.shape[1] - n_completion
-    h_BTD = model.hidden_states(ids_BT, batch["attention_mask"])
-    h_BCD = h_BTD[:, n_prompt - 1 : n_prompt + n_completion - 1]
+    h_BCD, targets_BC = completion_hidden(model, batch)
     return token_logprobs(
         h_BCD,
         model.unembed_weight(),
-        ids_BT[:, n_prompt:],
+        targets_BC,
         chunk_size=chunk_size,
         with_stats=with_stats,
         temperature=temperature,
     )
-
-
-def hf_eval_loss(batch_losses: Sequence[float], num_prompts: int, batch_size: int) -> float:
-    """HF's `eval_loss` over TRL's GRPO/RLOO eval batches (`batch_size` completions each).
-
-    HF repeats each batch's loss `batch_size` times and averages the lot; accelerate's
-    `gather_for_metrics` cuts the last batch's copies to `len(eval_dataset) % batch_size` when
-    that is non-zero. The eval dataset holds prompts (TRL's sampler repeats each
-    `num_generations_eval` times), so that remainder counts prompts, not completions. As HF's
-    `logging_nan_inf_filter` (default True), non-finite losses are left out when some are
-    finite. NaN when there is no batch.
-    """
-    if not batch_losses:
-        return math.nan
-    weights = [batch_size] * len(batch_losses)
-    if num_prompts % batch_size:
-        weights[-1] = num_prompts % batch_size
-    losses = np.repeat(np.asarray(batch_losses, np.float64), weights)
-    finite = np.isfinite(losses)
-    if finite.any():
-        losses = losses[finite]
-    return float(losses.mean())
 
 
 # `generation_kwargs` keys the rollouts honour (the sampler's fields), accept as harmless, or

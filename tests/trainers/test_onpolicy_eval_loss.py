@@ -19,9 +19,9 @@ import pytest
 from onpolicy_utils import prompt_rows, recompute_logps
 from trainer_utils import base_args
 
+from jaxrl.trainers.evaluation import hf_eval_loss
 from jaxrl.trainers.grpo import GRPOTrainer
 from jaxrl.trainers.grpo_config import GRPOConfig
-from jaxrl.trainers.onpolicy import hf_eval_loss
 from jaxrl.trainers.rloo import RLOOTrainer
 from jaxrl.trainers.rloo_config import RLOOConfig
 
