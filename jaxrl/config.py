@@ -81,6 +81,9 @@ LR_SCHEDULER_KWARGS: dict[str, tuple[str, ...]] = {
 }
 WSD_SHAPES = ("linear", "cosine", "1-sqrt")
 STRATEGIES = ("no", "steps", "epoch")
+# HF's train_sampling_strategy values jaxrl implements ("batch_rebalance" is rejected).
+TRAIN_SAMPLING_STRATEGIES = ("random", "sequential", "group_by_length")
+INPUT_TOKEN_COUNTS = ("all", "non_padding", "no")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
 REPORT_TO = ("none", "all", "wandb", "tensorboard")
@@ -112,7 +115,21 @@ DPO_LOSS_TYPES = (
     "sft",
     "sigmoid_norm",
 )
+# TRL's `f_divergence_type` values and the loss types that accept a non-default one (equal to
+# jaxrl.losses.dpo.F_DIVERGENCE_TYPES / F_DIVERGENCE_LOSS_TYPES).
+DPO_F_DIVERGENCE_TYPES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+DPO_F_DIVERGENCE_LOSS_TYPES = (
+    "sigmoid",
+    "sigmoid_norm",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "robust",
+    "discopop",
+    "sft",
+)
 REF_MODEL_QUANTIZATIONS = ("int8",)
+SFT_LOSS_TYPES = ("nll", "dft")  # equal to jaxrl.losses.sft.SFT_LOSS_TYPES
 
 
 def _check(ok: bool, message: str) -> None:
@@ -217,6 +234,9 @@ class TrainingConfig(_ForeignTrainingFields):
     eval_strategy: str = "no"
     eval_steps: int | float | None = None  # None -> logging_steps, as HF
     eval_on_start: bool = False  # HF: one evaluation before the first step (a baseline)
+    # HF: no periodic evaluation before this many steps (eval_strategy "steps") or epochs
+    # ("epoch"); eval_on_start is not delayed.
+    eval_delay: float = 0.0
     save_strategy: str = "steps"
     save_steps: int | float = 500
     save_total_limit: int | None = None
@@ -243,6 +263,28 @@ class TrainingConfig(_ForeignTrainingFields):
     do_eval: bool = False
     do_predict: bool = False
     seed: int = 42
+    # HF: the seed of the training data order (None -> `seed`); model init and the step rngs
+    # (NEFTune noise, LoRA dropout) keep following `seed`.
+    data_seed: int | None = None
+    # HF's training samplers: "random" (a seeded permutation per epoch), "sequential" (dataset
+    # order) or "group_by_length" (HF's LengthGroupedSampler: each epoch's permutation cut into
+    # megabatches of min(50, N // (4 * b)) * b examples, b = per_device_train_batch_size *
+    # gradient_accumulation_steps, each sorted longest first, the longest example first of all).
+    # Eval batches keep dataset order (HF 5.x also length-groups them; every jaxrl batch has one
+    # static shape, so grouping saves no padding there). "batch_rebalance" is rejected.
+    train_sampling_strategy: str = "random"
+    # HF: the train dataset column holding each example's length for "group_by_length" (used
+    # while the prepared rows are the dataset's examples one to one); without it, the length of
+    # each prepared row's `input_ids` (SFT), as HF computes it.
+    length_column_name: str = "length"
+    # NEFTune (https://arxiv.org/abs/2310.05914): in training forwards of the policy only, add
+    # U(-m, m) noise with m = alpha / sqrt(T * hidden_size) to the token embeddings, T the length
+    # TRL's collator pads the forward's per-device batch to (see jaxrl.trainers.neftune). The
+    # paper uses 5-15; None: off. SFT, reward and DPO trainers.
+    neftune_noise_alpha: float | None = None
+    # HF: also log `num_input_tokens_seen`, the training input tokens so far: "all" (every
+    # position of TRL's padded batches) or "non_padding" (real tokens); True/False = "all"/"no".
+    include_num_input_tokens_seen: str | bool = "no"
     bf16: bool | None = None  # TRL: None -> True unless fp16
     fp16: bool = False
     gradient_checkpointing: bool = True  # TRL default
@@ -341,6 +383,7 @@ class TrainingConfig(_ForeignTrainingFields):
             f"`max_steps` must be -1 (use num_train_epochs) or > 0; got {self.max_steps}.",
         )
         self._validate_intervals()
+        self._validate_sampling()
         _check(
             self.save_total_limit is None or self.save_total_limit >= 1,
             f"`save_total_limit` must be None (keep all) or >= 1; got {self.save_total_limit}.",
@@ -450,11 +493,14 @@ class TrainingConfig(_ForeignTrainingFields):
 
     @classmethod
     def _all_foreign_fields(cls) -> tuple[Foreign, ...]:
-        """Foreign fields of this class and its bases (each class lists only its own)."""
+        """Foreign fields of this class and its bases (each class lists only its own), less
+        those a subclass implements (its `IMPLEMENTED_FIELDS`)."""
         seen: dict[str, Foreign] = {}
         for klass in reversed(cls.__mro__):
             for f in klass.__dict__.get("FOREIGN_FIELDS", ()):
                 seen[f.name] = f
+            for name in klass.__dict__.get("IMPLEMENTED_FIELDS", ()):
+                seen.pop(name, None)
         return tuple(seen.values())
 
     def _validate_best_model(self) -> None:
@@ -536,6 +582,37 @@ class TrainingConfig(_ForeignTrainingFields):
             self.eval_steps = self.logging_steps
         self.eval_steps = _check_steps("eval_steps", self.eval_steps)
         self.save_steps = _check_steps("save_steps", self.save_steps)
+
+    def _validate_sampling(self) -> None:
+        """HF's data-order, NEFTune and token-count fields."""
+        _check(
+            math.isfinite(self.eval_delay) and self.eval_delay >= 0,
+            f"`eval_delay` must be a number >= 0 (steps or epochs); got {self.eval_delay}.",
+        )
+        _check(
+            self.train_sampling_strategy != "batch_rebalance",
+            "`train_sampling_strategy='batch_rebalance'` is not supported: HF's "
+            "BatchRebalanceSampler gives micro-batches of different sizes, but a jaxrl step "
+            "compiles one static batch shape (every row padded to the run's one length, so there "
+            "is no padding cost to rebalance); use 'random' or 'group_by_length'.",
+        )
+        _check_choice(
+            "train_sampling_strategy", self.train_sampling_strategy, TRAIN_SAMPLING_STRATEGIES
+        )
+        _check(bool(self.length_column_name), "`length_column_name` must be a column name.")
+        _check(
+            self.neftune_noise_alpha is None
+            or (math.isfinite(self.neftune_noise_alpha) and self.neftune_noise_alpha >= 0),
+            f"`neftune_noise_alpha` must be None or a number >= 0 (the paper uses 5-15); got "
+            f"{self.neftune_noise_alpha}.",
+        )
+        seen = self.include_num_input_tokens_seen
+        if isinstance(seen, str) and seen.lower() in ("true", "false"):  # a CLI boolean
+            seen = seen.lower() == "true"
+        if isinstance(seen, bool):  # HF: True -> "all", False -> "no"
+            seen = "all" if seen else "no"
+        _check_choice("include_num_input_tokens_seen", seen, INPUT_TOKEN_COUNTS)
+        self.include_num_input_tokens_seen = seen
 
     @staticmethod
     def _normalise_report_to(report_to: str | list[str] | None) -> list[str]:
@@ -661,6 +738,8 @@ class SFTConfig(_with_foreign("_SFTForeign", config_fields.SFT)):
     """TRL `SFTConfig` fields we implement."""
 
     FOREIGN_FIELDS: typing.ClassVar[tuple[Foreign, ...]] = config_fields.SFT
+    # HF TrainingArguments fields that the other trainers reject and SFT implements.
+    IMPLEMENTED_FIELDS: typing.ClassVar[tuple[str, ...]] = ("label_smoothing_factor",)
 
     learning_rate: float = 2e-5
     dataset_text_field: str = "text"
@@ -674,21 +753,44 @@ class SFTConfig(_with_foreign("_SFTForeign", config_fields.SFT)):
     dataset_num_proc: int | None = None
     eos_token: str | None = None
     pad_token: str | None = None
-    # TRL 1.16: "keep_start" cuts a long sequence's end; "keep_end" is deprecated there.
+    # TRL 1.16: "keep_start" keeps a long sequence's first `max_length` tokens, "keep_end"
+    # (deprecated there) its last ones. Unpacked rows only: packing cuts into rows instead.
     truncation_mode: str = "keep_start"
-    loss_type: str = "nll"  # TRL also has "dft"; only the NLL is implemented
+    # "nll", or "dft" (Dynamic Fine-Tuning, https://huggingface.co/papers/2508.05629: each
+    # token's NLL scaled by its probability, without gradient). "chunked_nll" is TRL's
+    # deprecated alias of "nll".
+    loss_type: str = "nll"
+    # HF's label smoothing (`LabelSmoother`), which TRL 1.16's SFTTrainer applies with the NLL
+    # loss (deprecated there): (1 - eps) x NLL + eps x the mean over tokens of
+    # -(1/V) sum_v log p_v. jaxrl computes it in the fused LM head (no full logits).
+    label_smoothing_factor: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check(
-            self.truncation_mode == "keep_start",
-            f"`truncation_mode={self.truncation_mode!r}` is not supported for SFT: jaxrl keeps a "
-            "sequence's first `max_length` tokens ('keep_start', TRL's default; TRL deprecates "
-            "'keep_end').",
+            0.0 <= self.label_smoothing_factor < 1.0,
+            f"`label_smoothing_factor` must be in [0, 1); got {self.label_smoothing_factor}.",
         )
+        _check_choice("truncation_mode", self.truncation_mode, TRUNCATION_MODES)
+        if self.truncation_mode == "keep_end":
+            warnings.warn(
+                "truncation_mode='keep_end' is deprecated in TRL 1.16 (to be removed in TRL 2.0); "
+                "the default 'keep_start' keeps each sequence's first tokens.",
+                FutureWarning,
+                stacklevel=3,
+            )
+        if self.loss_type == "chunked_nll":
+            warnings.warn(
+                "loss_type='chunked_nll' is TRL's deprecated alias of 'nll'; use 'nll'.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            self.loss_type = "nll"
+        _check_choice("loss_type", self.loss_type, SFT_LOSS_TYPES)
         _check(
-            self.loss_type == "nll",
-            f"`loss_type={self.loss_type!r}` is not supported for SFT; only 'nll' is implemented.",
+            not (self.label_smoothing_factor and self.loss_type == "dft"),
+            "`label_smoothing_factor` smooths the NLL loss; TRL ignores it with `loss_type='dft'`. "
+            "Set one of them back to its default.",
         )
         if self.max_seq_length is not None:
             warnings.warn(
@@ -784,6 +886,19 @@ class DPOConfig(_with_foreign("_DPOForeign", config_fields.DPO)):
     ref_model_mixup_alpha: float = 0.6
     ref_model_sync_steps: int = 512
     discopop_tau: float = 0.05
+    # LD-DPO (https://huggingface.co/papers/2409.06411): each completion's log-prob sums its
+    # first min(len(chosen), len(rejected)) tokens in full and the rest scaled by `ld_alpha`, for
+    # the policy and the reference alike. None: plain sums (standard DPO).
+    ld_alpha: float | None = None
+    # f-DPO (https://huggingface.co/papers/2309.16240): the pair's score difference uses
+    # f'(pi / pi_ref) of this divergence instead of the log-ratio (reverse KL). Rewards stay
+    # beta * log-ratio, as in TRL.
+    f_divergence_type: str = "reverse_kl"
+    f_alpha_divergence_coef: float = 0.5  # alpha of `alpha_divergence`
+    # WPO (https://huggingface.co/papers/2406.11827): each pair's loss is scaled by the product of
+    # its two completions' weights exp(mean_t [log p(y_t) - log sum_v p_v^2]) under the current
+    # policy, without gradient.
+    use_weighting: bool = False
     dataset_num_proc: int | None = None
     # jaxrl: store the frozen reference weights as int8 to halve/quarter their memory.
     ref_model_quantization: str | None = None
@@ -853,6 +968,31 @@ class DPOConfig(_with_foreign("_DPOForeign", config_fields.DPO)):
             f"`ref_model_sync_steps` must be >= 1; got {self.ref_model_sync_steps}.",
         )
         _check(self.discopop_tau > 0, f"`discopop_tau` must be > 0; got {self.discopop_tau}.")
+        _check(
+            self.ld_alpha is None or 0.0 <= self.ld_alpha <= 1.0,
+            f"`ld_alpha` must be None or in [0, 1] (1 weighs every token fully, 0 drops the tokens "
+            f"past the shorter completion's length); got {self.ld_alpha}.",
+        )
+        _check_choice("f_divergence_type", self.f_divergence_type, DPO_F_DIVERGENCE_TYPES)
+        if self.f_divergence_type != "reverse_kl":
+            other = [t for t in self.loss_type if t not in DPO_F_DIVERGENCE_LOSS_TYPES]
+            _check(
+                not other,
+                f"`f_divergence_type={self.f_divergence_type!r}` is only defined for the loss types "
+                f"built on the chosen-rejected score difference {list(DPO_F_DIVERGENCE_LOSS_TYPES)}, "
+                f"not {other}; use `f_divergence_type='reverse_kl'` with those.",
+            )
+        _check(
+            not (self.use_weighting and {"aot", "aot_unpaired"} & set(self.loss_type)),
+            "`use_weighting=True` (WPO) is not defined for 'aot' / 'aot_unpaired': they sort the "
+            "pairs, which would misalign the per-pair weights (as in TRL). Drop one of them.",
+        )
+        _check(
+            not (self.use_weighting and "sft" in self.loss_type),
+            "`use_weighting=True` (WPO) weighs pairs, and the 'sft' loss is one NLL over the "
+            "batch's chosen tokens, not a per-pair loss; TRL 1.16's DPOTrainer fails on this "
+            "combination too. Drop 'sft' from `loss_type` or set `use_weighting=False`.",
+        )
         for name in ("precompute_ref_batch_size", "dataset_num_proc"):
             value = getattr(self, name)
             _check(value is None or value >= 1, f"`{name}` must be None or >= 1; got {value}.")

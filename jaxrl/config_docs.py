@@ -55,6 +55,21 @@ MAPPED = {
     "model_revision": "only main",
 }
 
+# Notes on implemented fields whose scope or details differ somewhere from TRL's.
+NOTES = {
+    "neftune_noise_alpha": "SFT/reward/DPO: the policy's training forwards only (never the "
+    "reference), magnitude from TRL's per-device padded length; GRPO/RLOO reject it",
+    "eval_delay": "as HF, all trainers",
+    "data_seed": "SFT/reward/DPO training order; GRPO/RLOO reject it (TRL's sampler uses `seed`)",
+    "train_sampling_strategy": "random, sequential, group_by_length (HF's megabatches; eval "
+    "keeps dataset order); batch_rebalance rejected (one static batch shape); GRPO/RLOO reject "
+    "it",
+    "length_column_name": "read while the prepared rows are the dataset's examples one to one; "
+    "else input_ids lengths (SFT) or an error naming the fix (reward/DPO, as HF)",
+    "include_num_input_tokens_seen": "SFT/reward/DPO, counted on the batches as TRL collates "
+    "them; GRPO/RLOO reject it (their `num_tokens` is TRL's count)",
+}
+
 SECTIONS = (
     ("TrainingArguments (transformers)", "TrainingArguments", config.TrainingConfig),
     ("SFTConfig (trl)", "SFTConfig", config.SFTConfig),
@@ -98,7 +113,7 @@ def status(cls: type, name: str) -> tuple[str, str]:
     if name in MAPPED:
         return "mapped", MAPPED[name]
     if name in {f.name for f in dataclasses.fields(cls)}:
-        return "implemented", ""
+        return "implemented", NOTES.get(name, "")
     return "missing", ""
 
 

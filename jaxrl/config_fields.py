@@ -57,8 +57,8 @@ TRAINING_ARGUMENTS = (
         "label_smoothing_factor",
         float,
         0.0,
-        "HF applies it to its own cross-entropy; TRL "
-        "trainers compute their own losses (DPO: use `label_smoothing`)",
+        "SFT applies it (HF's label smoothing); the reward, DPO and on-policy trainers compute "
+        "their own losses, as TRL's do (DPO: use `label_smoothing`)",
     ),
     Foreign("bf16_full_eval", bool, False, "eval runs in the training compute dtype (`bf16`)"),
     Foreign("fp16_full_eval", bool, False, "eval runs in the training compute dtype (`fp16`)"),
@@ -81,9 +81,6 @@ TRAINING_ARGUMENTS = (
     Foreign("liger_kernel_config", dict | None, None, "see `use_liger_kernel`"),
     Foreign("use_cache", bool, False, "training never uses a KV cache in jaxrl"),
     Foreign(
-        "neftune_noise_alpha", float | None, None, "NEFTune embedding noise is not implemented"
-    ),
-    Foreign(
         "torch_empty_cache_steps",
         int | None,
         None,
@@ -104,7 +101,6 @@ TRAINING_ARGUMENTS = (
         "jaxrl stops the run with a clear error on the "
         "first NaN/Inf metric instead of filtering it",
     ),
-    Foreign("include_num_input_tokens_seen", str | bool, "no", "jaxrl always logs `num_tokens`"),
     Foreign("log_level", str, "passive", "configure Python's `logging` for the 'jaxrl' logger"),
     Foreign("log_level_replica", str, "warning", "jaxrl logs from process 0 only"),
     Foreign(
@@ -116,7 +112,6 @@ TRAINING_ARGUMENTS = (
     Foreign("trackio_space_id", str | None, None, "trackio is not integrated"),
     Foreign("trackio_bucket_id", str | None, None, "trackio is not integrated"),
     Foreign("trackio_static_space_id", str | bool | None, None, "trackio is not integrated"),
-    Foreign("eval_delay", float, 0.0, "not implemented; start evaluation with `eval_steps`"),
     Foreign("prediction_loss_only", bool, False, "`compute_metrics` decides what eval computes"),
     Foreign("eval_do_concat_batches", bool, True, _EVAL),
     Foreign("eval_use_gather_object", bool, False, _EVAL),
@@ -148,7 +143,6 @@ TRAINING_ARGUMENTS = (
         False,
         "XLA on one device is deterministic for a given `seed`; there is no torch flag to set",
     ),
-    Foreign("data_seed", int | None, None, "the data order follows `seed`"),
     Foreign("accelerator_config", dict | str | None, None, "there is no accelerate Accelerator"),
     Foreign(
         "parallelism_config",
@@ -164,13 +158,6 @@ TRAINING_ARGUMENTS = (
     Foreign("dataloader_multiprocessing_context", str | None, None, _LOADER),
     Foreign("dataloader_in_order", bool, True, _LOADER),
     Foreign("label_names", list[str] | None, None, "each trainer knows its label columns"),
-    Foreign(
-        "train_sampling_strategy",
-        str,
-        "random",
-        "training always samples a seeded random permutation per epoch",
-    ),
-    Foreign("length_column_name", str, "length", "length-grouped sampling is not implemented"),
     Foreign("ddp_find_unused_parameters", bool | None, None, _DDP),
     Foreign("ddp_bucket_cap_mb", int | None, None, _DDP),
     Foreign("ddp_broadcast_buffers", bool | None, None, _DDP),
@@ -256,15 +243,6 @@ DPO = (
     *_TRL_COMMON,
     _PADDING_FREE,
     _ROUTER,
-    Foreign("ld_alpha", float | None, None, "LD-DPO is not implemented"),
-    Foreign(
-        "f_divergence_type",
-        str,
-        "reverse_kl",
-        "f-DPO divergences other than reverse KL are not implemented",
-    ),
-    Foreign("f_alpha_divergence_coef", float, 0.5, "see `f_divergence_type`"),
-    Foreign("use_weighting", bool, False, "WPO weighting is not implemented"),
 )
 
 

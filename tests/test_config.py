@@ -250,5 +250,7 @@ def test_dpo_truncation_defaults_follow_trl_1_16():
     assert DPOConfig(max_prompt_length=32, truncation_mode="keep_end").truncation_mode == "keep_end"
     with pytest.raises(ConfigError, match="needs `max_prompt_length` set"):
         DPOConfig(truncation_mode="keep_end")
-    with pytest.raises(ConfigError, match="only 'nll' is implemented"):
-        SFTConfig(loss_type="dft")
+    with pytest.raises(ConfigError, match="`loss_type='kl'` is not valid"):
+        SFTConfig(loss_type="kl")
+    with pytest.warns(FutureWarning, match="alias"):
+        assert SFTConfig(loss_type="chunked_nll").loss_type == "nll"

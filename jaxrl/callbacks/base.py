@@ -34,6 +34,8 @@ class TrainerState:
     best_metric: float | None = None
     best_global_step: int | None = None
     best_model_checkpoint: str | None = None
+    # HF: training input tokens so far (counted when `include_num_input_tokens_seen` is set).
+    num_input_tokens_seen: int = 0
     is_local_process_zero: bool = True
     is_world_process_zero: bool = True
 
@@ -241,20 +243,22 @@ class DefaultFlowCallback(TrainerCallback):
     end under "epoch" (and step 1 if `logging_first_step`), evaluate and save every `eval_steps` /
     `save_steps` under the "steps" strategies or at each epoch end under "epoch", and at
     `max_steps` stop, evaluate (if not just done) and save. `save_strategy="best"` saves after an
-    evaluation that improved the best metric (the loop decides that).
+    evaluation that improved the best metric (the loop decides that). No periodic evaluation
+    happens before `eval_delay` steps ("steps") or epochs ("epoch").
     """
 
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
         if loop_options.should_log(args, step, state.logging_steps, epoch_ended=False):
             control.should_log = True
-        if args.eval_strategy == "steps" and step % state.eval_steps == 0:
+        delayed = step < getattr(args, "eval_delay", 0)
+        if args.eval_strategy == "steps" and step % state.eval_steps == 0 and not delayed:
             control.should_evaluate = True
         if args.save_strategy == "steps" and state.save_steps > 0 and step % state.save_steps == 0:
             control.should_save = True
         if step >= state.max_steps:
             control.should_training_stop = True
-            if args.eval_strategy == "steps" and step % state.eval_steps != 0:
+            if args.eval_strategy == "steps" and step % state.eval_steps != 0 and not delayed:
                 control.should_evaluate = True
             if args.save_strategy == "steps":
                 control.should_save = True
@@ -263,7 +267,7 @@ class DefaultFlowCallback(TrainerCallback):
     def on_epoch_end(self, args, state, control, **kwargs):
         if getattr(args, "logging_strategy", "steps") == "epoch":
             control.should_log = True
-        if args.eval_strategy == "epoch":
+        if args.eval_strategy == "epoch" and state.epoch >= getattr(args, "eval_delay", 0):
             control.should_evaluate = True
         if args.save_strategy == "epoch":
             control.should_save = True

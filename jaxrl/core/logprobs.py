@@ -112,7 +112,8 @@ def _final_logits(raw_BCV, temperature, logit_softcap):
 def _chunk_softmax(logits_BCV, targets_BC, with_stats):
     """log Z and the target logit of one chunk, plus the statistics when asked (entropy, mean
     logit, log sum of squared probs, argmax = the first index holding the max, as `jnp.argmax`
-    and TRL's `is_top1`). `logsumexp` + `argmax` + a sum per statistic would read the `[B, C, V]`
+    and TRL's `is_top1`) and the expected logit `E_p[l]` (the entropy's backward needs it; None
+    without statistics). `logsumexp` + `argmax` + a sum per statistic would read the `[B, C, V]`
     logits (2.5 GB in bf16 at Qwen2.5-0.5B's B=8, T=1024) five times.
 
     On GPU/TPU, where reading the logits is the cost, one online-softmax reduce reads them once
@@ -141,17 +142,19 @@ def _chunk_softmax(logits_BCV, targets_BC, with_stats):
     log_s_BC = jnp.log(s_BC)
     log_z_BC = shift_BC + log_s_BC
     if not with_stats:
-        return log_z_BC, target_BC, {}
-    stats = {
-        "argmax": argmax_BC,
-        "argmax_correct": argmax_BC == targets_BC,
-        # H = log Z - sum_v p_v l_v, with p_v = e_v / s.
-        "entropy": log_z_BC - el_BC / s_BC,
+        return log_z_BC, target_BC, {}, None
+    stats = {"argmax": argmax_BC, "argmax_correct": argmax_BC == targets_BC}
+    expected_BC = el_BC / s_BC  # E_p[l] = sum_v p_v l_v, with p_v = e_v / s
+    stats |= {
+        "entropy": log_z_BC - expected_BC,  # H = log Z - E_p[l]
         "logit_mean": l_BC / vocab,
+        # -(1/V) sum_v log p_v = log Z - mean_v l_v: the NLL against the uniform distribution
+        # (HF's label smoothing's per-token "smoothed loss", divided by V).
+        "uniform_nll": log_z_BC - l_BC / vocab,
         # log sum_v p_v^2, TRL's `log_sum_sq_probs` (WPO weights, `use_weighting=True`).
         "log_sum_sq_probs": jnp.log(ee_BC) - 2.0 * log_s_BC,
     }
-    return log_z_BC, target_BC, stats
+    return log_z_BC, target_BC, stats, expected_BC
 
 
 def _online_softmax(logits_BCV, with_stats):
@@ -201,46 +204,67 @@ def _online_softmax(logits_BCV, with_stats):
 # gradient chunk by chunk in the weight's dtype. Here the backward recomputes each chunk's logits
 # from the saved log-partition, forms the logits cotangent in f32 in one fused pass, casts it to
 # the unembedding's dtype (torch autocast's bf16 logits give the same cotangent dtype) and
-# accumulates the weight gradient across chunks in f32.
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fused_head(hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_softcap, with_stats):
+# accumulates the weight gradient across chunks in f32. `grad_stats` names the statistics
+# ("entropy", "uniform_nll") whose cotangents join the log-probs' in that same pass (no extra
+# matmul); the others get no gradient.
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fused_head(
+    hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_softcap, with_stats, grad_stats
+):
     # Without differentiation (a reference model's forward, say) nothing is kept for a backward.
     args = (hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_softcap, with_stats)
-    return _head_forward(*args, keep_logits=False)[0]
+    return _head_forward(*args, keep_logits=False, entropy_grad=False)[0]
 
 
-def _fused_head_fwd(hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_softcap, with_stats):
+def _fused_head_fwd(
+    hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_softcap, with_stats, grad_stats
+):
     # One chunk keeps its logits (in the head's dtype, which holds them exactly) for the
     # backward instead of recomputing them. The backward runs right after the forward's last op,
     # where that chunk's logits gradient is as large, so the peak barely moves (+0.1 GB at the
     # Qwen2.5-0.5B point on an H100, where the recompute GEMM alone takes 2.9 ms). Several chunks
     # recompute theirs, so that at most one chunk's logits exist at a time.
     args = (hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_softcap, with_stats)
-    return _head_forward(*args, keep_logits=hidden_NBCD.shape[0] == 1)
+    keep_logits = hidden_NBCD.shape[0] == 1
+    entropy_grad = "entropy" in grad_stats
+    return _head_forward(*args, keep_logits=keep_logits, entropy_grad=entropy_grad)
 
 
 def _head_forward(
-    hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_softcap, with_stats, *, keep_logits
+    hidden_NBCD,
+    unembed_DV,
+    targets_NBC,
+    temperature,
+    logit_softcap,
+    with_stats,
+    *,
+    keep_logits,
+    entropy_grad,
 ):
     def step(_, xs):
         hidden_BCD, targets_BC = xs
         raw_BCV, logits_BCV = _logits(hidden_BCD, unembed_DV, temperature, logit_softcap)
-        log_z_BC, target_BC, stats = _chunk_softmax(logits_BCV, targets_BC, with_stats)
+        log_z_BC, target_BC, stats, expected_BC = _chunk_softmax(logits_BCV, targets_BC, with_stats)
         raw = raw_BCV.astype(unembed_DV.dtype) if keep_logits else None
-        return None, (target_BC - log_z_BC, stats, log_z_BC, raw)
+        expected = expected_BC if entropy_grad else None
+        return None, (target_BC - log_z_BC, stats, log_z_BC, raw, expected)
 
-    _, (logps_NBC, stats_NBC, log_z_NBC, raw_NBCV) = jax.lax.scan(
+    _, (logps_NBC, stats_NBC, log_z_NBC, raw_NBCV, expected_NBC) = jax.lax.scan(
         step, None, (hidden_NBCD, targets_NBC)
     )
-    return (logps_NBC, stats_NBC), (hidden_NBCD, unembed_DV, targets_NBC, log_z_NBC, raw_NBCV)
+    residuals = (hidden_NBCD, unembed_DV, targets_NBC, log_z_NBC, raw_NBCV, expected_NBC)
+    return (logps_NBC, stats_NBC), residuals
 
 
-def _fused_head_bwd(temperature, logit_softcap, with_stats, residuals, cotangents):
-    hidden_NBCD, unembed_DV, targets_NBC, log_z_NBC, raw_NBCV = residuals
-    g_NBC = cotangents[0].astype(jnp.float32)  # the statistics are under stop_gradient
+def _fused_head_bwd(temperature, logit_softcap, with_stats, grad_stats, residuals, cotangents):
+    hidden_NBCD, unembed_DV, targets_NBC, log_z_NBC, raw_NBCV, expected_NBC = residuals
+    g_NBC = cotangents[0].astype(jnp.float32)
+    # The statistics are under stop_gradient, except those named in `grad_stats`.
+    g_stats = {k: cotangents[1][k].astype(jnp.float32) for k in grad_stats}
+    g_entropy_NBC, g_uniform_NBC = g_stats.get("entropy"), g_stats.get("uniform_nll")
 
     def step(d_unembed_DV, xs):
-        hidden_BCD, targets_BC, log_z_BC, g_BC, raw_BCV = xs
+        hidden_BCD, targets_BC, log_z_BC, g_BC, raw_BCV, g_entropy_BC, expected_BC, g_unif_BC = xs
         if raw_BCV is None:
             raw_BCV, logits_BCV = _logits(hidden_BCD, unembed_DV, temperature, logit_softcap)
         else:
@@ -249,9 +273,22 @@ def _fused_head_bwd(temperature, logit_softcap, with_stats, residuals, cotangent
         probs_BCV = jnp.exp(logits_BCV - log_z_BC[..., None])
         vocab_BCV = jax.lax.broadcasted_iota(targets_BC.dtype, logits_BCV.shape, 2)
         # d log p(target) / d logits = onehot(target) - softmax
-        d_logits_BCV = g_BC[..., None] * (
-            jnp.where(vocab_BCV == targets_BC[..., None], 1.0, 0.0) - probs_BCV
-        )
+        if g_entropy_BC is None:
+            d_logits_BCV = g_BC[..., None] * (
+                jnp.where(vocab_BCV == targets_BC[..., None], 1.0, 0.0) - probs_BCV
+            )
+        else:
+            onehot_BCV = jnp.where(vocab_BCV == targets_BC[..., None], 1.0, 0.0)
+            # With H = log Z - E_p[l]: dH / dl_j = p_j - (p_j + p_j l_j - p_j E_p[l])
+            # = -p_j (l_j - E_p[l]), so the two cotangents share the factor p_j.
+            d_logits_BCV = g_BC[..., None] * onehot_BCV - probs_BCV * (
+                g_BC[..., None] + g_entropy_BC[..., None] * (logits_BCV - expected_BC[..., None])
+            )
+        if g_unif_BC is not None:
+            # d(log Z - mean_v l_v) / dl_j = p_j - 1 / V.
+            vocab = logits_BCV.shape[-1]
+            d_logits_BCV = d_logits_BCV + g_unif_BC[..., None] * (probs_BCV - 1.0 / vocab)
+        # Both cotangents are w.r.t. the final logits: chain through temperature and soft-capping.
         if temperature != 1.0:
             d_logits_BCV = d_logits_BCV / temperature
         if logit_softcap is not None:
@@ -271,7 +308,16 @@ def _fused_head_bwd(temperature, logit_softcap, with_stats, residuals, cotangent
     d_unembed_DV, d_hidden_NBCD = jax.lax.scan(
         step,
         jnp.zeros(unembed_DV.shape, jnp.float32),
-        (hidden_NBCD, targets_NBC, log_z_NBC, g_NBC, raw_NBCV),
+        (
+            hidden_NBCD,
+            targets_NBC,
+            log_z_NBC,
+            g_NBC,
+            raw_NBCV,
+            g_entropy_NBC,
+            expected_NBC,
+            g_uniform_NBC,
+        ),
     )
     return d_hidden_NBCD, d_unembed_DV.astype(unembed_DV.dtype), None
 
@@ -317,6 +363,8 @@ def token_logprobs(
     with_stats: bool = False,
     temperature: float = 1.0,
     logit_softcap: float | None = None,
+    entropy_grad: bool = False,
+    uniform_nll_grad: bool = False,
 ) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
     """`log softmax(hidden @ unembed / temperature)[target]` as f32 `[B, T]`, chunked over T.
 
@@ -326,10 +374,22 @@ def token_logprobs(
     backend (`resolve_chunk_size`). With `with_stats=True` also returns
     `[B, T]` statistics under `stop_gradient`: `argmax` (token ids), `argmax_correct` (bool), `entropy` (nats),
     `logit_mean` (mean logit over the vocabulary; TRL's `logits/chosen` is its mean over
-    completion tokens) and `log_sum_sq_probs`. For tied embeddings pass `embedding_VD.T`.
+    completion tokens), `uniform_nll` (-(1/V) sum_v log p_v) and `log_sum_sq_probs`. For tied
+    embeddings pass `embedding_VD.T`.
+
+    `entropy_grad=True` (needs `with_stats`) differentiates the `entropy` statistic too, the
+    entropy of the same softmax (after soft-capping and temperature), as TRL's fused head gives
+    its entropy output for the entropy bonus: its gradient joins the log-probs' in the head's
+    backward pass, with no extra matmul. Off, the head's program is `with_stats`'s alone.
+    `uniform_nll_grad=True` likewise differentiates `uniform_nll` (HF label smoothing's term).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}.")
+    if (entropy_grad or uniform_nll_grad) and not with_stats:
+        raise ValueError(
+            "entropy_grad / uniform_nll_grad differentiate a statistic; pass with_stats=True."
+        )
+    grad_stats = ("entropy",) * entropy_grad + ("uniform_nll",) * uniform_nll_grad
     shape_is("token_logprobs", (None, None, None), hidden_BTD=hidden_BTD)
     shape_is("token_logprobs", (None, None), unembed_DV=unembed_DV)
     shape_is("token_logprobs", hidden_BTD.shape[:2], targets_BT=targets_BT)
@@ -353,7 +413,7 @@ def token_logprobs(
     targets_NBC = targets_BT.reshape(B, num_chunks, chunk).swapaxes(0, 1)
 
     logps_NBC, stats_NBC = _fused_head(
-        hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_softcap, with_stats
+        hidden_NBCD, unembed_DV, targets_NBC, temperature, logit_softcap, with_stats, grad_stats
     )
 
     def unchunk(x_NBC):
@@ -373,6 +433,7 @@ def scored_logprobs(
     chunk_size: int | None,
     with_stats: bool,
     score_span: int | None = None,
+    uniform_nll_grad: bool = False,
 ):
     """`token_logprobs` of every position, or with `score_span` (static) only of the
     `score_span` positions from each row's first scored one (`scored_BT`), which must hold all
@@ -380,7 +441,14 @@ def scored_logprobs(
     the LM head, the others come back as 0. Values at scored positions are the full head's."""
     same_shape("scored_logprobs", rank=2, targets_BT=targets_BT, scored_BT=scored_BT)
     if score_span is None or score_span >= targets_BT.shape[1]:
-        return token_logprobs(h_BTD, w_DV, targets_BT, chunk_size=chunk_size, with_stats=with_stats)
+        return token_logprobs(
+            h_BTD,
+            w_DV,
+            targets_BT,
+            chunk_size=chunk_size,
+            with_stats=with_stats,
+            uniform_nll_grad=uniform_nll_grad,
+        )
     B, T = targets_BT.shape
     first_B = jnp.argmax(scored_BT, axis=1)
     idx_BS = jnp.minimum(first_B[:, None] + jnp.arange(score_span), T - 1)
@@ -390,6 +458,7 @@ def scored_logprobs(
         jnp.take_along_axis(targets_BT, idx_BS, axis=1),
         chunk_size=chunk_size,
         with_stats=with_stats,
+        uniform_nll_grad=uniform_nll_grad,
     )
     rows_B1 = jnp.arange(B)[:, None]
     # Positions clamped to T - 1 repeat the same computation, so whichever write lands is right.

@@ -1,7 +1,8 @@
 """Deterministic, resumable, multi-host batching of a tokenized dataset.
 
 Global batch `g` of epoch `e` is positions `[g*G, (g+1)*G)` of the permutation
-`np.random.default_rng([seed, e]).permutation(n)` (identity when not shuffling). Host `p` of `P`
+`np.random.default_rng([seed, e]).permutation(n)` (identity when not shuffling; with `lengths`,
+that permutation regrouped by length as HF's `LengthGroupedSampler` does). Host `p` of `P`
 takes the contiguous slice `[p*G/P, (p+1)*G/P)` of it, so every host computes the same order
 without communication and the hosts' slices partition the global batch in order (what
 `jax.make_array_from_process_local_data` expects). The position in the stream is one integer, the
@@ -17,6 +18,27 @@ import numpy as np
 CollateFn = Callable[[list[dict[str, Any]]], Any]
 
 
+def length_grouped_order(
+    permutation: np.ndarray, lengths: Sequence[int], batch_size: int
+) -> np.ndarray:
+    """HF's `get_length_grouped_indices` over a given random `permutation`: cut it into
+    megabatches of `min(n // (4 * batch_size), 50)` (at least 1) times `batch_size` indices,
+    sort each by length, longest first (ties keep their order), then swap the longest example of
+    all to the very front, so a run that runs out of memory does so at once."""
+    n = len(permutation)
+    mult = max(min(n // (batch_size * 4), 50), 1)
+    size = mult * batch_size
+    lengths = np.asarray(lengths)
+    megabatches = []
+    for start in range(0, n, size):
+        chunk = np.asarray(permutation[start : start + size])
+        megabatches.append(chunk[np.argsort(-lengths[chunk], kind="stable")])
+    longest = int(np.argmax([lengths[mb[0]] for mb in megabatches]))
+    first, other = megabatches[0], megabatches[longest]
+    first[0], other[0] = other[0], first[0]
+    return np.concatenate(megabatches)
+
+
 class BatchIterator:
     """Yields collated host-local batches forever (or for `num_epochs` epochs).
 
@@ -24,6 +46,8 @@ class BatchIterator:
     host's examples as a list of dicts (e.g. `functools.partial(collate_sft, seq_len=..,
     pad_token_id=..)`). With `drop_last=False` the last batch of an epoch holds the remaining
     examples (fewer rows: a different shape), split across hosts as evenly as possible.
+    With `lengths` (one per example) each epoch's order is `length_grouped_order` of its
+    permutation, in groups of `group_batch_size` (default: the global batch).
     """
 
     def __init__(
@@ -38,14 +62,16 @@ class BatchIterator:
         process_index: int = 0,
         process_count: int = 1,
         num_epochs: int | None = None,
+        lengths: Sequence[int] | None = None,
+        group_batch_size: int | None = None,
     ) -> None:
         if isinstance(data, datasets.Dataset):
             self._num_examples = len(data)
         else:
-            lengths = {len(v) for v in data.values()}
-            if len(lengths) != 1:
+            sizes = {len(v) for v in data.values()}
+            if len(sizes) != 1:
                 raise ValueError("BatchIterator columns must all have the same length.")
-            self._num_examples = lengths.pop()
+            self._num_examples = sizes.pop()
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}.")
         if not 0 <= process_index < process_count:
@@ -71,6 +97,14 @@ class BatchIterator:
         self.process_index = process_index
         self.process_count = process_count
         self.num_epochs = num_epochs
+        if lengths is not None and len(lengths) != self._num_examples:
+            raise ValueError(
+                f"Got {len(lengths)} lengths for {self._num_examples} examples; give one per "
+                "example."
+            )
+        self.lengths = None if lengths is None else np.asarray(lengths)
+        self.group_batch_size = group_batch_size or global_batch_size
+        self._cached_order: tuple[int | None, np.ndarray | None] = (None, None)
         self._collate_fn = collate_fn
         self.step = 0
 
@@ -87,7 +121,12 @@ class BatchIterator:
     def _order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
             return np.arange(self._num_examples)
-        return np.random.default_rng([self.seed, epoch]).permutation(self._num_examples)
+        if self._cached_order[0] != epoch:  # every batch of an epoch reads the same order
+            order = np.random.default_rng([self.seed, epoch]).permutation(self._num_examples)
+            if self.lengths is not None:
+                order = length_grouped_order(order, self.lengths, self.group_batch_size)
+            self._cached_order = (epoch, order)
+        return self._cached_order[1]
 
     def indices_at(self, step: int) -> np.ndarray:
         """Dataset indices of this host's share of global batch `step` (counted from 0)."""

@@ -221,3 +221,69 @@ def collate_reward(
         [float(ex.get("margin", 0.0)) for ex in examples], dtype=np.float32
     )
     return batch
+
+
+def trl_padded_lengths(
+    positions_KBT: Any,
+    real_KBT: Any,
+    per_device: int,
+    multiple_of: int | None = None,
+    padding_free: bool = False,
+) -> Any:
+    """Per example `[B]`: the length TRL's collator pads the per-device batch holding it to.
+
+    `positions_KBT` / `real_KBT` hold the `K` rows TRL makes of each of the `B` examples (1 for
+    SFT, 2 for a DPO/reward pair: chosen then rejected) as position ids and a 0/1 mask of the
+    real tokens of real examples. Device `d` holds examples `[d*per_device, (d+1)*per_device)`
+    (the batch axis is split in contiguous blocks). TRL pads each device's rows to their longest
+    (the largest position + 1, also for prefix-shared rows whose branches restart after the
+    prompt) or, padding-free (best-fit packed SFT rows), flattens them into one row of all their
+    tokens; either rounded up to `multiple_of`. Works on numpy and jax arrays."""
+    k, b, t = positions_KBT.shape
+    group = per_device if b % per_device == 0 else b
+    shape = (k, b // group, group, t)
+    if padding_free:
+        n_G = real_KBT.reshape(shape).sum(axis=(0, 2, 3))
+    else:
+        n_G = (positions_KBT * real_KBT).reshape(shape).max(axis=(0, 2, 3)) + 1
+    m = multiple_of or 1
+    return ((n_G + m - 1) // m * m).repeat(group)
+
+
+def trl_input_tokens(
+    batch: Mapping[str, np.ndarray],
+    example_mask: np.ndarray,
+    *,
+    mode: str,
+    pad_token_id: int,
+    per_device: int,
+    multiple_of: int | None = None,
+) -> int:
+    """HF's `num_input_tokens_seen` increment for one collated micro-batch of any trainer's
+    layout, counted on the batch as TRL would collate it (per device: dynamic padding, or one
+    flattened row when padding-free): `mode="all"` counts every position of TRL's `input_ids`,
+    `"non_padding"` its attention mask (padding-free batches have none: then the tokens that are
+    not the pad id, as HF counts them). Rows of weight-0 `example_mask` (the fill of a partial
+    batch) are left out; prefix-shared DPO rows count as TRL's two rows per pair."""
+    real_B = np.asarray(example_mask) > 0
+    ids, attn, pos = (np.asarray(batch[k]) for k in ("input_ids", "attention_mask", "positions"))
+    if ids.ndim == 3:  # [B, 2, T] pairs -> [2, B, T] (chosen rows, then rejected rows)
+        ids, attn, pos = (x.transpose(1, 0, 2) for x in (ids, attn, pos))
+    else:
+        ids, attn, pos = ids[None], attn[None], pos[None]
+    shared = "branch_ids" in batch  # one row per pair holding the prompt once
+    rows_per_example = 2 if shared else ids.shape[0]
+    real = (attn > 0) & real_B[None, :, None]
+    padding_free = "segment_ids" in batch
+    lengths_B = trl_padded_lengths(
+        pos, real.astype(np.int64), per_device, multiple_of, padding_free
+    )
+    if mode == "all":
+        if padding_free:  # one flattened row per device, its length shared by its examples
+            group = per_device if len(real_B) % per_device == 0 else len(real_B)
+            return int(lengths_B[::group].sum())
+        return int(rows_per_example * (lengths_B * real_B).sum())
+    if padding_free:
+        return int((real & (ids != pad_token_id)).sum())
+    prompt_again = (np.asarray(batch["branch_ids"]) == 1) & real[0] if shared else 0
+    return int(real.sum() + np.sum(prompt_again))

@@ -178,6 +178,7 @@ def prepare_sft_dataset(
     packing_strategy: Literal["bfd", "bfd_split", "wrapped"] = "bfd",
     eos_token: str | None = None,
     num_proc: int | None = None,
+    truncation_mode: Literal["keep_start", "keep_end"] = "keep_start",
 ) -> datasets.Dataset:
     """Tokenize an SFT dataset with TRL `SFTTrainer` semantics.
 
@@ -192,13 +193,16 @@ def prepare_sft_dataset(
     - Pre-tokenized data (`input_ids`): `labels` (-100 = no loss) or jaxrl's `loss_mask` is used
       as is; otherwise `assistant_masks` always applies and `completion_mask` applies with
       `completion_only_loss`, as in TRL. A `formatting_func` is ignored with a warning.
-    - Without packing, sequences are truncated to their first `max_length` tokens; with packing
+    - Without packing, sequences are truncated to their first `max_length` tokens (their last
+      ones with `truncation_mode="keep_end"`, TRL's deprecated mode); with packing
       they are packed into rows of `max_length` (see `packing.py`): `"bfd"` / `"bfd_split"` rows
       keep each document's attention and targets to itself, a `"wrapped"` row is one causal
       sequence as in TRL (attention crosses documents and a document's first token is predicted
       from the one before it).
-    - Examples with an empty text/completion/messages, or with no trained token left after
-      truncation, are dropped with a warning; an error is raised if nothing is left.
+    - Examples with an empty text/completion/messages are dropped with a warning, and so are,
+      as in TRL, examples left with no trained token by truncation (an example with no trained
+      token that was not truncated is kept, as TRL keeps it: it counts in its batch and adds no
+      loss). An error is raised if nothing is left.
 
     Returns columns `input_ids` and `loss_mask` (1 where the input token is a training target),
     plus `positions` and `segment_ids` when packed with `"bfd"` / `"bfd_split"`.
@@ -267,13 +271,25 @@ def prepare_sft_dataset(
         features=token_features(["input_ids", "loss_mask"]),
         num_proc=num_proc,
     )
-    if max_length is not None and not packing:
-        # TRL's default truncation_mode="keep_start".
-        dataset = dataset.map(
-            lambda ex: {k: ex[k][:max_length] for k in ("input_ids", "loss_mask")},
-            num_proc=num_proc,
+    if truncation_mode not in ("keep_start", "keep_end"):
+        raise ValueError(
+            f"truncation_mode must be 'keep_start' or 'keep_end', got {truncation_mode!r}."
         )
-    dataset = dataset.filter(lambda ex: any(ex["loss_mask"]), num_proc=num_proc)
+    truncate = max_length is not None and not packing
+    keep = slice(None)
+    if truncate:
+        keep = (
+            slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
+        )
+    # Empty sources tokenize to nothing; TRL drops the examples that truncation left untrained.
+    dataset = dataset.filter(
+        lambda ex: len(ex["input_ids"]) > 0 and (not truncate or any(ex["loss_mask"][keep])),
+        num_proc=num_proc,
+    )
+    if truncate:
+        dataset = dataset.map(
+            lambda ex: {k: ex[k][keep] for k in ("input_ids", "loss_mask")}, num_proc=num_proc
+        )
     dropped = n_before - len(dataset)
     if len(dataset) == 0:
         raise ValueError(

@@ -31,18 +31,15 @@ micro-batch's `loss_sum`: the step divides by the summed counts, `A x count` whe
 micro-batch has the same count (in `GRPOTrainer`: its rows for the sequence-normalised types,
 the generation batch's tokens / `steps_per_generation` for `dapo`/`cispo`/`vespo`, 1 for
 `bnpo`), which leaves `coef x sum_i H_i / A`, TRL's bonus. `adaptive_entropy_coef` and
-`entropy_bonus_coef` are TRL's controller; `entropy_with_head_grad` gives the entropies their
-gradient through the LM head.
+`entropy_bonus_coef` are TRL's controller; the entropies get their gradient through the LM head
+from `jaxrl.core.logprobs.token_logprobs(..., entropy_grad=True)`.
 """
 
-from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxrl.core.logprobs import unembed_logits
-from jaxrl.core.matmul import weight_grad
 from jaxrl.core.shapes import same_shape, shape_in, shape_is
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
@@ -266,85 +263,6 @@ def adaptive_entropy_coef(
         jnp.minimum(entropy_coef + entropy_coef_delta, entropy_coef_max),
         jnp.maximum(entropy_coef - entropy_coef_delta, entropy_coef_min),
     )
-
-
-def entropy_with_head_grad(
-    entropies_BT: jax.Array,
-    hidden_BTD: jax.Array,
-    unembed_DV: jax.Array,
-    *,
-    temperature: float = 1.0,
-    chunk_size: int = 128,
-) -> jax.Array:
-    """`entropies_BT` (the LM head's per-token entropies, e.g. `token_logprobs`'s statistic,
-    which carries no gradient) with the gradient of the entropy of
-    `softmax(hidden @ unembed / temperature)` w.r.t. `hidden_BTD` and `unembed_DV`, as TRL's
-    fused head gives its entropy output (the entropy bonus differentiates it).
-
-    The forward is free (the values pass through); the backward recomputes the logits chunk by
-    chunk along T (`chunk_size` positions, at most one `[B, chunk, V]` block at a time) with
-    the rounding of `unembed_logits` and uses `dH/dlogit_v = p_v (E_p[logit] - logit_v)`, the
-    weight gradient accumulated in f32 across chunks.
-    """
-    same_shape("entropy_with_head_grad", rank=2, entropies_BT=entropies_BT)
-    shape_is("entropy_with_head_grad", (*entropies_BT.shape, None), hidden_BTD=hidden_BTD)
-    return _entropy_grad(entropies_BT, hidden_BTD, unembed_DV, float(temperature), chunk_size)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _entropy_grad(entropies_BT, hidden_BTD, unembed_DV, temperature, chunk_size):
-    return entropies_BT
-
-
-def _entropy_grad_fwd(entropies_BT, hidden_BTD, unembed_DV, temperature, chunk_size):
-    return entropies_BT, (hidden_BTD, unembed_DV, jnp.zeros((), entropies_BT.dtype))
-
-
-def _entropy_grad_bwd(temperature, chunk_size, residuals, g_BT):
-    hidden_BTD, unembed_DV, entropy_like = residuals
-    B, T, D = hidden_BTD.shape
-    num_chunks = -(-T // chunk_size)
-    chunk = -(-T // num_chunks)
-    pad = num_chunks * chunk - T
-    g_BT = g_BT.astype(jnp.float32)
-    if pad:  # padded positions get a zero cotangent
-        hidden_BTD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
-        g_BT = jnp.pad(g_BT, ((0, 0), (0, pad)))
-    hidden_NBCD = hidden_BTD.reshape(B, num_chunks, chunk, D).swapaxes(0, 1)
-    g_NBC = g_BT.reshape(B, num_chunks, chunk).swapaxes(0, 1)
-
-    def step(d_unembed_DV, xs):
-        hidden_BCD, g_BC = xs
-        logits_BCV = unembed_logits(hidden_BCD, unembed_DV)
-        if temperature != 1.0:
-            logits_BCV = logits_BCV / temperature
-        log_z_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
-        probs_BCV = jnp.exp(logits_BCV - log_z_BC[..., None])
-        mean_BC = jnp.sum(probs_BCV * logits_BCV, axis=-1)
-        d_logits_BCV = g_BC[..., None] * probs_BCV * (mean_BC[..., None] - logits_BCV)
-        if temperature != 1.0:
-            d_logits_BCV = d_logits_BCV / temperature
-        d_logits_BCV = d_logits_BCV.astype(unembed_DV.dtype)
-        d_hidden_BCD = jnp.einsum(
-            "bcv,dv->bcd", d_logits_BCV, unembed_DV, preferred_element_type=jnp.float32
-        )
-        v = unembed_DV.shape[1]
-        d_unembed_DV = d_unembed_DV + weight_grad(
-            hidden_BCD.astype(unembed_DV.dtype).reshape(-1, D),
-            d_logits_BCV.reshape(-1, v),
-            jnp.float32,
-        )
-        return d_unembed_DV, d_hidden_BCD.astype(hidden_BCD.dtype)
-
-    d_unembed_DV, d_hidden_NBCD = jax.lax.scan(
-        step, jnp.zeros(unembed_DV.shape, jnp.float32), (hidden_NBCD, g_NBC)
-    )
-    d_hidden_BTD = d_hidden_NBCD.swapaxes(0, 1).reshape(B, num_chunks * chunk, D)[:, :T]
-    d_entropies_BT = jnp.zeros((B, T), entropy_like.dtype)
-    return d_entropies_BT, d_hidden_BTD, d_unembed_DV.astype(unembed_DV.dtype)
-
-
-_entropy_grad.defvjp(_entropy_grad_fwd, _entropy_grad_bwd)
 
 
 def _validate(loss_type: str, importance_sampling_level: str, beta: float, ref) -> None:
@@ -637,8 +555,8 @@ def grpo_loss(
     subtracts `entropy_coef x H x count`, `H` the mean of `entropies_BT` over the loss's tokens
     (`mask_BT`, times `entropy_mask_BT` when given): TRL's `coef x H / accumulation steps` once
     the step divides by the summed counts of equally counted micro-batches (module docstring).
-    `entropies_BT` is then differentiated (`entropy_with_head_grad`). `aux` adds TRL's
-    `policy_loss`, the loss without the bonus.
+    `entropies_BT` is then differentiated (`token_logprobs(..., entropy_grad=True)` gives them
+    their LM-head gradient). `aux` adds TRL's `policy_loss`, the loss without the bonus.
     """
     per_token_loss_BT, parts = grpo_per_token_loss(
         per_token_logps_BT,

@@ -6,9 +6,11 @@ Everything here holds only `nnx.Param` state; rotary tables and masks are comput
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -211,11 +213,35 @@ class LayerNorm(nnx.Module):
         )
 
 
+# (key, alpha, lengths_B) of the NEFTune noise the token embeddings of forwards traced inside
+# `embedding_noise` get; None outside (every forward but the policy's in a training step).
+_EMBEDDING_NOISE: contextvars.ContextVar[tuple[jax.Array, float, jax.Array] | None] = (
+    contextvars.ContextVar("embedding_noise", default=None)
+)
+
+
+@contextlib.contextmanager
+def embedding_noise(key: jax.Array, alpha: float, lengths_B: jax.Array) -> Iterator[None]:
+    """NEFTune (https://arxiv.org/abs/2310.05914) for model calls traced inside the block: the
+    token embeddings `[B, T, D]` get `U(-m, m)` noise drawn from `key`, with
+    `m = alpha / sqrt(lengths_B * D)` per row (transformers' hook uses the batch's padded
+    length; `jaxrl.trainers.neftune` passes TRL's). Read when the model is traced, so enter it
+    inside the jitted function."""
+    token = _EMBEDDING_NOISE.set((key, alpha, lengths_B))
+    try:
+        yield
+    finally:
+        _EMBEDDING_NOISE.reset(token)
+
+
 class Embed(nnx.Module):
-    """Token (or position) embedding table [num, D]; rows come out in the residual dtype."""
+    """Token (or position) embedding table [num, D]; rows come out in the residual dtype. A token
+    table (`axis="vocab"`) adds NEFTune noise inside `embedding_noise`, as transformers hooks
+    the model's input embeddings only (not GPT-2's position table)."""
 
     def __init__(self, num: int, dim: int, axis: str, config: ModelConfig, rngs: nnx.Rngs):
         self.dtype = config.residual_dtype
+        self.token_table = axis == "vocab"
         self.embedding = make_param(
             rngs,
             normal_init(config.initializer_range),
@@ -225,7 +251,14 @@ class Embed(nnx.Module):
         )
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(param_value(self.embedding), ids, axis=0).astype(self.dtype)
+        h = jnp.take(param_value(self.embedding), ids, axis=0).astype(self.dtype)
+        noise = _EMBEDDING_NOISE.get() if self.token_table else None
+        if noise is None:
+            return h
+        key, alpha, lengths_B = noise
+        scale_B = alpha / jnp.sqrt(lengths_B.astype(jnp.float32) * h.shape[-1])
+        u = jax.random.uniform(key, h.shape, jnp.float32, -1.0, 1.0)
+        return h + (u * scale_B.reshape((-1,) + (1,) * (h.ndim - 1))).astype(h.dtype)
 
 
 # Activations that are one torch kernel compute in f32 and round once to the input dtype, as

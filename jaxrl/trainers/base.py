@@ -39,6 +39,7 @@ from jaxrl.core import optim
 from jaxrl.core.state import TrainState
 from jaxrl.core.step import make_eval_step, make_train_step
 from jaxrl.data.batching import BatchIterator
+from jaxrl.trainers import neftune
 from jaxrl.trainers.evaluation import (
     EvalPrediction,
     PredictionGatherer,
@@ -117,9 +118,11 @@ class Trainer(TrainLoop):
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self._jit_predict = None
         self.user_tx, self.user_schedule = optimizers
+        raw_train = self._load_data(train_dataset, "train") if train_dataset is not None else None
         self.train_dataset = (
-            self._prepare_dataset(train_dataset, "train") if train_dataset is not None else None
+            self._prepare_dataset(raw_train, "train") if raw_train is not None else None
         )
+        self._sampling_lengths = self._group_lengths(raw_train)
         # The untokenized eval rows (their `prompt` column feeds the completion callbacks).
         self.raw_eval_dataset = (
             self._load_data(eval_dataset, "eval") if eval_dataset is not None else None
@@ -335,8 +338,11 @@ class Trainer(TrainLoop):
         `params` is the adapter and `state.frozen["base"]` the frozen base; without `state`,
         `params` must be the whole model state (`current_params()`)."""
         if self.is_peft and state is not None:
-            return nnx.merge(self.graphdef, params, state.frozen["base"])
-        return nnx.merge(self.graphdef, params)
+            model = nnx.merge(self.graphdef, params, state.frozen["base"])
+        else:
+            model = nnx.merge(self.graphdef, params)
+        # In a training step with `neftune_noise_alpha`: the trained params' forwards get noise.
+        return neftune.noisy_policy(model, params)
 
     def _build_state(self) -> TrainState:
         a = self.args
@@ -435,15 +441,61 @@ class Trainer(TrainLoop):
         return -(-n // self.train_batch_size)
 
     def _train_iterator(self) -> BatchIterator:
+        a = self.args
         return BatchIterator(
             self.train_dataset,
             global_batch_size=self.train_batch_size,
-            seed=self.args.seed,
-            shuffle=True,
+            seed=a.data_seed if a.data_seed is not None else a.seed,  # HF's data_seed
+            shuffle=a.train_sampling_strategy != "sequential",
             drop_last=False,
             process_index=jax.process_index(),
             process_count=jax.process_count(),
             collate_fn=list,
+            lengths=self._sampling_lengths,
+            # HF groups by `train_batch_size * gradient_accumulation_steps`: one process's
+            # examples per optimizer step (its devices' under torch DDP, one device each).
+            group_batch_size=a.per_device_train_batch_size * a.gradient_accumulation_steps,
+        )
+
+    def _group_lengths(self, raw: Any) -> list[int] | None:
+        """Per training row, the lengths `train_sampling_strategy="group_by_length"` sorts by
+        (None for the other strategies), as HF's Trainer finds them: the dataset's
+        `length_column_name` column, else the length of each row's `input_ids`. The column is
+        read from the dataset as given, so it is used while the prepared rows are its examples one
+        to one (SFT packing makes new rows; dropped examples leave no way to match them)."""
+        a = self.args
+        if a.train_sampling_strategy != "group_by_length" or self.train_dataset is None:
+            return None
+        column = a.length_column_name
+        prepared = self.train_dataset
+        unusable = None  # why the dataset's length column cannot be used
+        if column in (getattr(raw, "column_names", None) or []):
+            if getattr(a, "packing", False):
+                unusable = "packing makes new rows"
+            elif len(raw) != len(prepared):
+                unusable = f"{len(raw) - len(prepared)} examples were dropped in preparation"
+            else:
+                return [int(n) for n in raw[column]]
+        if "input_ids" in prepared.column_names:
+            if unusable is not None:
+                logger.warning(
+                    "train_sampling_strategy='group_by_length': the %r column does not describe "
+                    "the training rows (%s), so their input_ids lengths are used instead.",
+                    column,
+                    unusable,
+                )
+            return [len(ids) for ids in prepared["input_ids"]]
+        if unusable is not None:
+            raise ValueError(
+                f"train_sampling_strategy='group_by_length': the train dataset's {column!r} column "
+                f"does not describe the training rows ({unusable}); remove those examples from "
+                "the dataset first, or use train_sampling_strategy='random'."
+            )
+        raise ValueError(
+            "train_sampling_strategy='group_by_length' needs each training example's length: HF "
+            f"reads the dataset's {column!r} column (`length_column_name`) or infers it from an "
+            f"'input_ids' column, and {type(self).__name__}'s rows have neither. Add a "
+            f"{column!r} column to the train dataset, or use train_sampling_strategy='random'."
         )
 
     # ----------------------------------------------------------------- the offline iteration
@@ -478,7 +530,33 @@ class Trainer(TrainLoop):
         host = self._collate_micro(examples, self.args.gradient_accumulation_steps, real=real)
         batch = self._to_device(host)
         self.train_state, metrics = self._jit_train_step(self.train_state, batch)
+        if self.args.include_num_input_tokens_seen != "no":
+            metrics = {**metrics, "num_input_tokens_seen": self._input_tokens(host)}
         return metrics
+
+    def _input_tokens(self, host_A: dict[str, np.ndarray]) -> Any:
+        """HF's `num_input_tokens_seen` increment of one step, counted on the host's collated
+        micro-batches as TRL collates them (`collate.trl_input_tokens`), summed over hosts."""
+        from jaxrl.data.collate import trl_input_tokens
+
+        a = self.args
+        count = sum(
+            trl_input_tokens(
+                {k: v[i] for k, v in host_A.items()},
+                host_A["example_mask"][i],
+                mode=a.include_num_input_tokens_seen,
+                pad_token_id=self.processing_class.pad_token_id,
+                per_device=a.per_device_train_batch_size,
+                multiple_of=a.pad_to_multiple_of,
+            )
+            for i in range(host_A["example_mask"].shape[0])
+        )
+        if jax.process_count() == 1:
+            return count
+        # Each host counted its own rows: a sum over a global array, read one step late.
+        per_row = np.zeros(host_A["example_mask"].shape[:2], np.int32)
+        per_row[0, 0] = count
+        return jnp.sum(self._to_device({"n": per_row})["n"])
 
     # ----------------------------------------------------------------- compile
     def _compile(self, state: TrainState):
@@ -486,7 +564,10 @@ class Trainer(TrainLoop):
         repl = NamedSharding(self.mesh, P())
         loss_fn = self._loss_fn()
         step = make_train_step(
-            self._with_lora_dropout(loss_fn), self.tx, self.schedule, self._state_updates()
+            self._with_neftune(self._with_lora_dropout(loss_fn)),
+            self.tx,
+            self.schedule,
+            self._state_updates(),
         )
         # State donated: params and optimizer moments are updated in place on device.
         self._jit_train_step = jax.jit(
@@ -511,6 +592,26 @@ class Trainer(TrainLoop):
 
         def train_loss(params, state, mb, rng, extras):
             with lora.dropout_rng(jax.random.fold_in(rng, 0x10A)):
+                return loss_fn(params, state, mb, rng, extras)
+
+        return train_loss
+
+    def _with_neftune(self, loss_fn: Callable) -> Callable:
+        """The training loss with NEFTune noise (`neftune_noise_alpha`) on the policy's token
+        embeddings, drawn from the micro-batch's key (eval has none); see `trainers.neftune`."""
+        a = self.args
+        if a.neftune_noise_alpha is None:
+            return loss_fn
+
+        def train_loss(params, state, mb, rng, extras):
+            with neftune.training_noise(
+                params,
+                jax.random.fold_in(rng, neftune.NOISE_STREAM),
+                a.neftune_noise_alpha,
+                mb["example_mask"],
+                a.per_device_train_batch_size,
+                a.pad_to_multiple_of,
+            ):
                 return loss_fn(params, state, mb, rng, extras)
 
         return train_loss

@@ -67,13 +67,22 @@ def shared_token_logps(model, mb: dict, chunk: int, with_stats: bool, score_span
 
 
 def pair_logps(
-    model, mb: dict, chunk: int, with_stats: bool, score_span: int | None = None
+    model,
+    mb: dict,
+    chunk: int,
+    with_stats: bool,
+    score_span: int | None = None,
+    ld_alpha: float | None = None,
 ) -> dict:
     """Per-pair quantities of a DPO micro-batch in either layout, all [B]: `chosen`/`rejected`
     summed completion log-probs and token counts, and (with stats) per-pair sums over the
-    scored tokens of `logits/*` (mean logit), `argmax_correct/chosen` and `entropy/*`.
+    scored tokens of `logits/*` (mean logit), `argmax_correct/chosen`, `entropy/*` and
+    `wpo/*` (log p(y_t) - log sum_v p_v^2, WPO's per-token weight exponent).
     `score_span`: pair rows run the LM head on that many positions from their first completion
-    target only (`DPOTrainer.score_span`; see `lm_forward`)."""
+    target only (`DPOTrainer.score_span`; see `lm_forward`).
+    `ld_alpha` (LD-DPO): `chosen`/`rejected` sum the first min(chosen, rejected tokens) tokens
+    of each completion in full and the later ones scaled by `ld_alpha`; `nll/chosen` keeps the
+    plain sum (the `sft` term's)."""
     if "branch_ids" in mb:  # prefix-shared rows [B, T]
         out = shared_token_logps(model, mb, chunk, with_stats, score_span)
         logps_BT, stats = out if with_stats else (out, None)
@@ -93,15 +102,33 @@ def pair_logps(
             )
             for side, sl in halves.items()
         }
-    res = {}
+    res = {f"tokens/{side}": jnp.sum(m, axis=-1) for side, (_, _, m) in per_side.items()}
+    shared_B = jnp.minimum(res["tokens/chosen"], res["tokens/rejected"])
     for side, (logps_BT, stats, mask_BT) in per_side.items():
         res[side] = jnp.sum(logps_BT * mask_BT, axis=-1)
-        res[f"tokens/{side}"] = jnp.sum(mask_BT, axis=-1)
+        if ld_alpha is not None:
+            res[f"nll/{side}"] = res[side]
+            # The i-th completion token (1-based) is shared while i <= the shorter length.
+            past_BT = jnp.cumsum(mask_BT, axis=-1) > shared_B[:, None]
+            res[side] = jnp.sum(logps_BT * mask_BT * jnp.where(past_BT, ld_alpha, 1.0), axis=-1)
         if with_stats:
             res[f"logits/{side}"] = jnp.sum(stats["logit_mean"] * mask_BT, axis=-1)
             res[f"argmax_correct/{side}"] = jnp.sum(stats["argmax_correct"] * mask_BT, axis=-1)
             res[f"entropy/{side}"] = jnp.sum(stats["entropy"] * mask_BT, axis=-1)
+            aligned_BT = jax.lax.stop_gradient(logps_BT) - stats["log_sum_sq_probs"]
+            res[f"wpo/{side}"] = jnp.sum(aligned_BT * mask_BT, axis=-1)
     return res
+
+
+def wpo_weights(out: dict) -> jax.Array:
+    """WPO's per-pair weight `[B]` (TRL `use_weighting`): the product over the pair's two
+    completions of exp(mean over its tokens of log p(y_t) - log sum_v p_v^2), without gradient.
+    Each factor is the completion's probability under the policy's own sampling distribution,
+    normalised per token."""
+    w_B = 1.0
+    for side in ("chosen", "rejected"):
+        w_B = w_B * jnp.exp(out[f"wpo/{side}"] / jnp.maximum(out[f"tokens/{side}"], 1))
+    return jax.lax.stop_gradient(w_B)
 
 
 def shared_rows_predictions(model, mb: dict) -> tuple[jax.Array, jax.Array]:
@@ -358,10 +385,10 @@ class DPOTrainer(Trainer):
                 adapter = nnx.merge_state(adapter, state.frozen["ref_saved"])
             with lora.disable_adapter():  # read when traced: the call must be inside
                 model = nnx.merge(self.graphdef, adapter, state.frozen["base"])
-                out = pair_logps(model, mb, chunk, with_stats=False, score_span=self.score_span)
+                out = pair_logps(model, mb, chunk, False, self.score_span, self.args.ld_alpha)
         else:
             model = self.ref_model_apply(state.ref_params)
-            out = pair_logps(model, mb, chunk, with_stats=False, score_span=self.score_span)
+            out = pair_logps(model, mb, chunk, False, self.score_span, self.args.ld_alpha)
         return jax.lax.stop_gradient(out["chosen"]), jax.lax.stop_gradient(out["rejected"])
 
     # ----------------------------------------------------------------- loss
@@ -372,7 +399,7 @@ class DPOTrainer(Trainer):
 
         def loss_fn(params, state, mb, rng, extras):
             model = self.apply_model(params, state)
-            out = pair_logps(model, mb, chunk, with_stats=True, score_span=self.score_span)
+            out = pair_logps(model, mb, chunk, True, self.score_span, a.ld_alpha)
             logps_c, logps_r = out["chosen"], out["rejected"]
             if a.precompute_ref_log_probs:
                 ref_c, ref_r = mb["ref_logps"][:, 0], mb["ref_logps"][:, 1]
@@ -395,15 +422,20 @@ class DPOTrainer(Trainer):
                 chosen_lengths=out["tokens/chosen"],
                 rejected_lengths=out["tokens/rejected"],
                 discopop_tau=a.discopop_tau,
+                f_divergence_type=a.f_divergence_type,
+                f_alpha_divergence_coef=a.f_alpha_divergence_coef,
                 reference_free=a.reference_free,
                 example_mask=mb.get("example_mask"),
             )
             w_B = mb["example_mask"] if "example_mask" in mb else jnp.ones_like(losses_B)
             n = jnp.sum(w_B)
             n_c, n_r = jnp.sum(out["tokens/chosen"] * w_B), jnp.sum(out["tokens/rejected"] * w_B)
+            if a.use_weighting:  # never with "sft" (DPOConfig)
+                losses_B = losses_B * wpo_weights(out)
             sft_weight = sum(w for t, w in zip(loss_types, weights, strict=True) if t == "sft")
             if sft_weight:
-                losses_B = losses_B + sft_weight * _sft_term(mb, logps_c, n, n_c)
+                sft_B = _sft_term(mb, out.get("nll/chosen", logps_c), n, n_c)
+                losses_B = losses_B + sft_weight * sft_B
             loss_sum = jnp.sum(losses_B * w_B)
             sums = {
                 "loss": loss_sum,
@@ -541,6 +573,7 @@ class DPOTrainer(Trainer):
                     "chunk": self.args.logprob_chunk_size,
                     "score_span": self.score_span,
                     "prefix_sharing": self.args.prefix_sharing,
+                    "ld_alpha": self.args.ld_alpha,
                     "dtype": str(self.compute_dtype),
                     "data": dataset._fingerprint,
                 },
@@ -566,9 +599,8 @@ class DPOTrainer(Trainer):
         @jax.jit
         def ref_logps(params, batch):
             with adapter_off():
-                out = pair_logps(
-                    nnx.merge(graphdef, params), batch, chunk, False, score_span=self.score_span
-                )
+                model = nnx.merge(graphdef, params)
+                out = pair_logps(model, batch, chunk, False, self.score_span, self.args.ld_alpha)
             return jnp.stack([out["chosen"], out["rejected"]], axis=1)
 
         bs = (

@@ -7,16 +7,17 @@ importance sampling, optional k3 KL to the reference, top-entropy masking, TRL's
 
 Entropy bonus (`entropy_coef`, `use_adaptive_entropy`). The loss subtracts `coef x H`, `H` each
 micro-batch's mean entropy over the loss's tokens, divided by the accumulation steps as TRL does
-(`grpo_loss(entropy_coef=...)`); the entropies get their gradient through the LM head
-(`entropy_with_head_grad`). Adaptive control keeps TRL's controller state in the train state,
-`extras["entropy_control"]`, so a checkpoint holds it (TRL's `entropy_ctrl_state.json`): the
-coefficient and the entropy left by the last optimizer step, and the entropy sum / token count
-of the current step's micro-batches so far with their number. Each micro-batch applies the
-coefficient of the previous step, gated to 0 when that step's entropy exceeded
-`entropy_target` (TRL's first step: no entropy yet, +inf, so no bonus); the last micro-batch of
-an optimizer step moves it by `entropy_coef_delta` from the step's token-weighted entropy over
-all its micro-batches and devices. Evaluation applies the bonus with the state's gated
-coefficient and logs `policy_loss`, but never updates the controller nor logs `entropy_coef`.
+(`grpo_loss(entropy_coef=...)`); the entropies get their gradient in the LM head's own backward
+pass (`token_logprobs(..., entropy_grad=True)`, no extra matmul). Adaptive control keeps TRL's
+controller state in the train state, `extras["entropy_control"]`, so a checkpoint holds it
+(TRL's `entropy_ctrl_state.json`): the coefficient and the entropy left by the last optimizer
+step, and the entropy sum / token count of the current step's micro-batches so far with their
+number. Each micro-batch applies the coefficient of the previous step, gated to 0 when that
+step's entropy exceeded `entropy_target` (TRL's first step: no entropy yet, +inf, so no bonus);
+the last micro-batch of an optimizer step moves it by `entropy_coef_delta` from the step's
+token-weighted entropy over all its micro-batches and devices. Evaluation applies the bonus with
+the state's gated coefficient and logs `policy_loss`, but never updates the controller nor logs
+`entropy_coef`.
 """
 
 from __future__ import annotations
@@ -27,12 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.core.logprobs import resolve_chunk_size, token_logprobs
+from jaxrl.core.logprobs import token_logprobs
 from jaxrl.losses.grpo import (
     adaptive_entropy_coef,
     entropy_bonus_coef,
     entropy_bonus_mask,
-    entropy_with_head_grad,
     grpo_advantages,
     grpo_loss,
     high_entropy_mask,
@@ -46,25 +46,23 @@ def completion_logprobs_and_entropy(
     model: Any, batch: dict[str, jax.Array], *, temperature: float, chunk_size: int | None
 ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
     """`completion_logprobs(..., with_stats=True)` plus the entropies `[B, C]` with their
-    gradient through the LM head (`entropy_with_head_grad`), for the entropy bonus: the same
-    forward (hidden states of `prompt + completion`, the C positions that predict completion
-    tokens through the unembedding divided by `temperature`), its hidden states kept."""
+    gradient through the LM head, for the entropy bonus: the same forward (hidden states of
+    `prompt + completion`, the C positions that predict completion tokens through the
+    unembedding divided by `temperature`); the head's backward carries the entropies' gradient
+    along with the log-probs' (`token_logprobs(..., entropy_grad=True)`). The returned
+    statistics stay under `stop_gradient`."""
     h_BCD, targets_BC = completion_hidden(model, batch)
-    unembed_DV = model.unembed_weight()
     logps_BC, stats = token_logprobs(
         h_BCD,
-        unembed_DV,
+        model.unembed_weight(),
         targets_BC,
         chunk_size=chunk_size,
         with_stats=True,
         temperature=temperature,
+        entropy_grad=True,
     )
-    B, C = logps_BC.shape
-    chunk = resolve_chunk_size(chunk_size, B, C, unembed_DV.shape[1], unembed_DV.dtype)
-    entropies_BC = entropy_with_head_grad(
-        stats["entropy"], h_BCD, unembed_DV, temperature=temperature, chunk_size=chunk
-    )
-    return logps_BC, stats, entropies_BC
+    entropies_BC = stats["entropy"]
+    return logps_BC, {**stats, "entropy": jax.lax.stop_gradient(entropies_BC)}, entropies_BC
 
 
 class GRPOTrainer(OnPolicyTrainer):

@@ -434,6 +434,8 @@ class TrainLoop:
         step, metrics = self._pending
         self._pending = None
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if "num_input_tokens_seen" in values:  # the step's count -> HF's running total
+            self.state.num_input_tokens_seen += int(values.pop("num_input_tokens_seen"))
         bad = self._non_finite(values)
         if bad:
             raise FloatingPointError(
@@ -470,7 +472,17 @@ class TrainLoop:
             values = [v for v in values if not math.isnan(v)]
             logs[k] = float(np.mean(values)) if values else None
         self._log_window = []
+        if self._counts_input_tokens():
+            # HF's training logs then carry the input-token throughput of this train() call.
+            runtime = time.time() - self._train_start
+            tokens = self.state.num_input_tokens_seen - self._input_tokens_at_start
+            logs["train_runtime"] = round(runtime, 4)
+            logs["train_tokens_per_second"] = round(tokens / max(runtime, 1e-9), 3)
         self.log(logs, step=step)
+
+    def _counts_input_tokens(self) -> bool:
+        """HF's `include_num_input_tokens_seen` is on ("all" or "non_padding")."""
+        return getattr(self.args, "include_num_input_tokens_seen", "no") != "no"
 
     def log(self, logs: dict[str, float], step: int | None = None):
         """Add `epoch`, record in `log_history` and dispatch `on_log` (HF semantics)."""
@@ -479,6 +491,8 @@ class TrainLoop:
         logs["epoch"] = (
             round(step / max(1, self.steps_per_epoch), 4) if self._has_train_data() else 0
         )
+        if self._counts_input_tokens():  # HF adds it to every log: training, eval, summary
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
         logs["step"] = step
         self.state.log_history.append(logs)
         self._event("on_log", logs=logs)
@@ -537,6 +551,7 @@ class TrainLoop:
         if a.eval_on_start and start == 0 and self._has_eval_data():
             self.evaluate()
         t0, tokens0 = time.time(), self._tokens_seen
+        self._train_start, self._input_tokens_at_start = t0, self.state.num_input_tokens_seen
         try:
             for step in range(start, max_steps):
                 if step % spe == 0:
@@ -581,7 +596,10 @@ class TrainLoop:
             "train_loss": train_loss,
         }
         self.log(metrics)
-        metrics["epoch"] = self.state.log_history[-1]["epoch"]  # HF's log() adds it in place
+        # HF's log() adds these in place, so they are in train()'s metrics too.
+        for key in ("epoch", "num_input_tokens_seen"):
+            if key in self.state.log_history[-1]:
+                metrics[key] = self.state.log_history[-1][key]
         if getattr(self.args, "load_best_model_at_end", False) and (
             self.state.best_model_checkpoint is not None
         ):

@@ -38,6 +38,23 @@ _UNSUPPORTED = {
     "trust_remote_code": (False, "jaxrl loads only its own model families"),
     "router_aux_loss_coef": (None, "jaxrl has no mixture-of-experts models"),
     "cache_implementation": (None, "the sampler always uses its own static KV cache"),
+    # HF TrainingArguments fields the offline trainers honour but TRL's GRPO/RLOO do not.
+    "neftune_noise_alpha": (
+        None,
+        "NEFTune is implemented for the SFT, reward and DPO training forwards only, not for "
+        "on-policy updates",
+    ),
+    "data_seed": (None, "TRL's GRPO/RLOO RepeatSampler orders the prompts by `seed`"),
+    "train_sampling_strategy": (
+        "random",
+        "TRL's GRPO/RLOO sample prompts with their RepeatSampler; use `shuffle_dataset`",
+    ),
+    "length_column_name": ("length", "TRL's GRPO/RLOO never group prompts by length"),
+    "include_num_input_tokens_seen": (
+        "no",
+        "TRL's GRPO/RLOO count their prompt and completion tokens themselves, which jaxrl logs "
+        "as `num_tokens`",
+    ),
 }
 
 

@@ -29,9 +29,17 @@ def lm_hidden_states(model, mb: dict) -> jnp.ndarray:
     return model.hidden_states(mb["input_ids"], attention_mask, mb["positions"], segment_ids)
 
 
-def lm_forward(model, mb: dict, chunk_size: int, with_stats: bool, score_span: int | None = None):
+def lm_forward(
+    model,
+    mb: dict,
+    chunk_size: int,
+    with_stats: bool,
+    score_span: int | None = None,
+    uniform_nll_grad: bool = False,
+):
     """Per-token target log-probs (and stats) `[B, T]` of a collated LM batch; `score_span`
-    as in `scored_logprobs` (rows scored where `loss_mask` is set)."""
+    as in `scored_logprobs` (rows scored where `loss_mask` is set); `uniform_nll_grad` as in
+    `token_logprobs`."""
     return scored_logprobs(
         lm_hidden_states(model, mb),
         model.unembed_weight(),
@@ -40,6 +48,7 @@ def lm_forward(model, mb: dict, chunk_size: int, with_stats: bool, score_span: i
         chunk_size,
         with_stats,
         score_span,
+        uniform_nll_grad=uniform_nll_grad,
     )
 
 
@@ -189,6 +198,7 @@ class SFTTrainer(Trainer):
             packing_strategy=a.packing_strategy,
             eos_token=a.eos_token,
             num_proc=a.dataset_num_proc,
+            truncation_mode=a.truncation_mode,
         )
 
     def _example_lengths(self, dataset: datasets.Dataset) -> list[int]:
@@ -203,11 +213,18 @@ class SFTTrainer(Trainer):
         chunk = self.args.logprob_chunk_size
         loss_type = getattr(self.args, "loss_type", "nll")
 
+        smoothing = getattr(self.args, "label_smoothing_factor", 0.0)
+
         def loss_fn(params, state, mb, rng, extras):
             model = self.apply_model(params, state)
-            logps_BT, stats = lm_forward(model, mb, chunk, True, self.score_span)
+            logps_BT, stats = lm_forward(
+                model, mb, chunk, True, self.score_span, uniform_nll_grad=bool(smoothing)
+            )
             mask_BT = example_weighted_mask(mb)
             loss_sum, n_tok = sft_loss_sum(logps_BT, mask_BT, loss_type=loss_type)
+            if smoothing:  # HF's LabelSmoother: (1 - eps) NLL + eps x uniform-target NLL
+                uniform_sum = jnp.sum(stats["uniform_nll"] * mask_BT)
+                loss_sum = (1 - smoothing) * loss_sum + smoothing * uniform_sum
             correct, _ = mean_token_accuracy(stats["argmax_correct"], mask_BT)
             ent, _ = entropy(stats["entropy"], mask_BT)
             aux = {

@@ -2,8 +2,8 @@
 on, static or adaptive): loss and gradients w.r.t. the log-probs *and* the entropies for every
 loss type, one optimizer step split into 1, 2 or 3 micro-batches; TRL's `policy_loss` and
 `entropy_coef`; the adaptive controller's coefficients over several windows; and the gradient
-`entropy_with_head_grad` gives the LM head's entropies (see `trl_reference.py` for how TRL's
-methods run here)."""
+the LM head gives its entropies (`token_logprobs(..., entropy_grad=True)`; see
+`trl_reference.py` for how TRL's methods run here)."""
 
 import collections
 import math
@@ -25,7 +25,6 @@ from jaxrl.losses.grpo import (
     LOSS_TYPES,
     adaptive_entropy_coef,
     entropy_bonus_coef,
-    entropy_with_head_grad,
     grpo_loss,
     high_entropy_mask,
     masked_entropy,
@@ -283,10 +282,10 @@ def test_controller_edge_cases_as_trl():
     ("temperature", "chunk", "dtype"),
     [(1.0, 7, "float32"), (0.7, 3, "float32"), (0.7, 4, "bfloat16")],
 )
-def test_entropy_with_head_grad_is_the_entropys_gradient(temperature, chunk, dtype):
-    """The values pass through; the gradient w.r.t. the hidden states and the unembedding is
-    autodiff's of the softmax entropy of the (dtype-rounded) logits / temperature, for chunks
-    that do not divide T."""
+def test_head_entropy_gradient_is_the_entropys_gradient(temperature, chunk, dtype):
+    """The head's entropies with `entropy_grad`: the gradient w.r.t. the hidden states and the
+    unembedding is autodiff's of the softmax entropy of the (dtype-rounded) logits /
+    temperature, for chunks that do not divide T."""
     rng = np.random.default_rng(0)
     Bh, Th, D, V = 3, 7, 5, 11
     h = jnp.asarray(rng.normal(size=(Bh, Th, D)), jnp.float32)
@@ -302,11 +301,15 @@ def test_entropy_with_head_grad_is_the_entropys_gradient(temperature, chunk, dty
 
     def ours(h, w):
         _, stats = token_logprobs(
-            h, w, targets, chunk_size=chunk, with_stats=True, temperature=temperature
+            h,
+            w,
+            targets,
+            chunk_size=chunk,
+            with_stats=True,
+            temperature=temperature,
+            entropy_grad=True,
         )
-        return entropy_with_head_grad(
-            stats["entropy"], h, w, temperature=temperature, chunk_size=chunk
-        )
+        return stats["entropy"]
 
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(ours(h, w), reference(h, w), **tol)

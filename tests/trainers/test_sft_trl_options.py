@@ -1,0 +1,109 @@
+"""SFT's `loss_type="dft"`, `label_smoothing_factor`, `truncation_mode="keep_end"` and TRL's rule for examples without a
+trained token, step for step against TRL 1.16's own `SFTTrainer` on the same model and data."""
+
+import datasets
+import numpy as np
+import pytest
+from trainer_utils import base_args, train_logs
+
+from jaxrl import SFTConfig, SFTTrainer
+
+METRICS = ("loss", "mean_token_accuracy", "entropy", "num_tokens")
+
+
+def _prompt_completion() -> datasets.Dataset:
+    """Eight prompt/completion rows of varied lengths; with max_length 12 several are cut, one
+    ('1234567890123+1=') keeps no completion token under 'keep_start' (TRL drops it), and
+    under 'keep_end' every row keeps its completion's end."""
+    rows = [
+        ("1+2=", "3"),
+        ("12+30=", "42, which is forty-two"),
+        ("7+8=", "15"),
+        ("1234567890123+1=", "1234567890124"),
+        ("5+5=", "10 for sure"),
+        ("20+21=", "41"),
+        ("3+3=", "6 exactly as expected"),
+        ("9+1=", "10"),
+    ]
+    return datasets.Dataset.from_list([{"prompt": p, "completion": c} for p, c in rows])
+
+
+CASES = {
+    "dft": dict(loss_type="dft", max_length=64),
+    "label_smoothing": dict(label_smoothing_factor=0.2, max_length=64),
+    "keep_end": dict(truncation_mode="keep_end", max_length=12),
+    "keep_start_drops_untrained": dict(max_length=12),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_trl(case, tmp_path, tokenizer, hf_model_dir):
+    import torch
+    import trl
+    from transformers import AutoModelForCausalLM
+
+    data = _prompt_completion()
+    # One full batch per step: TRL's sampler and jaxrl's seeded permutation order the rows
+    # differently, which a full batch's token-mean loss does not see.
+    common = dict(per_device_train_batch_size=8, max_steps=2, learning_rate=1e-3, **CASES[case])
+    torch.manual_seed(0)
+    theirs_trainer = trl.SFTTrainer(
+        model=AutoModelForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32),
+        args=trl.SFTConfig(
+            output_dir=str(tmp_path / "trl"),
+            use_cpu=True,
+            logging_steps=1,
+            lr_scheduler_type="constant",
+            seed=0,
+            report_to="none",
+            bf16=False,
+            gradient_checkpointing=False,
+            **common,
+        ),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
+    theirs_trainer.train()
+    theirs = [h for h in theirs_trainer.state.log_history if "loss" in h]
+
+    trainer = SFTTrainer(
+        hf_model_dir,
+        args=SFTConfig(**base_args(tmp_path / "ours", **common)),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
+    assert trainer.train_dataset["input_ids"] == theirs_trainer.train_dataset["input_ids"]
+    trainer.train()
+    ours = train_logs(trainer)
+    assert len(ours) == len(theirs) == 2
+    for step, (o, t) in enumerate(zip(ours, theirs, strict=True)):
+        for key in METRICS:
+            np.testing.assert_allclose(
+                o[key], t[key], rtol=2e-4, atol=2e-5, err_msg=f"{key} at step {step + 1}"
+            )
+        np.testing.assert_allclose(o["grad_norm"], t["grad_norm"], rtol=2e-3)
+
+
+def test_untrained_examples_are_dropped_only_when_truncating(tokenizer):
+    """TRL drops the examples without a trained token in its truncation pass, so only when it
+    truncates (a `max_length`, no packing); otherwise they stay (they count in their batch and
+    add no loss). Empty examples are always dropped."""
+    from jaxrl.data.sft import prepare_sft_dataset
+
+    data = datasets.Dataset.from_list(
+        [
+            {"input_ids": [5, 6, 7], "labels": [-100, -100, -100]},  # nothing trained
+            {"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]},
+            {"input_ids": [], "labels": []},  # empty
+        ]
+    )
+    with pytest.warns(UserWarning, match="Dropped 1 of 3"):
+        kept = prepare_sft_dataset(data, tokenizer, max_length=None)
+    assert kept["loss_mask"] == [[0, 0, 0], [0, 0, 1, 1]]
+    with pytest.warns(UserWarning, match="Dropped 2 of 3"):
+        cut = prepare_sft_dataset(data, tokenizer, max_length=3)
+    assert (cut["input_ids"], cut["loss_mask"]) == ([[5, 6, 7]], [[0, 0, 1]])
+    with pytest.warns(UserWarning, match="Dropped 2 of 3"):
+        end = prepare_sft_dataset(data, tokenizer, max_length=2, truncation_mode="keep_end")
+    assert (end["input_ids"], end["loss_mask"]) == ([[7, 8]], [[1, 1]])
