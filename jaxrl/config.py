@@ -753,6 +753,8 @@ class SFTConfig(_with_foreign("_SFTForeign", config_fields.SFT)):
     dataset_num_proc: int | None = None
     eos_token: str | None = None
     pad_token: str | None = None
+    # TRL: a .jinja / .j2 file whose template replaces the tokenizer's (`read_chat_template`).
+    chat_template_path: str | None = None
     # TRL 1.16: "keep_start" keeps a long sequence's first `max_length` tokens, "keep_end"
     # (deprecated there) its last ones. Unpacked rows only: packing cuts into rows instead.
     truncation_mode: str = "keep_start"
@@ -837,6 +839,11 @@ class RewardConfig(_with_foreign("_RewardForeign", config_fields.REWARD)):
     # Eq. 2 of https://huggingface.co/papers/2312.09244: coef * mean((r_chosen + r_rejected)^2).
     center_rewards_coefficient: float | None = None
     pad_token: str | None = None
+    # TRL: the tokenizer's EOS (appended to standard chosen/rejected texts, rendered by chat
+    # templates) and the model config's `eos_token_id`.
+    eos_token: str | None = None
+    # TRL: a .jinja / .j2 file whose template replaces the tokenizer's (`read_chat_template`).
+    chat_template_path: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

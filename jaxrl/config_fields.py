@@ -188,12 +188,6 @@ TRAINING_ARGUMENTS = (
     ),
 )
 
-_CHAT_TEMPLATE = Foreign(
-    "chat_template_path",
-    str | None,
-    None,
-    "pass a tokenizer with the chat template set as `processing_class`",
-)
 # Fields every TRL trainer config (SFT, reward, DPO) adds with no JAX meaning.
 _TRL_COMMON = (
     Foreign(
@@ -216,7 +210,6 @@ _ROUTER = Foreign(
 
 SFT = (
     *_TRL_COMMON,
-    _CHAT_TEMPLATE,
     _PADDING_FREE,
     _ROUTER,
     Foreign(
@@ -229,16 +222,7 @@ SFT = (
     Foreign("eval_packing", bool | None, None, "eval examples follow `packing`"),
     Foreign("shuffle_dataset", bool, False, "training batches are always a seeded permutation"),
 )
-REWARD = (
-    *_TRL_COMMON,
-    _CHAT_TEMPLATE,
-    Foreign(
-        "eos_token",
-        str | None,
-        None,
-        "reward examples are tokenized as given; append EOS in the data if you need it",
-    ),
-)
+REWARD = (*_TRL_COMMON,)
 DPO = (
     *_TRL_COMMON,
     _PADDING_FREE,

@@ -7,6 +7,7 @@ Formats follow TRL's vocabulary: *standard* examples hold strings (`text`, `prom
 """
 
 import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -119,3 +120,21 @@ def token_features(
     """
     features = {name: datasets.List(datasets.Value("int32")) for name in names}
     return datasets.Features({**features, **(keep or {})})
+
+
+def read_chat_template(path: str) -> str:
+    """TRL's `chat_template_path` given a `.jinja` / `.j2` file: its text, which becomes the
+    tokenizer's chat template. TRL also takes a tokenizer (a directory or hub id) whose template
+    it clones, adding that tokenizer's special tokens and resizing the embeddings; that is not
+    implemented, so any other path is a clear error."""
+    if not str(path).endswith((".jinja", ".j2")):
+        raise ValueError(
+            f"chat_template_path={path!r}: jaxrl reads a chat template from a .jinja or .j2 file. "
+            "Cloning another tokenizer's template (TRL adds its special tokens and resizes the "
+            "embeddings) is not implemented; save that tokenizer's `chat_template` to a .jinja "
+            "file and pass its path."
+        )
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"chat_template_path={path!r} does not exist.")
+    with open(path, encoding="utf-8") as f:
+        return f.read()

@@ -39,6 +39,7 @@ from jaxrl.core import optim
 from jaxrl.core.state import TrainState
 from jaxrl.core.step import make_eval_step, make_train_step
 from jaxrl.data.batching import BatchIterator
+from jaxrl.data.formats import read_chat_template
 from jaxrl.trainers import neftune
 from jaxrl.trainers.evaluation import (
     EvalPrediction,
@@ -239,6 +240,13 @@ class Trainer(TrainLoop):
             from transformers import AutoTokenizer
 
             processing_class = AutoTokenizer.from_pretrained(self.model_path)
+        # TRL's order: `eos_token` first (so a tokenizer without a pad token pads with the new
+        # EOS), then `chat_template_path`, then the pad token.
+        if getattr(self.args, "eos_token", None) is not None:
+            self._apply_eos_token(processing_class)
+        template_path = getattr(self.args, "chat_template_path", None)
+        if template_path is not None:
+            processing_class.chat_template = read_chat_template(template_path)
         pad = getattr(self.args, "pad_token", None)
         if pad is not None:  # TRL: the config's pad_token overrides the tokenizer's
             if pad not in processing_class.get_vocab():
@@ -249,6 +257,21 @@ class Trainer(TrainLoop):
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
         return processing_class
+
+    def _apply_eos_token(self, tokenizer: Any) -> None:
+        """TRL's `eos_token` (SFT and reward configs): it becomes the tokenizer's EOS (chat
+        templates render it, the EOS appended to standard examples is it, the saved tokenizer
+        carries it) and the model config's `eos_token_id`."""
+        eos = self.args.eos_token
+        if eos not in tokenizer.get_vocab():
+            raise ValueError(
+                f"eos_token={eos!r} is not in the tokenizer vocabulary; use an existing token "
+                f"(the tokenizer's is {tokenizer.eos_token!r})."
+            )
+        tokenizer.eos_token = eos
+        hf_config = getattr(getattr(self.model, "config", None), "hf_config", None)
+        if hf_config is not None:
+            hf_config.get_text_config().eos_token_id = int(tokenizer.eos_token_id)
 
     def _mirror_pad_token(self) -> None:
         """TRL: the model agrees with the tokenizer on the pad token from construction, so the

@@ -115,35 +115,12 @@ class SFTTrainer(Trainer):
         # the widest trained stretch of the data only (`lm_forward`'s `score_span`).
         self.score_span = self._score_span([self.train_dataset, self.eval_dataset])
 
-    def _load_tokenizer(self, processing_class):
-        # TRL applies `eos_token` before it picks the pad token (the tokenizer's, else its EOS),
-        # so a tokenizer without a pad token pads with the new EOS.
-        if self.args.eos_token is not None:
-            if processing_class is None and self.model_path is not None:
-                from transformers import AutoTokenizer
-
-                processing_class = AutoTokenizer.from_pretrained(self.model_path)
-            if processing_class is not None:
-                self._apply_eos_token(processing_class)
-        return super()._load_tokenizer(processing_class)
-
     def _apply_eos_token(self, tokenizer: Any) -> None:
-        """TRL's `SFTConfig.eos_token`: it becomes the tokenizer's EOS (chat templates render it,
-        the appended EOS is it, the saved tokenizer carries it), the model config's
-        `eos_token_id`, and the first of the model generation config's EOS ids, ahead of the
-        ones it had."""
-        eos = self.args.eos_token
-        if eos not in tokenizer.get_vocab():
-            raise ValueError(
-                f"eos_token={eos!r} is not in the tokenizer vocabulary; use an existing token "
-                f"(the tokenizer's is {tokenizer.eos_token!r})."
-            )
+        """The base's `eos_token` handling, and for a model that generates, the new EOS id goes
+        first among the model generation config's EOS ids, ahead of the ones it had (TRL)."""
         old_ids = self._model_generation_eos_ids()  # read before the model config changes
-        tokenizer.eos_token = eos
+        super()._apply_eos_token(tokenizer)
         new_id = int(tokenizer.eos_token_id)
-        hf_config = getattr(getattr(self.model, "config", None), "hf_config", None)
-        if hf_config is not None:
-            hf_config.get_text_config().eos_token_id = new_id
         if new_id not in old_ids:  # else TRL leaves the generation config as it is
             self._generation_eos_ids = [new_id, *old_ids]
 
