@@ -748,6 +748,11 @@ class SFTConfig(_with_foreign("_SFTForeign", config_fields.SFT)):
     max_seq_length: int | None = None
     packing: bool = False
     packing_strategy: str = "bfd"
+    # TRL: whether the eval (and predict) datasets are packed; None follows `packing`.
+    eval_packing: bool | None = None
+    # TRL: shuffle each prepared dataset with `seed` (also before packing, so that different
+    # documents share rows). Training batches are a seeded permutation either way.
+    shuffle_dataset: bool = False
     completion_only_loss: bool | None = None
     assistant_only_loss: bool = False
     dataset_num_proc: int | None = None

@@ -219,8 +219,6 @@ SFT = (
         "only the `dataset_text_field`/"
         "prompt-completion formats are read; preprocess the dataset yourself",
     ),
-    Foreign("eval_packing", bool | None, None, "eval examples follow `packing`"),
-    Foreign("shuffle_dataset", bool, False, "training batches are always a seeded permutation"),
 )
 REWARD = (*_TRL_COMMON,)
 DPO = (

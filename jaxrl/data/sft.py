@@ -179,6 +179,7 @@ def prepare_sft_dataset(
     eos_token: str | None = None,
     num_proc: int | None = None,
     truncation_mode: Literal["keep_start", "keep_end"] = "keep_start",
+    shuffle_seed: int | None = None,
 ) -> datasets.Dataset:
     """Tokenize an SFT dataset with TRL `SFTTrainer` semantics.
 
@@ -203,6 +204,8 @@ def prepare_sft_dataset(
       as in TRL, examples left with no trained token by truncation (an example with no trained
       token that was not truncated is kept, as TRL keeps it: it counts in its batch and adds no
       loss). An error is raised if nothing is left.
+    - `shuffle_seed` (TRL's `shuffle_dataset`): the rows are shuffled with it before packing and
+      the result after, as `datasets.Dataset.shuffle(seed=...)` orders them in TRL.
 
     Returns columns `input_ids` and `loss_mask` (1 where the input token is a training target),
     plus `positions` and `segment_ids` when packed with `"bfd"` / `"bfd_split"`.
@@ -303,8 +306,13 @@ def prepare_sft_dataset(
             stacklevel=2,
         )
     if packing:
+        if shuffle_seed is not None:
+            dataset = dataset.shuffle(seed=shuffle_seed)
         if packing_strategy == "wrapped":
-            return pack_wrapped(dataset, max_length)
-        overflow = "split" if packing_strategy == "bfd_split" else "truncate"
-        return pack_bfd(dataset, max_length, on_seq_length_overflow=overflow)
+            dataset = pack_wrapped(dataset, max_length)
+        else:
+            overflow = "split" if packing_strategy == "bfd_split" else "truncate"
+            dataset = pack_bfd(dataset, max_length, on_seq_length_overflow=overflow)
+    if shuffle_seed is not None:
+        dataset = dataset.shuffle(seed=shuffle_seed).flatten_indices()
     return dataset

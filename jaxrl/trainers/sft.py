@@ -171,11 +171,13 @@ class SFTTrainer(Trainer):
             formatting_func=self.formatting_func,
             completion_only_loss=a.completion_only_loss,
             assistant_only_loss=a.assistant_only_loss,
-            packing=a.packing,
+            # TRL: `eval_packing` (None: as `packing`) for every dataset but the training one.
+            packing=a.packing if split == "train" or a.eval_packing is None else a.eval_packing,
             packing_strategy=a.packing_strategy,
             eos_token=a.eos_token,
             num_proc=a.dataset_num_proc,
             truncation_mode=a.truncation_mode,
+            shuffle_seed=a.seed if a.shuffle_dataset else None,
         )
 
     def _example_lengths(self, dataset: datasets.Dataset) -> list[int]:

@@ -107,3 +107,66 @@ def test_untrained_examples_are_dropped_only_when_truncating(tokenizer):
     with pytest.warns(UserWarning, match="Dropped 2 of 3"):
         end = prepare_sft_dataset(data, tokenizer, max_length=2, truncation_mode="keep_end")
     assert (end["input_ids"], end["loss_mask"]) == ([[7, 8]], [[1, 1]])
+
+
+def _texts(n: int = 24) -> datasets.Dataset:
+    return datasets.Dataset.from_list(
+        [{"text": f"{i}+{i * 7 % 13}={i + i * 7 % 13}"} for i in range(n)]
+    )
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(shuffle_dataset=True),
+        dict(shuffle_dataset=True, packing=True, max_length=24),
+        dict(shuffle_dataset=True, packing=True, packing_strategy="wrapped", max_length=16),
+        dict(packing=True, eval_packing=False, max_length=24),
+        dict(eval_packing=True, max_length=24),
+    ],
+)
+def test_prepared_rows_match_trl(options, tmp_path, tokenizer, hf_model_dir):
+    """`shuffle_dataset` (seeded shuffles before packing and after) and `eval_packing` (None
+    follows `packing`): jaxrl's prepared train and eval rows are TRL's, in TRL's order."""
+    import trl
+
+    theirs = trl.SFTTrainer(
+        model=hf_model_dir,
+        args=trl.SFTConfig(
+            output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, seed=3, **options
+        ),
+        train_dataset=_texts(),
+        eval_dataset=_texts(10),
+        processing_class=tokenizer,
+    )
+    ours = SFTTrainer(
+        hf_model_dir,
+        args=SFTConfig(**base_args(tmp_path / "ours", seed=3, **options)),
+        train_dataset=_texts(),
+        eval_dataset=_texts(10),
+        processing_class=tokenizer,
+    )
+    assert ours.train_dataset["input_ids"] == theirs.train_dataset["input_ids"]
+    assert ours.eval_dataset["input_ids"] == theirs.eval_dataset["input_ids"]
+
+
+def test_unpacked_eval_of_a_packed_run_equals_an_unpacked_run(tmp_path, tokenizer, hf_model_dir):
+    """`eval_packing=False` evaluates the rows one example each while training packs them: the
+    eval metrics are those of a run that never packs."""
+
+    def evaluate(**options):
+        trainer = SFTTrainer(
+            hf_model_dir,
+            args=SFTConfig(**base_args(tmp_path / str(options), max_length=24, **options)),
+            train_dataset=_texts(),
+            eval_dataset=_texts(10),
+            processing_class=tokenizer,
+        )
+        assert ("segment_ids" in trainer.train_dataset.column_names) == options.get("packing", 0)
+        return trainer.evaluate()
+
+    packed_train = evaluate(packing=True, eval_packing=False)
+    unpacked = evaluate()
+    for key in ("eval_loss", "eval_mean_token_accuracy", "eval_entropy"):
+        np.testing.assert_allclose(packed_train[key], unpacked[key], rtol=1e-6)
+    assert packed_train["eval_loss"] != evaluate(packing=True)["eval_loss"]
