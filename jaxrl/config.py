@@ -9,6 +9,7 @@ otherwise. This module only describes and validates a run: it never touches arra
 import dataclasses
 import difflib
 import importlib.util
+import json
 import math
 import re
 import types
@@ -748,6 +749,9 @@ class SFTConfig(_with_foreign("_SFTForeign", config_fields.SFT)):
     max_seq_length: int | None = None
     packing: bool = False
     packing_strategy: str = "bfd"
+    # TRL: {"skip_prepare_dataset": True} uses already-tokenized rows as given (`rows_as_given`);
+    # TRL reads no other key. A JSON string is parsed (CLI).
+    dataset_kwargs: dict | str | None = None
     # TRL: whether the eval (and predict) datasets are packed; None follows `packing`.
     eval_packing: bool | None = None
     # TRL: shuffle each prepared dataset with `seed` (also before packing, so that different
@@ -772,6 +776,11 @@ class SFTConfig(_with_foreign("_SFTForeign", config_fields.SFT)):
     # -(1/V) sum_v log p_v. jaxrl computes it in the fused LM head (no full logits).
     label_smoothing_factor: float = 0.0
 
+    @property
+    def skip_prepare_dataset(self) -> bool:
+        """TRL's `dataset_kwargs["skip_prepare_dataset"]`."""
+        return bool((self.dataset_kwargs or {}).get("skip_prepare_dataset", False))
+
     def __post_init__(self) -> None:
         super().__post_init__()
         _check(
@@ -779,6 +788,31 @@ class SFTConfig(_with_foreign("_SFTForeign", config_fields.SFT)):
             f"`label_smoothing_factor` must be in [0, 1); got {self.label_smoothing_factor}.",
         )
         _check_choice("truncation_mode", self.truncation_mode, TRUNCATION_MODES)
+        if isinstance(self.dataset_kwargs, str):
+            try:
+                self.dataset_kwargs = json.loads(self.dataset_kwargs)
+            except json.JSONDecodeError as e:
+                raise ConfigError(
+                    f"`dataset_kwargs` must be a dict or a JSON object string; got "
+                    f"{self.dataset_kwargs!r} ({e})."
+                ) from None
+        if self.dataset_kwargs is not None:
+            _check(
+                isinstance(self.dataset_kwargs, dict),
+                f"`dataset_kwargs` must be a dict; got {self.dataset_kwargs!r}.",
+            )
+            unknown = sorted(set(self.dataset_kwargs) - {"skip_prepare_dataset"})
+            _check(
+                not unknown,
+                f"`dataset_kwargs` keys {unknown} are not read by TRL's SFTTrainer (nor by jaxrl); "
+                "the only key is 'skip_prepare_dataset'.",
+            )
+            _check(
+                not (self.skip_prepare_dataset and (self.packing or self.eval_packing)),
+                "`dataset_kwargs={'skip_prepare_dataset': True}` uses the rows as given, and "
+                "packing happens in the preparation it skips; pack the data yourself, or set "
+                "`packing=False` (and `eval_packing`).",
+            )
         if self.truncation_mode == "keep_end":
             warnings.warn(
                 "truncation_mode='keep_end' is deprecated in TRL 1.16 (to be removed in TRL 2.0); "

@@ -212,13 +212,6 @@ SFT = (
     *_TRL_COMMON,
     _PADDING_FREE,
     _ROUTER,
-    Foreign(
-        "dataset_kwargs",
-        dict | str | None,
-        None,
-        "only the `dataset_text_field`/"
-        "prompt-completion formats are read; preprocess the dataset yourself",
-    ),
 )
 REWARD = (*_TRL_COMMON,)
 DPO = (

@@ -132,6 +132,46 @@ def _pretokenized_mask(example: dict[str, Any], completion_only_loss: bool) -> d
     return {"input_ids": ids, "loss_mask": mask}
 
 
+def rows_as_given(dataset: datasets.Dataset, num_proc: int | None = None) -> datasets.Dataset:
+    """TRL's `dataset_kwargs={"skip_prepare_dataset": True}`: already-tokenized rows used as
+    they are (no EOS, truncation, filtering or packing; the row length is the longest row's).
+    `labels` (-100 = no loss) or jaxrl's `loss_mask` mark the trained tokens, else every token
+    is; mask columns without `labels` are an error, as in TRL (its collator reads only
+    `labels`, so they would be silently ignored). Empty rows are dropped with a warning."""
+    columns = dataset.column_names
+    if "input_ids" not in columns:
+        raise ValueError(
+            "dataset_kwargs={'skip_prepare_dataset': True} uses the dataset as given, so it needs "
+            f"an 'input_ids' column (it has {columns}); tokenize it first or drop "
+            "skip_prepare_dataset."
+        )
+    if not {"labels", "loss_mask"} & set(columns) and {"completion_mask", "assistant_masks"} & set(
+        columns
+    ):
+        raise ValueError(
+            "The dataset has mask columns but no 'labels', and skip_prepare_dataset=True skips "
+            "building labels from them, so it would train on the full sequence (TRL refuses this "
+            "too). Add a 'labels' column (-100 for non-loss tokens) or drop skip_prepare_dataset."
+        )
+    n_before = len(dataset)
+    dataset = dataset.filter(lambda ex: len(ex["input_ids"]) > 0, num_proc=num_proc)
+    if len(dataset) == 0:
+        raise ValueError("Every row of the SFT dataset has empty input_ids.")
+    if len(dataset) < n_before:
+        warnings.warn(
+            f"Dropped {n_before - len(dataset)} of {n_before} SFT rows with empty input_ids.",
+            stacklevel=2,
+        )
+    return dataset.map(
+        lambda ex: _pretokenized_mask(
+            {k: ex.get(k) for k in ("input_ids", "labels", "loss_mask")}, False
+        ),
+        remove_columns=columns,
+        features=token_features(["input_ids", "loss_mask"]),
+        num_proc=num_proc,
+    )
+
+
 def _check_same_length(ids: list, values: list, name: str) -> None:
     if len(values) != len(ids):
         raise ValueError(

@@ -17,7 +17,7 @@ import numpy as np
 from jaxrl.config import SFTConfig
 from jaxrl.core.logprobs import scored_logprobs, unembed_logits
 from jaxrl.data.collate import collate_sft, model_masks
-from jaxrl.data.sft import prepare_sft_dataset
+from jaxrl.data.sft import prepare_sft_dataset, rows_as_given
 from jaxrl.losses.sft import entropy, mean_token_accuracy, sft_loss_sum
 from jaxrl.trainers.base import Trainer, weighted_token_count
 from jaxrl.trainers.evaluation import label_ids_from_loss_mask
@@ -163,6 +163,8 @@ class SFTTrainer(Trainer):
     def _prepare_dataset(self, dataset: Any, split: str) -> datasets.Dataset:
         a = self.args
         dataset = self._load_data(dataset, split)
+        if a.skip_prepare_dataset:
+            return rows_as_given(dataset, a.dataset_num_proc)
         return prepare_sft_dataset(
             dataset,
             self.processing_class,
@@ -182,6 +184,10 @@ class SFTTrainer(Trainer):
 
     def _example_lengths(self, dataset: datasets.Dataset) -> list[int]:
         return [len(x) for x in dataset["input_ids"]]
+
+    def _max_length(self) -> int | None:
+        # Rows used as given are not truncated (TRL): the longest sets the row length.
+        return None if self.args.skip_prepare_dataset else super()._max_length()
 
     def _collate(self, examples: list[dict]) -> dict[str, np.ndarray]:
         batch = collate_sft(examples, self.seq_len, self.processing_class.pad_token_id)

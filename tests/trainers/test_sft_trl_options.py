@@ -170,3 +170,94 @@ def test_unpacked_eval_of_a_packed_run_equals_an_unpacked_run(tmp_path, tokenize
     for key in ("eval_loss", "eval_mean_token_accuracy", "eval_entropy"):
         np.testing.assert_allclose(packed_train[key], unpacked[key], rtol=1e-6)
     assert packed_train["eval_loss"] != evaluate(packing=True)["eval_loss"]
+
+
+def _tokenized_rows(tokenizer) -> datasets.Dataset:
+    """Pre-tokenized rows, some longer than the max_length below, one with -100 labels, without
+    EOS: used as given, none is cut, extended or dropped."""
+    texts = ["1+2=3", "12+30=42, forty-two as it is", "7+8=15", "20+21=41 and more than that"]
+    rows = [{"input_ids": tokenizer(t)["input_ids"]} for t in texts]
+    for row in rows:
+        row["labels"] = list(row["input_ids"])
+    rows[0]["labels"][:4] = [-100] * 4
+    return datasets.Dataset.from_list(rows)
+
+
+@pytest.mark.slow
+def test_skip_prepare_dataset_matches_trl(tmp_path, tokenizer, hf_model_dir):
+    """`dataset_kwargs={"skip_prepare_dataset": True}`: rows as given (no EOS, no truncation to
+    `max_length`), `labels` masking, and the same steps as TRL's trainer."""
+    import torch
+    import trl
+    from transformers import AutoModelForCausalLM
+
+    data = _tokenized_rows(tokenizer)
+    common = dict(
+        per_device_train_batch_size=4,
+        max_steps=2,
+        learning_rate=1e-3,
+        max_length=12,
+        dataset_kwargs={"skip_prepare_dataset": True},
+    )
+    torch.manual_seed(0)
+    theirs_trainer = trl.SFTTrainer(
+        model=AutoModelForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32),
+        args=trl.SFTConfig(
+            output_dir=str(tmp_path / "trl"),
+            use_cpu=True,
+            logging_steps=1,
+            lr_scheduler_type="constant",
+            seed=0,
+            report_to="none",
+            bf16=False,
+            remove_unused_columns=False,
+            **common,
+        ),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
+    theirs_trainer.train()
+    theirs = [h for h in theirs_trainer.state.log_history if "loss" in h]
+    trainer = SFTTrainer(
+        hf_model_dir,
+        args=SFTConfig(**base_args(tmp_path / "ours", **common)),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
+    assert trainer.train_dataset["input_ids"] == data["input_ids"]
+    assert trainer.seq_len >= max(len(r) for r in data["input_ids"]) > 12
+    assert trainer.train_dataset["loss_mask"][0][:5] == [0, 0, 0, 0, 1]
+    trainer.train()
+    ours = train_logs(trainer)
+    assert len(ours) == len(theirs) == 2
+    for step, (o, t) in enumerate(zip(ours, theirs, strict=True)):
+        for key in METRICS:
+            np.testing.assert_allclose(
+                o[key], t[key], rtol=2e-4, atol=2e-5, err_msg=f"{key} at step {step + 1}"
+            )
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(dataset_kwargs={"num_proc": 2}), "only key is 'skip_prepare_dataset'"),
+        (dict(dataset_kwargs="{not json"), "JSON object string"),
+        (dict(dataset_kwargs={"skip_prepare_dataset": True}, packing=True), "pack the data"),
+    ],
+)
+def test_dataset_kwargs_errors(tmp_path, options, message):
+    from jaxrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        SFTConfig(output_dir=str(tmp_path), **options)
+    assert SFTConfig(dataset_kwargs='{"skip_prepare_dataset": true}').skip_prepare_dataset
+
+
+def test_skip_prepare_dataset_refuses_mask_columns_without_labels(tmp_path, tokenizer):
+    from jaxrl.data.sft import rows_as_given
+
+    rows = datasets.Dataset.from_list([{"input_ids": [5, 6], "completion_mask": [0, 1]}])
+    with pytest.raises(ValueError, match="mask columns but no 'labels'"):
+        rows_as_given(rows)
+    with pytest.raises(ValueError, match="needs an 'input_ids' column"):
+        rows_as_given(datasets.Dataset.from_list([{"text": "1+1"}]))
