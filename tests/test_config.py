@@ -198,10 +198,14 @@ def test_unsupported_trl_values_are_rejected():
 
 
 def test_choices_match_the_code_that_honours_them():
+    from jaxrl.losses import dpo, sft
     from jaxrl.losses.dpo import LOSS_TYPES
     from jaxrl.models.config import REMAT_POLICIES
 
     assert config_module.DPO_LOSS_TYPES == LOSS_TYPES
+    assert config_module.DPO_F_DIVERGENCE_TYPES == dpo.F_DIVERGENCE_TYPES
+    assert config_module.DPO_F_DIVERGENCE_LOSS_TYPES == dpo.F_DIVERGENCE_LOSS_TYPES
+    assert config_module.SFT_LOSS_TYPES == sft.SFT_LOSS_TYPES
     assert config_module.REMAT_POLICIES == REMAT_POLICIES
     for remat_policy in REMAT_POLICIES:
         assert SFTConfig(remat_policy=remat_policy).remat_policy == remat_policy

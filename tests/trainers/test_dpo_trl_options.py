@@ -4,7 +4,7 @@ step for step against TRL 1.16's own `DPOTrainer` on the same model and pairs.""
 import datasets
 import numpy as np
 import pytest
-from trainer_utils import base_args, train_logs
+from trainer_utils import assert_logs_match, base_args, train_logs, trl_train_logs
 
 from jaxrl import DPOConfig, DPOTrainer
 from jaxrl.config import ConfigError
@@ -61,9 +61,7 @@ CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_trl(case, tmp_path, tokenizer, hf_model_dir):
-    import torch
     import trl
-    from transformers import AutoModelForCausalLM
 
     options = dict(CASES[case])
     jaxrl_only = options.pop("jaxrl", {})
@@ -76,26 +74,9 @@ def test_matches_trl(case, tmp_path, tokenizer, hf_model_dir):
         max_length=64,
         **options,
     )
-    torch.manual_seed(0)
-    theirs_trainer = trl.DPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32),
-        args=trl.DPOConfig(
-            output_dir=str(tmp_path / "trl"),
-            use_cpu=True,
-            logging_steps=1,
-            lr_scheduler_type="constant",
-            seed=0,
-            report_to="none",
-            bf16=False,
-            gradient_checkpointing=False,
-            **common,
-        ),
-        train_dataset=data,
-        processing_class=tokenizer,
+    _, theirs = trl_train_logs(
+        trl.DPOTrainer, trl.DPOConfig, hf_model_dir, tokenizer, data, tmp_path / "trl", **common
     )
-    theirs_trainer.train()
-    theirs = [h for h in theirs_trainer.state.log_history if "loss" in h]
-
     trainer = DPOTrainer(
         hf_model_dir,
         args=DPOConfig(**base_args(tmp_path / "ours", **common, **jaxrl_only)),
@@ -103,14 +84,7 @@ def test_matches_trl(case, tmp_path, tokenizer, hf_model_dir):
         processing_class=tokenizer,
     )
     trainer.train()
-    ours = train_logs(trainer)
-    assert len(ours) == len(theirs) == 3
-    for step, (o, t) in enumerate(zip(ours, theirs, strict=True)):
-        for key in METRICS:
-            np.testing.assert_allclose(
-                o[key], t[key], rtol=2e-4, atol=2e-5, err_msg=f"{key} at step {step + 1}"
-            )
-        np.testing.assert_allclose(o["grad_norm"], t["grad_norm"], rtol=2e-3)
+    assert_logs_match(train_logs(trainer), theirs, METRICS, steps=3)
 
 
 def test_ld_alpha_one_is_plain_dpo_and_zero_drops_the_tail(monkeypatch):

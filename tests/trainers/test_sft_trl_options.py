@@ -4,7 +4,7 @@ trained token, step for step against TRL 1.16's own `SFTTrainer` on the same mod
 import datasets
 import numpy as np
 import pytest
-from trainer_utils import base_args, train_logs
+from trainer_utils import assert_logs_match, base_args, train_logs, trl_train_logs
 
 from jaxrl import SFTConfig, SFTTrainer
 
@@ -39,34 +39,15 @@ CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_trl(case, tmp_path, tokenizer, hf_model_dir):
-    import torch
     import trl
-    from transformers import AutoModelForCausalLM
 
     data = _prompt_completion()
     # One full batch per step: TRL's sampler and jaxrl's seeded permutation order the rows
     # differently, which a full batch's token-mean loss does not see.
     common = dict(per_device_train_batch_size=8, max_steps=2, learning_rate=1e-3, **CASES[case])
-    torch.manual_seed(0)
-    theirs_trainer = trl.SFTTrainer(
-        model=AutoModelForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32),
-        args=trl.SFTConfig(
-            output_dir=str(tmp_path / "trl"),
-            use_cpu=True,
-            logging_steps=1,
-            lr_scheduler_type="constant",
-            seed=0,
-            report_to="none",
-            bf16=False,
-            gradient_checkpointing=False,
-            **common,
-        ),
-        train_dataset=data,
-        processing_class=tokenizer,
+    theirs_trainer, theirs = trl_train_logs(
+        trl.SFTTrainer, trl.SFTConfig, hf_model_dir, tokenizer, data, tmp_path / "trl", **common
     )
-    theirs_trainer.train()
-    theirs = [h for h in theirs_trainer.state.log_history if "loss" in h]
-
     trainer = SFTTrainer(
         hf_model_dir,
         args=SFTConfig(**base_args(tmp_path / "ours", **common)),
@@ -75,14 +56,7 @@ def test_matches_trl(case, tmp_path, tokenizer, hf_model_dir):
     )
     assert trainer.train_dataset["input_ids"] == theirs_trainer.train_dataset["input_ids"]
     trainer.train()
-    ours = train_logs(trainer)
-    assert len(ours) == len(theirs) == 2
-    for step, (o, t) in enumerate(zip(ours, theirs, strict=True)):
-        for key in METRICS:
-            np.testing.assert_allclose(
-                o[key], t[key], rtol=2e-4, atol=2e-5, err_msg=f"{key} at step {step + 1}"
-            )
-        np.testing.assert_allclose(o["grad_norm"], t["grad_norm"], rtol=2e-3)
+    assert_logs_match(train_logs(trainer), theirs, METRICS, steps=2)
 
 
 def test_untrained_examples_are_dropped_only_when_truncating(tokenizer):
@@ -187,9 +161,7 @@ def _tokenized_rows(tokenizer) -> datasets.Dataset:
 def test_skip_prepare_dataset_matches_trl(tmp_path, tokenizer, hf_model_dir):
     """`dataset_kwargs={"skip_prepare_dataset": True}`: rows as given (no EOS, no truncation to
     `max_length`), `labels` masking, and the same steps as TRL's trainer."""
-    import torch
     import trl
-    from transformers import AutoModelForCausalLM
 
     data = _tokenized_rows(tokenizer)
     common = dict(
@@ -199,25 +171,9 @@ def test_skip_prepare_dataset_matches_trl(tmp_path, tokenizer, hf_model_dir):
         max_length=12,
         dataset_kwargs={"skip_prepare_dataset": True},
     )
-    torch.manual_seed(0)
-    theirs_trainer = trl.SFTTrainer(
-        model=AutoModelForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32),
-        args=trl.SFTConfig(
-            output_dir=str(tmp_path / "trl"),
-            use_cpu=True,
-            logging_steps=1,
-            lr_scheduler_type="constant",
-            seed=0,
-            report_to="none",
-            bf16=False,
-            remove_unused_columns=False,
-            **common,
-        ),
-        train_dataset=data,
-        processing_class=tokenizer,
+    _, theirs = trl_train_logs(
+        trl.SFTTrainer, trl.SFTConfig, hf_model_dir, tokenizer, data, tmp_path / "trl", **common
     )
-    theirs_trainer.train()
-    theirs = [h for h in theirs_trainer.state.log_history if "loss" in h]
     trainer = SFTTrainer(
         hf_model_dir,
         args=SFTConfig(**base_args(tmp_path / "ours", **common)),
@@ -228,13 +184,7 @@ def test_skip_prepare_dataset_matches_trl(tmp_path, tokenizer, hf_model_dir):
     assert trainer.seq_len >= max(len(r) for r in data["input_ids"]) > 12
     assert trainer.train_dataset["loss_mask"][0][:5] == [0, 0, 0, 0, 1]
     trainer.train()
-    ours = train_logs(trainer)
-    assert len(ours) == len(theirs) == 2
-    for step, (o, t) in enumerate(zip(ours, theirs, strict=True)):
-        for key in METRICS:
-            np.testing.assert_allclose(
-                o[key], t[key], rtol=2e-4, atol=2e-5, err_msg=f"{key} at step {step + 1}"
-            )
+    assert_logs_match(train_logs(trainer), theirs, METRICS, steps=2, grad_norm=False)
 
 
 @pytest.mark.parametrize(

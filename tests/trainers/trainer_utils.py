@@ -55,3 +55,42 @@ def per_batch_mean(values, batch_size: int, reduce=np.mean) -> float:
 def train_logs(trainer) -> list[dict]:
     """Per-step training logs (no eval/summary entries)."""
     return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def trl_train_logs(trainer_cls, config_cls, model_dir, tokenizer, data, out, **args):
+    """TRL's own trainer (`trl.SFTTrainer`, `trl.DPOTrainer`, ...) on the transformers model in
+    `model_dir`, f32 on CPU, a constant learning rate and a log every step: `(trainer, logs)`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    trainer = trainer_cls(
+        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        args=config_cls(
+            output_dir=str(out),
+            use_cpu=True,
+            logging_steps=1,
+            lr_scheduler_type="constant",
+            seed=0,
+            report_to="none",
+            bf16=False,
+            gradient_checkpointing=False,
+            **args,
+        ),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    return trainer, train_logs(trainer)
+
+
+def assert_logs_match(ours: list[dict], theirs: list[dict], keys, steps: int, grad_norm=True):
+    """Step-for-step agreement of two runs' training logs on `keys` (and `grad_norm`)."""
+    assert len(ours) == len(theirs) == steps
+    for step, (o, t) in enumerate(zip(ours, theirs, strict=True)):
+        for key in keys:
+            np.testing.assert_allclose(
+                o[key], t[key], rtol=2e-4, atol=2e-5, err_msg=f"{key} at step {step + 1}"
+            )
+        if grad_norm:
+            np.testing.assert_allclose(o["grad_norm"], t["grad_norm"], rtol=2e-3)
