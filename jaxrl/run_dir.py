@@ -40,10 +40,13 @@ def check_output_dir(
     output_dir: str | os.PathLike,
     resume_from_checkpoint: Any = None,
     overwrite_output_dir: bool | None = None,
+    own_metrics: bool = False,
 ) -> None:
     """Raise OutputDirError if `output_dir` exists but is not a directory; with
     `overwrite_output_dir` given, also if it holds a previous run that would be neither resumed
-    nor overwritten (so a command line fails before any model or data is loaded)."""
+    nor overwritten (so a command line fails before any model or data is loaded).
+    `own_metrics`: its metrics.jsonl is the caller's own (a trainer's `evaluate()` before its
+    `train()`, as HF allows), not a previous run's."""
     path = Path(output_dir)
     if path.exists() and not path.is_dir():
         raise OutputDirError(
@@ -52,7 +55,7 @@ def check_output_dir(
         )
     if overwrite_output_dir is None or overwrite_output_dir:
         return
-    found = previous_run(path)
+    found = [f for f in previous_run(path) if not (own_metrics and f == "metrics.jsonl")]
     if found and not _wants_resume(resume_from_checkpoint):
         raise OutputDirError(
             f"output_dir {str(path)!r} already holds a previous run ({', '.join(found)}). "
@@ -188,6 +191,7 @@ def prepare(
     resume_from_checkpoint: Any = None,
     overwrite_output_dir: bool = False,
     process_index: int = 0,
+    own_metrics: bool = False,
 ) -> RunLock:
     """Check, lock and (with `overwrite_output_dir`) clear `output_dir` before a run starts.
 
@@ -195,7 +199,7 @@ def prepare(
     (every host sees the same shared directory); every process runs the read-only checks so all
     of them fail alike.
     """
-    check_output_dir(output_dir, resume_from_checkpoint, overwrite_output_dir)
+    check_output_dir(output_dir, resume_from_checkpoint, overwrite_output_dir, own_metrics)
     path = Path(output_dir)
     path.mkdir(parents=True, exist_ok=True)
     found = previous_run(path)

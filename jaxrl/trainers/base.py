@@ -97,6 +97,9 @@ class Trainer(TrainLoop):
         self._check_script_inputs(eval_dataset)
         a = self.args
         run_dir.check_output_dir(a.output_dir)  # [run_dir] before loading anything
+        # A metrics.jsonl that appears after this point is this trainer's (an evaluate() before
+        # train()), which train() then continues, as HF's log_history does.
+        self._metrics_file_preexisted = "metrics.jsonl" in run_dir.previous_run(a.output_dir)
         if a.fp16 and jax.default_backend() == "cpu":
             # As HF's Trainer: fp16 mixed precision is a GPU feature (XLA:CPU has no f16 dot
             # with f32 accumulation).
@@ -533,6 +536,23 @@ class Trainer(TrainLoop):
             self.train_state = self._build_state()
             self._compile(self.train_state)
 
+    def _prepare_for_evaluation(self) -> None:
+        """`_ensure_state` for `evaluate()` / `predict()`. HF: when they run before any training,
+        they prepare the model themselves, and that time (here: building the sharded state and
+        compiling the steps) is `{prefix}_model_preparation_time` (s, 4 decimals) in their
+        metrics from then on, left out of `{prefix}_runtime`."""
+        if self.train_state is None:
+            start = time.time()
+            self._ensure_state()
+            if not self._models_prepared_at_init():
+                self.model_preparation_time = round(time.time() - start, 4)
+
+    def _models_prepared_at_init(self) -> bool:
+        """Whether TRL's trainer hands a model (a reference, a reward model) to accelerate in its
+        constructor: then HF's evaluation finds accelerate already holding models and reports no
+        `model_preparation_time`."""
+        return False
+
     def _state_updates_changed(self) -> None:
         if self.train_state is not None:  # else the first `_ensure_state` compiles them
             self._compile(self.train_state)
@@ -697,7 +717,7 @@ class Trainer(TrainLoop):
         """Eval loss and metrics over `eval_dataset` (default: the trainer's), logged and
         returned with keys `{metric_key_prefix}_*` (HF). With `compute_metrics`, it also gets
         the gathered predictions (HF's layout; `preprocess_logits_for_metrics` runs on device)."""
-        self._ensure_state()
+        self._prepare_for_evaluation()
         ds = (
             self.eval_dataset
             if eval_dataset is None
@@ -725,7 +745,7 @@ class Trainer(TrainLoop):
         output of `preprocess_logits_for_metrics`); DPO, those of the `prompt + chosen` rows then
         the `prompt + rejected` rows `[2N, ...]`; reward, the `[N, 2]` (chosen, rejected) scores
         with label 0 (the chosen column). Not logged; callbacks get `on_predict`."""
-        self._ensure_state()
+        self._prepare_for_evaluation()
         ds = self._admit(self._prepare_dataset(test_dataset, "test"))
         metrics, (preds, labels) = self._evaluation_loop(ds, metric_key_prefix, ignore_keys, True)
         self._event("on_predict", metrics=metrics)
@@ -799,7 +819,8 @@ class Trainer(TrainLoop):
         if self.compute_metrics is not None and all_preds is not None:
             metrics.update(self.compute_metrics(EvalPrediction(all_preds, all_labels)))
         metrics = prefixed(metrics, prefix)
-        metrics.update(speed_metrics(prefix, start, len(ds), bs))
+        prep = getattr(self, "model_preparation_time", None)
+        metrics.update(speed_metrics(prefix, start, len(ds), bs, prep))
         return metrics, (all_preds, all_labels)
 
     def _jitted_predict(self) -> Callable | None:

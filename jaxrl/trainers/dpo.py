@@ -254,6 +254,11 @@ class DPOTrainer(Trainer):
         """LoRA without an explicit reference: the reference is the base without the adapter."""
         return self.is_peft and self._ref_model_arg is None
 
+    def _models_prepared_at_init(self) -> bool:
+        # TRL prepares its reference model, which it has unless PEFT or precomputed log-probs
+        # stand in for it.
+        return self.uses_ref_params and not self._ref_is_base
+
     @property
     def uses_ref_params(self) -> bool:
         a = self.args

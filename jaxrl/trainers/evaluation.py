@@ -98,13 +98,23 @@ def prefixed(metrics: dict[str, Any], prefix: str) -> dict[str, Any]:
     return out
 
 
-def speed_metrics(prefix: str, start_time: float, num_samples: int, batch_size: int) -> dict:
+def speed_metrics(
+    prefix: str,
+    start_time: float,
+    num_samples: int,
+    batch_size: int,
+    model_preparation_time: float | None = None,
+) -> dict:
     """HF's timing keys for an evaluation or prediction pass that started at `start_time`
     (`time.time()`) and covered `num_samples` examples in batches of `batch_size`:
     `{prefix}_runtime` (s, 4 decimals), `{prefix}_samples_per_second` and
-    `{prefix}_steps_per_second` (3 decimals; left out when no time has passed)."""
+    `{prefix}_steps_per_second` (3 decimals; left out when no time has passed), and
+    `{prefix}_model_preparation_time` when given (see `Trainer._prepare_for_evaluation`)."""
     runtime = time.time() - start_time
-    out = {f"{prefix}_runtime": round(runtime, 4)}
+    out = {}
+    if model_preparation_time is not None:
+        out[f"{prefix}_model_preparation_time"] = model_preparation_time
+    out[f"{prefix}_runtime"] = round(runtime, 4)
     if runtime > 0:
         steps = math.ceil(num_samples / max(batch_size, 1))
         out[f"{prefix}_samples_per_second"] = round(num_samples / runtime, 3)

@@ -510,6 +510,7 @@ class TrainLoop:
             ),
             overwrite_output_dir=getattr(self.args, "overwrite_output_dir", False),
             process_index=jax.process_index(),
+            own_metrics=not getattr(self, "_metrics_file_preexisted", True),
         )
         try:
             return self._train(resume_from_checkpoint)

@@ -358,6 +358,8 @@ class OnPolicyTrainer(Trainer):
                 f"reward_processing_classes has {len(tokenizers)} entries for {len(funcs)} reward "
                 "functions; give one per reward function (None for callables)."
             )
+        # TRL prepares reward models (and the reference, `_models_prepared_at_init`) in __init__.
+        self._has_reward_models = any(isinstance(func, str) for func in funcs)
         out = []
         for i, func in enumerate(funcs):
             if isinstance(func, str):
@@ -470,6 +472,11 @@ class OnPolicyTrainer(Trainer):
         """Whether the update needs the sampling policy's log-probs (TRL: when a generation
         batch spans more than one optimizer step)."""
         return self.generate_every != self.args.gradient_accumulation_steps
+
+    def _models_prepared_at_init(self) -> bool:
+        # TRL's reference model exists when beta != 0 without PEFT (the adapter off stands in).
+        has_ref_model = self._needs_ref() and not self.is_peft
+        return has_ref_model or getattr(self, "_has_reward_models", False)
 
     # ----------------------------------------------------------------- state
     def _frozen_params(self, params: Any) -> dict[str, Any]:
@@ -788,7 +795,7 @@ class OnPolicyTrainer(Trainer):
         `<prefix>_runtime`, `_samples_per_second`, `_steps_per_second` (samples are eval
         prompts, steps `ceil(prompts / batch size)` as HF counts them; the greedy pass is timed
         too)."""
-        self._ensure_state()
+        self._prepare_for_evaluation()
         a = self.args
         ds = (
             self.eval_dataset
@@ -845,7 +852,8 @@ class OnPolicyTrainer(Trainer):
             values = [v for v in values if not math.isnan(v)]
             metrics[name] = float(np.mean(values)) if values else math.nan
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
-        metrics.update(speed_metrics(metric_key_prefix, start_time, len(rows), batch_size))
+        prep = getattr(self, "model_preparation_time", None)
+        metrics.update(speed_metrics(metric_key_prefix, start_time, len(rows), batch_size, prep))
         # TRL's `log()` logs None for a metric with no non-NaN value (e.g. a reward function that
         # returned None for every eval completion); the returned metrics keep the NaN.
         self.log({k: None if math.isnan(v) else v for k, v in metrics.items()})

@@ -18,9 +18,15 @@ from trainer_utils import base_args
 
 from jaxrl.data import task
 
-# HF's timing keys (checked for sanity, not value) and the keys only HF's torch side has.
-SPEED = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
-TORCH_ONLY = ("eval_model_preparation_time", "epoch", "step")
+# HF's timing keys (checked for sanity, not value; evaluate() before training also times the
+# model's preparation) and the keys only HF's torch side has.
+SPEED = (
+    "eval_model_preparation_time",
+    "eval_runtime",
+    "eval_samples_per_second",
+    "eval_steps_per_second",
+)
+TORCH_ONLY = ("epoch", "step")
 
 
 def _rows(algo: str) -> datasets.Dataset:
@@ -70,10 +76,45 @@ def test_evaluate_matches_trl(algo, tmp_path):
     theirs = _trl_eval(algo, model, ds, tmp_path / "trl")
     ours = _jaxrl_eval(algo, model, ds, tmp_path / "jaxrl")
     assert set(ours) == set(theirs) - set(TORCH_ONLY), (sorted(ours), sorted(theirs))
+    # TRL's DPO hands its reference model to accelerate in __init__, so HF's evaluate() has no
+    # model to prepare and reports no preparation time.
+    assert ("eval_model_preparation_time" in ours) == (algo != "dpo")
     for key in SPEED:
-        assert math.isfinite(ours[key]) and ours[key] > 0, key
+        if key in ours:
+            assert math.isfinite(ours[key]) and ours[key] > 0, key
     values = sorted(k for k in ours if k not in SPEED)
     np.testing.assert_allclose(
         [ours[k] for k in values], [theirs[k] for k in values], atol=2e-6, rtol=0,
         err_msg=f"{algo}: {values}",
     )  # fmt: skip
+
+
+def test_model_preparation_time_as_hf(tmp_path):
+    """HF: an evaluate() before any training prepares the model and reports that time as
+    `eval_model_preparation_time` in its metrics and every later evaluation's; evaluations of
+    a run that trained first have none."""
+    from jaxrl import SFTConfig, SFTTrainer
+
+    ds = _rows("sft")
+
+    def trainer(out):
+        args = base_args(out, max_steps=2, eval_strategy="steps", eval_steps=1)
+        return SFTTrainer(str(MODEL), args=SFTConfig(**args), train_dataset=ds, eval_dataset=ds)
+
+    first = trainer(tmp_path / "eval_first")
+    prep = first.evaluate()["eval_model_preparation_time"]
+    assert prep > 0  # building the sharded state and compiling the steps takes time
+    first.train()
+    evals = [h for h in first.state.log_history if "eval_loss" in h]
+    assert len(evals) == 3 and all(h["eval_model_preparation_time"] == prep for h in evals)
+    # train() after the trainer's own evaluate() continues its metrics.jsonl, as HF's
+    # log_history: the output_dir guard does not take it for a previous run.
+    lines = [
+        json.loads(x) for x in (tmp_path / "eval_first" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert lines[0]["step"] == 0 and lines[0]["eval_model_preparation_time"] == prep
+
+    trained_first = trainer(tmp_path / "train_first")
+    trained_first.train()
+    evals = [h for h in trained_first.state.log_history if "eval_loss" in h]
+    assert len(evals) == 2 and not any("eval_model_preparation_time" in h for h in evals)
