@@ -16,7 +16,12 @@ import random
 
 import numpy as np
 
-from jaxrl.callbacks.base import TrainerCallback, TrainerControl, TrainerState
+from jaxrl.callbacks.base import (
+    EarlyStoppingCallback,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+)
 from jaxrl.callbacks.bema import BEMACallback
 from jaxrl.callbacks.completions import LogCompletionsCallback, WeaveCallback
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
@@ -80,6 +85,7 @@ __all__ = [
     "ScriptArguments",
     "SFTTrainer",
     "SyncRefModelCallback",
+    "EarlyStoppingCallback",
     "TrainerCallback",
     "TrainerControl",
     "TrainerState",

@@ -243,6 +243,9 @@ class TrainingConfig(_ForeignTrainingFields):
     save_total_limit: int | None = None
     # Checkpoints without optimizer state and data position (not resumable), as HF.
     save_only_model: bool = False
+    # HF: on resume, rebuild the `ExportableState` callbacks (e.g. `EarlyStoppingCallback`'s
+    # patience counter) from the checkpoint's `stateful_callbacks`.
+    restore_callback_states_from_checkpoint: bool = False
     # Keep the checkpoint with the best `metric_for_best_model` and load it when training ends.
     load_best_model_at_end: bool = False
     metric_for_best_model: str | None = None  # None -> "loss" when needed (HF)

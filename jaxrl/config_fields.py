@@ -136,7 +136,6 @@ TRAINING_ARGUMENTS = (
         "hub_always_push", bool, False, "uploads run synchronously in jaxrl, so none is skipped"
     ),
     Foreign("ignore_data_skip", bool, False, "resuming always restores the exact data position"),
-    Foreign("restore_callback_states_from_checkpoint", bool, False, "not implemented"),
     Foreign(
         "full_determinism",
         bool,

@@ -3,6 +3,8 @@
 from jaxrl.callbacks.base import (
     CallbackHandler,
     DefaultFlowCallback,
+    EarlyStoppingCallback,
+    ExportableState,
     TrainerCallback,
     TrainerControl,
     TrainerState,
@@ -14,6 +16,8 @@ from jaxrl.callbacks.wandb import WandbCallback
 __all__ = [
     "CallbackHandler",
     "DefaultFlowCallback",
+    "EarlyStoppingCallback",
+    "ExportableState",
     "JsonlMetricsCallback",
     "RichProgressCallback",
     "TrainerCallback",

@@ -36,6 +36,9 @@ class TrainerState:
     best_model_checkpoint: str | None = None
     # HF: training input tokens so far (counted when `include_num_input_tokens_seen` is set).
     num_input_tokens_seen: int = 0
+    # HF: class name -> `state()` (or a list, for several) of the `ExportableState` callbacks
+    # at the last save; restored with `restore_callback_states_from_checkpoint`.
+    stateful_callbacks: dict[str, Any] = field(default_factory=dict)
     is_local_process_zero: bool = True
     is_world_process_zero: bool = True
 
@@ -234,6 +237,88 @@ class CallbackHandler(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         control.should_log = False
         return self.call_event("on_log", args, state, control, logs=logs, **kwargs)
+
+
+class ExportableState:
+    """HF's protocol for a callback whose state checkpoints keep: `state()` returns
+    `{"args": constructor kwargs, "attributes": attributes to set}`; `from_state` rebuilds it."""
+
+    def state(self) -> dict:
+        raise NotImplementedError("An ExportableState callback implements `state()`.")
+
+    @classmethod
+    def from_state(cls, state: dict):
+        instance = cls(**state.get("args", {}))
+        for name, value in state.get("attributes", {}).items():
+            setattr(instance, name, value)
+        return instance
+
+
+def is_exportable(callback: Any) -> bool:
+    """jaxrl's `ExportableState`, or transformers' (a callback written for HF's Trainer)."""
+    if isinstance(callback, ExportableState):
+        return True
+    try:
+        from transformers.trainer_callback import ExportableState as HFExportableState
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(callback, HFExportableState)
+
+
+class EarlyStoppingCallback(TrainerCallback, ExportableState):
+    """HF's `EarlyStoppingCallback`: stop training once `metric_for_best_model` has failed to
+    improve on the best value so far (by more than `early_stopping_threshold`) for
+    `early_stopping_patience` evaluations in a row. Needs `metric_for_best_model` and an
+    `eval_strategy`; warns without `load_best_model_at_end`. Its counter is saved with each
+    checkpoint (`restore_callback_states_from_checkpoint` brings it back on resume)."""
+
+    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float = 0.0):
+        self.early_stopping_patience = early_stopping_patience
+        self.early_stopping_threshold = early_stopping_threshold
+        self.early_stopping_patience_counter = 0  # evaluations in a row without improvement
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not args.load_best_model_at_end:
+            logger.warning(
+                "EarlyStoppingCallback without load_best_model_at_end=True: the best model is "
+                "not loaded when training ends."
+            )
+        if args.metric_for_best_model is None:
+            raise ValueError("EarlyStoppingCallback needs `metric_for_best_model` to be set.")
+        if args.eval_strategy == "no":
+            raise ValueError(
+                "EarlyStoppingCallback needs evaluations: set `eval_strategy` to 'steps' or 'epoch'."
+            )
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        name = args.metric_for_best_model
+        name = name if name.startswith("eval_") else f"eval_{name}"
+        value = (metrics or {}).get(name)
+        if value is None:
+            logger.warning("EarlyStoppingCallback: no %r in the eval metrics; not stopping.", name)
+            return
+        # `state.best_metric` is the best before this evaluation (the loop updates it after).
+        best = state.best_metric
+        if best is None:
+            improved = True
+        else:
+            better = value > best if args.greater_is_better else value < best
+            improved = better and abs(value - best) > self.early_stopping_threshold
+        if improved:
+            self.early_stopping_patience_counter = 0
+        else:
+            self.early_stopping_patience_counter += 1
+        if self.early_stopping_patience_counter >= self.early_stopping_patience:
+            control.should_training_stop = True
+
+    def state(self) -> dict:
+        return {
+            "args": {
+                "early_stopping_patience": self.early_stopping_patience,
+                "early_stopping_threshold": self.early_stopping_threshold,
+            },
+            "attributes": {"early_stopping_patience_counter": self.early_stopping_patience_counter},
+        }
 
 
 class DefaultFlowCallback(TrainerCallback):

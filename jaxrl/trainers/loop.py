@@ -36,6 +36,7 @@ from jaxrl.callbacks.base import (
     TrainerCallback,
     TrainerControl,
     TrainerState,
+    is_exportable,
 )
 from jaxrl.callbacks.collapse import CollapseWarningCallback
 from jaxrl.callbacks.jsonl import JsonlMetricsCallback
@@ -242,6 +243,7 @@ class TrainLoop:
             self.state.best_model_checkpoint = str(ckpt.step_dir(best))
             ckpt.protected_step = best
         model_only = getattr(self.args, "save_only_model", False)
+        self.state.stateful_callbacks = self._exportable_states()
         meta = {
             "trainer_state": dataclasses.asdict(self.state),
             "log_window": self._log_window,
@@ -264,6 +266,39 @@ class TrainLoop:
 
     def _load_host_state(self, state: dict) -> None:
         """Restore what `_host_state` saved (called on resume, after the train state)."""
+
+    def _exportable_states(self) -> dict:
+        """HF's `stateful_callbacks`: each `ExportableState` callback's `state()` by class name
+        (a list when there are several of a class)."""
+        states: dict[str, list[dict]] = {}
+        for cb in self.callback_handler.callbacks:
+            if is_exportable(cb):
+                states.setdefault(type(cb).__name__, []).append(cb.state())
+        return {name: s[0] if len(s) == 1 else s for name, s in states.items()}
+
+    def _restore_exportable_states(self) -> None:
+        """HF's `_load_callback_state` (with `restore_callback_states_from_checkpoint`): each
+        saved state replaces the callbacks of its class, in order, by instances rebuilt from it;
+        saved states without such a callback are ignored with a warning."""
+        if not getattr(self.args, "restore_callback_states_from_checkpoint", False):
+            return
+        missing = []
+        for name, saved in self.state.stateful_callbacks.items():
+            same = [cb for cb in self.callback_handler.callbacks if type(cb).__name__ == name]
+            if not same:
+                missing.append(name)
+                continue
+            for cb, data in zip(same, saved if isinstance(saved, list) else [saved], strict=False):
+                rebuilt = type(cb)(**data.get("args", {}))
+                for attr, value in data.get("attributes", {}).items():
+                    setattr(rebuilt, attr, value)
+                self.callback_handler.remove_callback(cb)
+                self.callback_handler.add_callback(rebuilt)
+        if missing:
+            logger.warning(
+                "The checkpoint holds states of callbacks this run does not have (%s); ignored.",
+                ", ".join(missing),
+            )
 
     def _callback_states(self) -> dict:
         out = {}
@@ -370,6 +405,7 @@ class TrainLoop:
         self._log_window = meta.get("log_window", [])
         self._tokens_seen = meta.get("tokens_seen", 0)
         self._load_host_state(meta.get("host_state", {}))
+        self._restore_exportable_states()
         logger.info("Resumed from step %d", self.state.global_step)
 
     def _restore_params(self, step: int) -> Any:
