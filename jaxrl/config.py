@@ -243,6 +243,9 @@ class TrainingConfig(_ForeignTrainingFields):
     save_total_limit: int | None = None
     # Checkpoints without optimizer state and data position (not resumable), as HF.
     save_only_model: bool = False
+    # HF: evaluate() and predict() compute the loss (and the trainer's metrics) only: no
+    # predictions are gathered, `compute_metrics` is not called, predict() returns None for them.
+    prediction_loss_only: bool = False
     # HF: on resume, rebuild the `ExportableState` callbacks (e.g. `EarlyStoppingCallback`'s
     # patience counter) from the checkpoint's `stateful_callbacks`.
     restore_callback_states_from_checkpoint: bool = False

@@ -112,7 +112,6 @@ TRAINING_ARGUMENTS = (
     Foreign("trackio_space_id", str | None, None, "trackio is not integrated"),
     Foreign("trackio_bucket_id", str | None, None, "trackio is not integrated"),
     Foreign("trackio_static_space_id", str | bool | None, None, "trackio is not integrated"),
-    Foreign("prediction_loss_only", bool, False, "`compute_metrics` decides what eval computes"),
     Foreign("eval_do_concat_batches", bool, True, _EVAL),
     Foreign("eval_use_gather_object", bool, False, _EVAL),
     Foreign("eval_accumulation_steps", int | None, None, _EVAL),

@@ -726,9 +726,8 @@ class Trainer(TrainLoop):
         if ds is None:
             raise ValueError("evaluate() needs an eval_dataset.")
         self._before_evaluation(ds)
-        metrics, _ = self._evaluation_loop(
-            ds, metric_key_prefix, ignore_keys, self.compute_metrics is not None
-        )
+        want = self.compute_metrics is not None and not self.args.prediction_loss_only
+        metrics, _ = self._evaluation_loop(ds, metric_key_prefix, ignore_keys, want)
         self.log(metrics)
         self._event("on_evaluate", metrics=metrics)
         return metrics
@@ -747,7 +746,8 @@ class Trainer(TrainLoop):
         with label 0 (the chosen column). Not logged; callbacks get `on_predict`."""
         self._prepare_for_evaluation()
         ds = self._admit(self._prepare_dataset(test_dataset, "test"))
-        metrics, (preds, labels) = self._evaluation_loop(ds, metric_key_prefix, ignore_keys, True)
+        want = not self.args.prediction_loss_only  # HF: then no predictions, no labels
+        metrics, (preds, labels) = self._evaluation_loop(ds, metric_key_prefix, ignore_keys, want)
         self._event("on_predict", metrics=metrics)
         return PredictionOutput(preds, labels, metrics)
 

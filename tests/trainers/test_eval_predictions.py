@@ -166,3 +166,29 @@ def test_reward_compute_metrics_gets_pair_scores(tmp_path, tokenizer, hf_model_d
     assert min_reward == pytest.approx(metrics["eval_min_reward"], rel=1e-6)
     out = trainer.predict(pref_data[1].select(range(3)))
     np.testing.assert_allclose(out.predictions, scores[:3], rtol=1e-6)
+
+
+def test_prediction_loss_only(tmp_path, tokenizer, hf_model_dir, sft_data):
+    """HF's `prediction_loss_only`: evaluate() skips `compute_metrics` (the loss and the trainer's
+    own metrics stay, equal to a full evaluation's) and predict() returns no predictions."""
+    calls = []
+
+    def trainer(**kw):
+        return SFTTrainer(
+            hf_model_dir,
+            args=SFTConfig(**_eval_args(tmp_path / str(kw), **kw)),
+            eval_dataset=sft_data[1].select(range(12)),
+            processing_class=tokenizer,
+            compute_metrics=lambda pred: calls.append(pred) or {"n": len(pred.label_ids)},
+        )
+
+    full = trainer().evaluate()
+    assert len(calls) == 1 and full["eval_n"] == 12
+    loss_only = trainer(prediction_loss_only=True)
+    metrics = loss_only.evaluate()
+    assert len(calls) == 1 and "eval_n" not in metrics
+    for key in ("eval_loss", "eval_mean_token_accuracy", "eval_entropy"):
+        assert metrics[key] == pytest.approx(full[key], abs=1e-7)
+    out = loss_only.predict(sft_data[1].select(range(12)))
+    assert out.predictions is None and out.label_ids is None
+    assert out.metrics["test_loss"] == pytest.approx(full["eval_loss"], abs=1e-7)
