@@ -289,11 +289,8 @@ class TrainLoop:
                 missing.append(name)
                 continue
             for cb, data in zip(same, saved if isinstance(saved, list) else [saved], strict=False):
-                rebuilt = type(cb)(**data.get("args", {}))
-                for attr, value in data.get("attributes", {}).items():
-                    setattr(rebuilt, attr, value)
                 self.callback_handler.remove_callback(cb)
-                self.callback_handler.add_callback(rebuilt)
+                self.callback_handler.add_callback(type(cb).from_state(data))
         if missing:
             logger.warning(
                 "The checkpoint holds states of callbacks this run does not have (%s); ignored.",

@@ -16,7 +16,7 @@ import optax
 import pytest
 import torch
 from trl import GRPOTrainer
-from trl_reference import _ids, _OneProcess
+from trl_reference import _ids, _OneProcess, grpo_args
 
 from jaxrl.core.logprobs import token_logprobs
 from jaxrl.core.state import TrainState
@@ -52,16 +52,8 @@ class TRLRun:
     controller state persists across calls, as in training)."""
 
     def __init__(self, loss_type, accum, *, coef, adaptive=False, quantile=1.0, **controller):
-        args = types.SimpleNamespace(
-            delta=None,
-            use_bias_correction_kl=True,
+        args = grpo_args(
             steps_per_generation=accum,
-            sapo_temperature_neg=1.05,
-            sapo_temperature_pos=1.0,
-            vespo_k_pos=2.0,
-            vespo_lambda_pos=3.0,
-            vespo_k_neg=3.0,
-            vespo_lambda_neg=2.0,
             entropy_target=controller.get("target", 0.2),
             entropy_coef_delta=controller.get("delta", 0.005),
             entropy_coef_min=controller.get("coef_min", 0.0),

@@ -13,6 +13,24 @@ import torch
 from trl import GRPOTrainer, RLOOTrainer
 
 
+def grpo_args(**fields) -> types.SimpleNamespace:
+    """The `GRPOConfig` fields `_compute_loss` reads, at TRL 1.16's defaults, and `fields`."""
+    return types.SimpleNamespace(
+        **{
+            "delta": None,
+            "use_bias_correction_kl": True,
+            "steps_per_generation": 1,
+            "sapo_temperature_neg": 1.05,
+            "sapo_temperature_pos": 1.0,
+            "vespo_k_pos": 2.0,
+            "vespo_lambda_pos": 3.0,
+            "vespo_k_neg": 3.0,
+            "vespo_lambda_neg": 2.0,
+            **fields,
+        }
+    )
+
+
 class _OneProcess:
     """The accelerator calls the loss methods make, for a single process."""
 
@@ -81,16 +99,10 @@ def trl_grpo_loss(
     """TRL's loss, its gradient w.r.t. `logps` and the metrics it logged (last values)."""
     mask = np.asarray(mask)
     entropies = np.zeros_like(np.asarray(logps)) if entropies is None else entropies
-    args = types.SimpleNamespace(
+    args = grpo_args(
         delta=delta,
         use_bias_correction_kl=use_bias_correction_kl,
         steps_per_generation=grad_accum,
-        sapo_temperature_neg=1.05,
-        sapo_temperature_pos=1.0,
-        vespo_k_pos=2.0,
-        vespo_lambda_pos=3.0,
-        vespo_k_neg=3.0,
-        vespo_lambda_neg=2.0,
     )
     trainer, leaf = _trainer(
         GRPOTrainer,
