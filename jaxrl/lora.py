@@ -61,6 +61,8 @@ DEFAULT_TARGETS = {
     "mistral": ("q_proj", "v_proj"),
     "qwen2": ("q_proj", "v_proj"),
     "qwen3": ("q_proj", "v_proj"),
+    "gemma": ("q_proj", "v_proj"),
+    "gemma3_text": ("q_proj", "v_proj"),
     "gpt2": ("c_attn",),
 }
 ALL_LINEAR = "all-linear"

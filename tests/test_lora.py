@@ -67,6 +67,7 @@ PARITY_CASES = [
     ("qwen3", False, {"target_modules": r".*\.(q_proj|k_proj|o_proj|up_proj)"}),
     ("gpt2", False, {}),
     ("gpt2", True, {"target_modules": ["c_attn", "c_fc"]}),
+    ("gemma3", True, {}),  # PEFT's default targets for gemma3_text
 ]
 # The fast tier keeps one case; the others are slow.
 PARITY_CASES = [

@@ -89,11 +89,13 @@ def attend(
     impl: str | None,
     mesh: Mesh | None = None,
     rules: Any = None,
+    scale: float | None = None,
 ) -> jax.Array:
     """Causal GQA self-attention with the kernel `impl` (see `resolve_impl`); `mask` is a dense
     `[B, 1, T, S]` visibility mask or an `AttentionMask`; `window` is a static sliding window (HF
     semantics: key j is kept for query i when j > i - window) or None. `mesh`/`rules` let the
-    splash kernel run per shard (batch and heads as the model shards them)."""
+    splash kernel run per shard (batch and heads as the model shards them). Scores are scaled by
+    `scale` (default head_dim ** -0.5) in f32, after the matmul, as torch's SDPA does."""
     if isinstance(mask, AttentionMask):
         mask_B1TS, segments_BT = mask.dense_B1TS, mask.segments_BT
     else:
@@ -107,15 +109,16 @@ def attend(
                 "attention_impl unset."
             )
         return splash_attention(
-            q_BTNH, k_BSKH, v_BSKH, segments_BT, window=window, mesh=mesh, rules=rules
+            q_BTNH, k_BSKH, v_BSKH, segments_BT, window=window, mesh=mesh, rules=rules, scale=scale
         )
     if impl == "blockwise":
-        return blockwise_attention(q_BTNH, k_BSKH, v_BSKH, mask_B1TS, window=window)
+        return blockwise_attention(q_BTNH, k_BSKH, v_BSKH, mask_B1TS, window=window, scale=scale)
     return jax.nn.dot_product_attention(
         q_BTNH,
         k_BSKH,
         v_BSKH,
         mask=mask_B1TS,
+        scale=scale,
         is_causal=True,
         # jax's window is (keys left, keys right): HF keeps `window - 1` keys to the left.
         local_window_size=None if window is None else (window - 1, 0),
@@ -151,13 +154,18 @@ def _splash_kernel(seq_len: int, num_heads: int, window: int | None, interpret: 
         block_q=b, block_kv=b, block_kv_compute=b,
         block_q_dkv=b, block_kv_dkv=b, block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b,
     )  # fmt: skip
-    return kernel_lib.make_splash_mha(
-        mask_lib.MultiHeadMask([head_mask] * num_heads),
-        head_shards=1,
-        q_seq_shards=1,
-        block_sizes=sizes,
-        interpret=interpret,
-    ), kernel_lib.SegmentIds
+    # Cached across traces, so its mask tables must be concrete arrays, never tracers of the
+    # jitted function that happened to build it first (a train step's kernel reused by the eval
+    # step's trace leaked them).
+    with jax.ensure_compile_time_eval():
+        kernel = kernel_lib.make_splash_mha(
+            mask_lib.MultiHeadMask([head_mask] * num_heads),
+            head_shards=1,
+            q_seq_shards=1,
+            block_sizes=sizes,
+            interpret=interpret,
+        )
+    return kernel, kernel_lib.SegmentIds
 
 
 def splash_attention(
@@ -170,9 +178,11 @@ def splash_attention(
     mesh: Mesh | None = None,
     rules: Any = None,
     interpret: bool | None = None,
+    scale: float | None = None,
 ) -> jax.Array:
-    """Causal GQA attention with the Pallas splash kernel: `softmax(q k^T / sqrt(H)) v` where
-    query i sees key j when j <= i, j > i - window (if set) and both share a segment id.
+    """Causal GQA attention with the Pallas splash kernel: `softmax(q k^T * scale) v` (`scale`
+    default 1 / sqrt(H)) where query i sees key j when j <= i, j > i - window (if set) and both
+    share a segment id.
 
     Lengths are padded to a multiple of 128 with a segment id no real token has. Under a mesh the
     kernel runs per shard (`shard_map`: batch and heads split as the model's rules split them,
@@ -198,7 +208,8 @@ def splash_attention(
         )
     pad = ((0, 0), (0, padded - T), (0, 0), (0, 0))
     # Scale in f32, then back to the input dtype (the kernel takes pre-scaled queries).
-    q = (q_BTNH.astype(jnp.float32) * (1.0 / math.sqrt(H))).astype(q_BTNH.dtype)
+    scale = 1.0 / math.sqrt(H) if scale is None else scale
+    q = (q_BTNH.astype(jnp.float32) * scale).astype(q_BTNH.dtype)
     q_BNTH = jnp.pad(q, pad).transpose(0, 2, 1, 3)
     k_BKTH = jnp.pad(k_BSKH, pad).transpose(0, 2, 1, 3)
     v_BKTH = jnp.pad(v_BSKH, pad).transpose(0, 2, 1, 3)
@@ -239,8 +250,10 @@ def blockwise_attention(
     *,
     window: int | None = None,
     max_block: int = MAX_BLOCK,
+    scale: float | None = None,
 ) -> jax.Array:
-    """Causal attention `softmax(q k^T / sqrt(H) + mask) v` computed block by block.
+    """Causal attention `softmax(q k^T * scale + mask) v` (`scale` default 1 / sqrt(H)) computed
+    block by block.
 
     q [B, T, N, H]; k, v [B, T, K, H] with N a multiple of K (GQA). `mask_B1TS` (bool, leading dim
     B or 1) says which keys each query may see, on top of causality; `window` keeps key j for query
@@ -256,7 +269,8 @@ def blockwise_attention(
     if mask_B1TS is not None and mask_B1TS.shape[-2:] != (T, S):
         raise ValueError(f"mask of shape {mask_B1TS.shape} does not match T={T}, S={S}.")
     size = block_size(T, max_block)
-    return _attention(q_BTNH, k_BSKH, v_BSKH, mask_B1TS, size, window)
+    scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+    return _attention(q_BTNH, k_BSKH, v_BSKH, mask_B1TS, size, window, scale)
 
 
 # ---------------------------------------------------------------- layout helpers
@@ -342,17 +356,16 @@ def _pad_mask(mask_B1TS, size):
 # ---------------------------------------------------------------- forward and backward
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attention(q, k, v, mask, size, window):
-    return _forward(q, k, v, mask, size, window)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention(q, k, v, mask, size, window, scale):
+    return _forward(q, k, v, mask, size, window, scale)[0]
 
 
-def _forward(q, k, v, mask, size, window):
+def _forward(q, k, v, mask, size, window, scale):
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
     nb = -(-T // size)
-    scale = 1.0 / math.sqrt(H)
     q_blocks = _to_q_blocks(q, K, size)
     k_blocks, v_blocks = _to_kv_blocks(k, size), _to_kv_blocks(v, size)
     mask_pad = _pad_mask(mask, size)
@@ -396,13 +409,12 @@ def _forward(q, k, v, mask, size, window):
     return out, (q, k, v, mask, out, lse_blocks)
 
 
-def _backward(size, window, res, dout):
+def _backward(size, window, scale, res, dout):
     q, k, v, mask, out, lse_blocks = res
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
     nb = -(-T // size)
-    scale = 1.0 / math.sqrt(H)
     q_blocks = _to_q_blocks(q, K, size)
     k_blocks, v_blocks = _to_kv_blocks(k, size), _to_kv_blocks(v, size)
     do_blocks = _to_q_blocks(dout, K, size)

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 
 from jaxrl.parallel import merge_rules
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text")
+GEMMA_TYPES = ("gemma", "gemma3_text")
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
 ROPE_TYPES = ("default", "llama3", "linear")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
@@ -47,6 +48,17 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    # Gemma switches: RMSNorm scales by (1 + weight) in f32 and returns its input's dtype
+    # (`norm_offset`); token embeddings are multiplied by `embed_multiplier` (sqrt(hidden_size))
+    # in the parameter dtype; Gemma 3's "sandwich" norms after attention and around the MLP
+    # (`sandwich_norms`); queries scaled by `query_pre_attn_scalar ** -0.5` instead of
+    # `head_dim ** -0.5` (`query_pre_attn_scalar`); sliding layers rotate with their own base
+    # `local_rope_theta` (default rope), full layers with `rope_theta` and its scaling.
+    norm_offset: bool = False
+    embed_multiplier: float | None = None
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    local_rope_theta: float | None = None
     sliding_window: int | None = None
     # One flag per layer: does that layer use `sliding_window`?
     sliding_layers: tuple[bool, ...] = ()
@@ -85,13 +97,20 @@ class ModelConfig:
                 f"num_key_value_heads={self.num_kv_heads}."
             )
 
+    @property
+    def attention_scale(self) -> float | None:
+        """What attention scores are multiplied by when not head_dim ** -0.5 (Gemma's
+        query_pre_attn_scalar ** -0.5); None for the default."""
+        scalar = self.query_pre_attn_scalar
+        return None if scalar in (None, self.head_dim) else scalar**-0.5
+
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
 def _rope_fields(hf_config: Any) -> dict[str, Any]:
     params = getattr(hf_config, "rope_parameters", None) or {}
-    if "full_attention" in params:  # per-layer-type rope dicts (not used by supported families)
+    if "full_attention" in params:  # per-layer-type rope dicts (Gemma 3)
         params = params["full_attention"]
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
@@ -116,6 +135,44 @@ def _rope_fields(hf_config: Any) -> dict[str, Any]:
     return fields
 
 
+def _gemma_fields(c: Any) -> dict[str, Any]:
+    """The Gemma switches (Gemma 1 and Gemma 3 text); Gemma 2's tanh soft-capping of attention
+    scores and logits has no kernel here, so configs that set it are refused."""
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(c, name, None) is not None:
+            raise ValueError(
+                f"{c.model_type} configs with {name}={getattr(c, name)} are not supported: "
+                "jaxrl's attention kernels and fused LM head have no tanh soft-capping."
+            )
+    if getattr(c, "use_bidirectional_attention", False):
+        raise ValueError(
+            "use_bidirectional_attention=True (EmbeddingGemma) is not supported: jaxrl's models "
+            "are causal LMs."
+        )
+    fields: dict[str, Any] = {
+        "norm_offset": True,
+        "embed_multiplier": float(c.hidden_size) ** 0.5,
+        "hidden_act": getattr(c, "hidden_activation", None) or c.hidden_act,
+    }
+    if c.model_type == "gemma":
+        if fields["hidden_act"] == "gelu":  # transformers maps Gemma's legacy "gelu" so too
+            fields["hidden_act"] = "gelu_pytorch_tanh"
+        return fields
+    local = (getattr(c, "rope_parameters", None) or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(
+            f"rope_type={local['rope_type']!r} for sliding_attention layers in "
+            "config.rope_parameters is not supported; Gemma 3 uses 'default' there."
+        )
+    return {
+        **fields,
+        "sandwich_norms": True,
+        "qk_norm": True,
+        "query_pre_attn_scalar": float(c.query_pre_attn_scalar),
+        "local_rope_theta": float(local.get("rope_theta", 10000.0)),
+    }
+
+
 def _llama_family(c: Any) -> dict[str, Any]:
     model_type = c.model_type
     num_heads = c.num_attention_heads
@@ -129,7 +186,7 @@ def _llama_family(c: Any) -> dict[str, Any]:
     else:
         sliding_layers = tuple(t == "sliding_attention" for t in layer_types)
     attention_bias = bool(getattr(c, "attention_bias", False))
-    return dict(
+    fields = dict(
         model_type=model_type,
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
@@ -139,7 +196,7 @@ def _llama_family(c: Any) -> dict[str, Any]:
         num_kv_heads=getattr(c, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
         norm_eps=c.rms_norm_eps,
-        hidden_act=c.hidden_act,
+        hidden_act=getattr(c, "hidden_act", None),
         max_position_embeddings=c.max_position_embeddings,
         tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
         initializer_range=c.initializer_range,
@@ -152,6 +209,9 @@ def _llama_family(c: Any) -> dict[str, Any]:
         sliding_layers=sliding_layers,
         **_rope_fields(c),
     )
+    if model_type in GEMMA_TYPES:
+        fields.update(_gemma_fields(c))
+    return fields
 
 
 def _gpt2(c: Any) -> dict[str, Any]:
@@ -200,9 +260,15 @@ def config_from_hf(
     not what PyTorch/TRL compute)."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
+        hint = (
+            " Gemma 3's image-text checkpoints (Gemma3ForConditionalGeneration) are not; its "
+            "text-only ones (model_type 'gemma3_text', e.g. gemma-3-1b / 270m) are."
+            if model_type == "gemma3"
+            else ""
+        )
         raise ValueError(
             f"model_type={model_type!r} is not supported by jaxrl.models; supported model types: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}."
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}.{hint}"
         )
     fields = _gpt2(hf_config) if model_type == "gpt2" else _llama_family(hf_config)
     param_dtype = jnp.dtype(param_dtype or jnp.float32)

@@ -42,6 +42,8 @@ HF_CAUSAL_ARCH = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
 }
 HF_SEQ_CLS_ARCH = {
@@ -49,6 +51,8 @@ HF_SEQ_CLS_ARCH = {
     "mistral": "MistralForSequenceClassification",
     "qwen2": "Qwen2ForSequenceClassification",
     "qwen3": "Qwen3ForSequenceClassification",
+    "gemma": "GemmaForSequenceClassification",
+    "gemma3_text": "Gemma3TextForSequenceClassification",
     "gpt2": "GPT2ForSequenceClassification",
 }
 # Checkpoint entries that are buffers or derived values, never parameters.

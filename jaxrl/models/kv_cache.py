@@ -132,7 +132,11 @@ def cached_attention(
     q_BKGTH = q_BKGTH.transpose(0, 2, 3, 1, 4)
     scores_BKGTS = jnp.einsum(
         "bkgth,bksh->bkgts", q_BKGTH, k_BKSH, preferred_element_type=jnp.float32
-    ) / jnp.sqrt(jnp.float32(head_dim))
+    )
+    if config.attention_scale is None:
+        scores_BKGTS = scores_BKGTS / jnp.sqrt(jnp.float32(head_dim))
+    else:
+        scores_BKGTS = scores_BKGTS * jnp.float32(config.attention_scale)
     scores_BKGTS = jnp.where(mask_B11TS, scores_BKGTS, -jnp.inf)  # a query always sees itself
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BKSH.dtype)
     out_BKGTH = jnp.einsum("bkgts,bksh->bkgth", probs_BKGTS, v_BKSH)

@@ -146,16 +146,21 @@ matmul_2d.defvjp(_matmul_2d_fwd, _matmul_2d_bwd)
 
 class RMSNorm(nnx.Module):
     """Llama RMSNorm: statistics in f32, normalised back in x's dtype, then times the scale in
-    the residual dtype (HF: `weight * x_hat.to(input_dtype)`; f32 under autocast)."""
+    the residual dtype (HF: `weight * x_hat.to(input_dtype)`; f32 under autocast).
+
+    With `config.norm_offset` (Gemma) the weight is an offset: `x_hat * (1 + weight)` in f32,
+    rounded once to x's dtype (HF's GemmaRMSNorm), and it starts at zero."""
 
     def __init__(self, dim: int, eps: float, config: ModelConfig, axis_name: str = "norm"):
         self.eps = eps
         self.dtype = config.residual_dtype
-        self.scale = make_param(
-            None, jax.nn.initializers.ones, (dim,), (axis_name,), config.param_dtype
-        )
+        self.offset = config.norm_offset
+        init = jax.nn.initializers.zeros if self.offset else jax.nn.initializers.ones
+        self.scale = make_param(None, init, (dim,), (axis_name,), config.param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.offset:
+            return rms_norm_offset(x, param_value(self.scale), self.eps)
         return rms_norm(x, param_value(self.scale), self.eps, self.dtype)
 
 
@@ -187,6 +192,30 @@ def _rms_norm_bwd(eps, dtype, res, dy):
 
 
 rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rms_norm_offset(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Gemma's `x / rms(x) * (1 + weight)`, all in f32, rounded once to x's dtype; the backward
+    is `rms_norm`'s with the scale `1 + weight`."""
+    return _rms_norm_offset_fwd(x, weight, eps)[0]
+
+
+def _rms_norm_offset_fwd(x, weight, eps):
+    x32 = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    xhat = x32 * r
+    scale = 1.0 + weight.astype(jnp.float32)
+    return (xhat * scale).astype(x.dtype), (xhat, r, weight, jnp.zeros((), x.dtype))
+
+
+def _rms_norm_offset_bwd(eps, res, dy):
+    xhat, r, weight, x_like = res
+    dx, dscale = _rms_norm_bwd(eps, None, (xhat, r, 1.0 + weight.astype(jnp.float32), x_like), dy)
+    return dx, dscale.astype(weight.dtype)
+
+
+rms_norm_offset.defvjp(_rms_norm_offset_fwd, _rms_norm_offset_bwd)
 
 
 class LayerNorm(nnx.Module):
@@ -242,6 +271,9 @@ class Embed(nnx.Module):
     def __init__(self, num: int, dim: int, axis: str, config: ModelConfig, rngs: nnx.Rngs):
         self.dtype = config.residual_dtype
         self.token_table = axis == "vocab"
+        # Gemma's sqrt(hidden) factor, applied in the parameter dtype (HF rounds it so: 55.5
+        # for sqrt(3072) in bf16), before any NEFTune noise (HF hooks the module's output).
+        self.multiplier = config.embed_multiplier if self.token_table else None
         self.embedding = make_param(
             rngs,
             normal_init(config.initializer_range),
@@ -251,7 +283,10 @@ class Embed(nnx.Module):
         )
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        h = jnp.take(param_value(self.embedding), ids, axis=0).astype(self.dtype)
+        h = jnp.take(param_value(self.embedding), ids, axis=0)
+        if self.multiplier is not None:
+            h = h * jnp.asarray(self.multiplier, jnp.float32).astype(h.dtype)
+        h = h.astype(self.dtype)
         noise = _EMBEDDING_NOISE.get() if self.token_table else None
         if noise is None:
             return h
@@ -360,10 +395,14 @@ def default_positions(
     return jnp.broadcast_to(idx_T, (1, seq_len))
 
 
-def rope_inv_freq(config: ModelConfig) -> jax.Array:
-    """Inverse frequencies [head_dim/2] for rope types default, linear and llama3 (Llama 3.1)."""
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> jax.Array:
+    """Inverse frequencies [head_dim/2] for rope types default, linear and llama3 (Llama 3.1);
+    `local`: Gemma 3's sliding layers (default rope with base `local_rope_theta`)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
+    if local:
+        return 1.0 / (config.local_rope_theta**exponents)
+    inv_freq = 1.0 / (config.rope_theta**exponents)
     if config.rope_type == "linear":
         return inv_freq / config.rope_factor
     if config.rope_type == "llama3":
@@ -381,10 +420,38 @@ def rope_inv_freq(config: ModelConfig) -> jax.Array:
 
 
 def rope_tables(positions_BT: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, T, head_dim] in f32 (HF layout: the half-frequency table repeated twice)."""
-    freqs_BTF = positions_BT.astype(jnp.float32)[..., None] * rope_inv_freq(config)
-    emb_BTH = jnp.concatenate([freqs_BTF, freqs_BTF], axis=-1)
-    return jnp.cos(emb_BTH), jnp.sin(emb_BTH)
+    """cos, sin [B, T, head_dim] in f32 (HF layout: the half-frequency table repeated twice).
+    With `config.local_rope_theta` (Gemma 3) both are [2, B, T, head_dim]: the full layers'
+    table, then the sliding layers'; `select_rope` picks a layer's."""
+
+    def table(inv_freq):
+        freqs_BTF = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+        emb_BTH = jnp.concatenate([freqs_BTF, freqs_BTF], axis=-1)
+        return jnp.cos(emb_BTH), jnp.sin(emb_BTH)
+
+    if config.local_rope_theta is None:
+        return table(rope_inv_freq(config))
+    (cos_g, sin_g), (cos_l, sin_l) = (
+        table(rope_inv_freq(config)),
+        table(rope_inv_freq(config, True)),
+    )
+    return jnp.stack([cos_g, cos_l]), jnp.stack([sin_g, sin_l])
+
+
+def select_rope(
+    cos: jax.Array, sin: jax.Array, sliding: bool | jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """A layer's (cos, sin) [B, T, H] from `rope_tables`' output: the sliding layers' table
+    when there are two and the layer slides (`sliding` static or traced in a scanned stack)."""
+    if cos.ndim == 3:
+        return cos, sin
+    if isinstance(sliding, bool):
+        return cos[int(sliding)], sin[int(sliding)]
+    index = sliding.astype(jnp.int32)
+    return (
+        jax.lax.dynamic_index_in_dim(cos, index, keepdims=False),
+        jax.lax.dynamic_index_in_dim(sin, index, keepdims=False),
+    )
 
 
 def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax.Array:
@@ -480,7 +547,7 @@ def dot_product_attention(
         mask_B1TS = window_TS[None, None] if mask_B1TS is None else mask_B1TS & window_TS
     return attend(
         q_BTNH, k_BSKH, v_BSKH, mask_B1TS, static_window, config.attention_impl,
-        mesh=config.mesh, rules=config.rules,
+        mesh=config.mesh, rules=config.rules, scale=config.attention_scale,
     )  # fmt: skip
 
 

@@ -1,8 +1,12 @@
-"""Llama-family decoder (Llama 1-3, Mistral, Qwen2/2.5, Qwen3): one implementation, config switches.
+"""Llama-family decoder (Llama 1-3, Mistral, Qwen2/2.5, Qwen3, Gemma, Gemma 3 text): one
+implementation, config switches.
 
 Switches (from `ModelConfig`): `qkv_bias`/`o_bias` (Qwen2 has q/k/v biases), `qk_norm` (Qwen3's
-per-head RMSNorm on q and k before rope), `sliding_window` + `sliding_layers` (Mistral),
-`tie_word_embeddings` (Qwen2.5 small models), rope type default / linear / llama3.
+and Gemma 3's per-head RMSNorm on q and k before rope), `sliding_window` + `sliding_layers`
+(Mistral, Gemma 3), `tie_word_embeddings` (Qwen2.5 small models, Gemma), rope type default /
+linear / llama3; Gemma's `norm_offset` (RMSNorm times 1 + weight), `embed_multiplier`,
+`query_pre_attn_scalar`, and Gemma 3's `sandwich_norms` and `local_rope_theta` (sliding layers
+rotate with their own base).
 Attribute names follow the HF module tree so checkpoint keys map one to one (see `hf.py`).
 """
 
@@ -28,6 +32,7 @@ from jaxrl.models.layers import (
     make_layers,
     param_value,
     rope_tables,
+    select_rope,
 )
 
 
@@ -50,24 +55,25 @@ class LlamaAttention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def _qkv(self, x_BTD, cos_BTH, sin_BTH) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _qkv(self, x_BTD, cos, sin, sliding) -> tuple[jax.Array, jax.Array, jax.Array]:
         q_BTNH, k_BTKH, v_BTKH = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
         if self.q_norm is not None:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+        cos_BTH, sin_BTH = select_rope(cos, sin, sliding)
         q_BTNH = apply_rope(q_BTNH, cos_BTH, sin_BTH)
         k_BTKH = apply_rope(k_BTKH, cos_BTH, sin_BTH)
         return q_BTNH, k_BTKH, v_BTKH
 
-    def __call__(self, x_BTD, cos_BTH, sin_BTH, mask_B1TS, sliding) -> jax.Array:
-        q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, cos_BTH, sin_BTH)
+    def __call__(self, x_BTD, cos, sin, mask_B1TS, sliding) -> jax.Array:
+        q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, cos, sin, sliding)
         out_BTNH = dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask_B1TS, sliding, self.config)
         return self.o_proj(out_BTNH)
 
     def cached(
-        self, x_BTD, cos_BTH, sin_BTH, sliding, cache: KVCache, view: CacheView
+        self, x_BTD, cos, sin, sliding, cache: KVCache, view: CacheView
     ) -> tuple[jax.Array, KVCache]:
         """Attention over the KV cache (incremental decoding; see `kv_cache.py`)."""
-        q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, cos_BTH, sin_BTH)
+        q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, cos, sin, sliding)
         out_BTNH, cache = cached_attention(
             q_BTNH, k_BTKH, v_BTKH, cache, view, sliding, self.config
         )
@@ -87,26 +93,42 @@ class LlamaMLP(nnx.Module):
 
 
 class LlamaDecoderLayer(nnx.Module):
+    """Pre-norm block. With `sandwich_norms` (Gemma 3) the attention output is normalised by
+    `post_attention_layernorm` before the residual add, the MLP's input by
+    `pre_feedforward_layernorm` and its output by `post_feedforward_layernorm`; otherwise
+    `post_attention_layernorm` is the MLP's input norm (HF's names either way)."""
+
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, config)
+        d, eps = config.hidden_size, config.norm_eps
+        self.input_layernorm = RMSNorm(d, eps, config)
         self.self_attn = LlamaAttention(config, rngs)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, config)
+        self.post_attention_layernorm = RMSNorm(d, eps, config)
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(d, eps, config)
+            self.post_feedforward_layernorm = RMSNorm(d, eps, config)
+        else:
+            self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
         self.mlp = LlamaMLP(config, rngs)
 
-    def __call__(self, h_BTD, cos_BTH, sin_BTH, mask_B1TS, sliding) -> jax.Array:
-        h_BTD = h_BTD + self.self_attn(
-            self.input_layernorm(h_BTD), cos_BTH, sin_BTH, mask_B1TS, sliding
-        )
-        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
+    def _add_attention_and_mlp(self, h_BTD, attn_BTD) -> jax.Array:
+        if self.post_feedforward_layernorm is None:
+            h_BTD = h_BTD + attn_BTD
+            return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
+        h_BTD = h_BTD + self.post_attention_layernorm(attn_BTD)
+        mlp_BTD = self.mlp(self.pre_feedforward_layernorm(h_BTD))
+        return h_BTD + self.post_feedforward_layernorm(mlp_BTD)
+
+    def __call__(self, h_BTD, cos, sin, mask_B1TS, sliding) -> jax.Array:
+        attn_BTD = self.self_attn(self.input_layernorm(h_BTD), cos, sin, mask_B1TS, sliding)
+        return self._add_attention_and_mlp(h_BTD, attn_BTD)
 
     def cached(
-        self, h_BTD, cos_BTH, sin_BTH, sliding, cache: KVCache, view: CacheView
+        self, h_BTD, cos, sin, sliding, cache: KVCache, view: CacheView
     ) -> tuple[jax.Array, KVCache]:
         attn_BTD, cache = self.self_attn.cached(
-            self.input_layernorm(h_BTD), cos_BTH, sin_BTH, sliding, cache, view
+            self.input_layernorm(h_BTD), cos, sin, sliding, cache, view
         )
-        h_BTD = h_BTD + attn_BTD
-        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD)), cache
+        return self._add_attention_and_mlp(h_BTD, attn_BTD), cache
 
 
 class LlamaModel(nnx.Module):
@@ -128,21 +150,19 @@ class LlamaModel(nnx.Module):
         seq_len = input_ids_BT.shape[1]
         if positions is None:
             positions = default_positions(attention_mask, segment_ids, seq_len)
-        cos_BTH, sin_BTH = rope_tables(positions, self.config)
+        cos, sin = rope_tables(positions, self.config)
         mask_B1TS = attention_masks(attention_mask, segment_ids)
         h_BTD = self.embed_tokens(input_ids_BT)
-        h_BTD = apply_layers(self.layers, h_BTD, (cos_BTH, sin_BTH, mask_B1TS), self.config)
+        h_BTD = apply_layers(self.layers, h_BTD, (cos, sin, mask_B1TS), self.config)
         return self.norm(h_BTD)
 
     def cached(
         self, input_ids_BT: jax.Array, positions_BT: jax.Array, cache: Cache, view: CacheView
     ) -> tuple[jax.Array, Cache]:
         """Hidden states [B, T, D] of new tokens at `positions_BT`, reading and extending `cache`."""
-        cos_BTH, sin_BTH = rope_tables(positions_BT, self.config)
+        cos, sin = rope_tables(positions_BT, self.config)
         h_BTD = self.embed_tokens(input_ids_BT)
-        h_BTD, cache = apply_layers_cached(
-            self.layers, h_BTD, (cos_BTH, sin_BTH), cache, view, self.config
-        )
+        h_BTD, cache = apply_layers_cached(self.layers, h_BTD, (cos, sin), cache, view, self.config)
         return self.norm(h_BTD), cache
 
     def input_embedding(self) -> jax.Array:
@@ -150,7 +170,7 @@ class LlamaModel(nnx.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    """Llama/Mistral/Qwen2/Qwen3 causal LM: `model(input_ids, attention_mask) -> logits_BTV`."""
+    """Llama/Mistral/Qwen2/Qwen3/Gemma causal LM: `model(input_ids, attention_mask) -> logits_BTV`."""
 
     base_model_prefix = "model"
     backbone_cls = LlamaModel

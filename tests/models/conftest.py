@@ -53,6 +53,25 @@ FAMILIES: dict[str, tuple[Any, dict[str, Any]]] = {
     ),
     "qwen2": (lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True), {}),
     "qwen3": (lambda: transformers.Qwen3Config(**TINY, head_dim=16), {}),
+    "gemma": (lambda: transformers.GemmaConfig(**TINY, head_dim=16), {}),
+    # Gemma 3: sandwich norms, qk-norm, query_pre_attn_scalar != head_dim, a sliding layer with
+    # its own rope base next to a full layer with linear rope scaling; untied, so greedy
+    # decoding does not repeat one token and the window shows.
+    "gemma3": (
+        lambda: transformers.Gemma3TextConfig(
+            **TINY,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=3,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+            tie_word_embeddings=False,
+        ),
+        {"max_shard_size": "40KB"},
+    ),
     "gpt2": (
         lambda: transformers.GPT2Config(
             vocab_size=VOCAB,

@@ -127,6 +127,39 @@ def test_sliding_window_equals_reference(window, mask_kind):
     )
 
 
+@pytest.mark.parametrize("impl", ["blockwise", "splash", "xla"])
+def test_score_scale_equals_reference(impl):
+    """Gemma's query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5, with a window."""
+    seq_len, scale, window = 37, 0.2, 5
+    q, k, v, w = qkv(seq_len, 2, seed=3)
+    dense = MASKS["packed_padded"](seq_len)
+    masks = attention_masks(padding_mask(seq_len), segment_ids(seq_len))
+    assert_values_and_grads(
+        lambda q, k, v: attend(q, k, v, masks, window, impl, scale=scale),
+        lambda q, k, v: jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            mask=dense,
+            scale=scale,
+            is_causal=True,
+            local_window_size=(window - 1, 0),
+            implementation="xla",
+        ),  # fmt: skip
+        q,
+        k,
+        v,
+        w,
+        atol=1e-5,
+    )
+    gap = jax.jit(
+        lambda q, k, v: (
+            attend(q, k, v, masks, window, impl) - attend(q, k, v, masks, window, impl, scale=scale)
+        )
+    )(q, k, v)
+    assert float(jnp.max(jnp.abs(gap))) > 0.1  # the scale matters
+
+
 @pytest.mark.parametrize("seq_len", [1, 7, 17, 129])
 def test_lengths_not_multiple_of_the_block(seq_len):
     q, k, v, w = qkv(seq_len, 2, seed=seq_len)

@@ -1,6 +1,7 @@
 """Clear errors for checkpoints and configs jaxrl cannot load."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -23,8 +24,34 @@ def _edit_config(path, **changes):
 
 
 def test_unsupported_model_type_lists_supported():
-    with pytest.raises(ValueError, match=r"model_type='bert'.*llama, mistral, qwen2, qwen3, gpt2"):
+    with pytest.raises(
+        ValueError,
+        match=r"model_type='bert'.*llama, mistral, qwen2, qwen3, gemma, gemma3_text, gpt2",
+    ):
         from_config(transformers.BertConfig())
+    with pytest.raises(ValueError, match=r"model_type='gemma3'.*'gemma3_text'"):
+        from_config(transformers.Gemma3Config())
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+        (
+            {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+            "rope_type='linear' for sliding_attention",
+        ),
+    ],
+)
+def test_unsupported_gemma3_options(changes, match):
+    config = transformers.Gemma3TextConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, **changes,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape(match)):
+        from_config(config)
 
 
 def test_unsupported_rope_type():

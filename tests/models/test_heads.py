@@ -27,7 +27,9 @@ def _torch_scores(model, ids, mask):
     return out.logits.numpy()
 
 
-@pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.slow), "qwen2"])
+@pytest.mark.parametrize(
+    "family", [pytest.param("llama", marks=pytest.mark.slow), "qwen2", "gemma3"]
+)
 def test_scores_match_transformers_and_round_trip(family, hf_seq_cls, tmp_path):
     ref = hf_seq_cls(family)
     model = from_pretrained(ref.path, task="sequence_classification")

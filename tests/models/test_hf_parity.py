@@ -16,7 +16,7 @@ def _masked_max_diff(a, b, mask):
 @pytest.mark.parametrize(
     "family",
     [
-        pytest.param(f, marks=pytest.mark.slow if f in ("llama3_rope", "mistral", "qwen3") else ())
+        pytest.param(f, marks=pytest.mark.slow if f in ("llama3_rope", "mistral", "qwen3", "gemma") else ())
         for f in FAMILIES
     ],
 )
