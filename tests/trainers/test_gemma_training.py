@@ -1,0 +1,83 @@
+"""Training a Gemma 3 text model (sandwich norms, qk-norm, the embedding multiplier, a sliding
+layer next to a full one) equals TRL 1.16's own trainers step for step: SFT and DPO."""
+
+import pytest
+from test_dpo_trl_options import METRICS as DPO_METRICS
+from test_dpo_trl_options import _pairs
+from test_sft_trl_options import METRICS as SFT_METRICS
+from test_sft_trl_options import _prompt_completion
+from trainer_utils import assert_logs_match, base_args, train_logs, trl_train_logs
+
+from jaxrl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory, tokenizer):
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        query_pre_attn_scalar=12,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=2,
+    )
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():  # HF starts Gemma's norm offsets at 0; random ones test their mapping
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("tiny_gemma3")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def _ours_and_theirs(trainer_cls, config_cls, trl_cls, trl_config_cls, data, tmp_path, tokenizer,
+                     model_dir, **common):  # fmt: skip
+    _, theirs = trl_train_logs(
+        trl_cls, trl_config_cls, model_dir, tokenizer, data, tmp_path / "trl", **common
+    )
+    trainer = trainer_cls(
+        model_dir,
+        args=config_cls(**base_args(tmp_path / "ours", **common)),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    return train_logs(trainer), theirs
+
+
+@pytest.mark.slow
+def test_sft_matches_trl(tmp_path, tokenizer, gemma_dir):
+    import trl
+
+    ours, theirs = _ours_and_theirs(
+        SFTTrainer, SFTConfig, trl.SFTTrainer, trl.SFTConfig, _prompt_completion(), tmp_path,
+        tokenizer, gemma_dir, per_device_train_batch_size=8, max_steps=2, learning_rate=1e-3,
+        max_length=64,
+    )  # fmt: skip
+    assert_logs_match(ours, theirs, SFT_METRICS, steps=2)
+
+
+@pytest.mark.slow
+def test_dpo_matches_trl(tmp_path, tokenizer, gemma_dir):
+    import trl
+
+    ours, theirs = _ours_and_theirs(
+        DPOTrainer, DPOConfig, trl.DPOTrainer, trl.DPOConfig, _pairs(), tmp_path, tokenizer,
+        gemma_dir, per_device_train_batch_size=8, max_steps=2, learning_rate=1e-3, beta=0.1,
+        max_length=64,
+    )  # fmt: skip
+    assert_logs_match(ours, theirs, DPO_METRICS, steps=2)
