@@ -40,6 +40,33 @@ def _qwen25_05b() -> Any:
     )
 
 
+def _gemma3_1b() -> Any:
+    # Values of google/gemma-3-1b-pt's config.json (Gemma3ForCausalLM, text only).
+    return transformers.Gemma3TextConfig(
+        vocab_size=262144,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        initializer_range=0.02,
+    )
+
+
 def _llama_tiny() -> Any:
     return transformers.LlamaConfig(
         vocab_size=256,
@@ -101,6 +128,7 @@ def _llama_bench(hidden: int, layers: int, vocab: int) -> Callable[[], Any]:
 
 PRESETS: dict[str, Callable[[], Any]] = {
     "qwen2.5-0.5b": _qwen25_05b,
+    "gemma-3-1b": _gemma3_1b,
     "llama-tiny": _llama_tiny,
     "qwen2-tiny": _qwen2_tiny,
     "gpt2-tiny": _gpt2_tiny,

@@ -13,6 +13,7 @@ import transformers
 from flax import nnx
 
 from jaxrl.models import (
+    config_from_hf,
     count_params,
     flops_per_token,
     from_config,
@@ -156,6 +157,21 @@ def test_presets_and_flops():
     assert flops_per_token(get_preset("llama-tiny"), 100) == 6 * n_matmul + 12 * 2 * 4 * 16 * 100
     with pytest.raises(ValueError, match="Unknown model preset"):
         get_preset("nope")
+
+
+def test_gemma3_preset_has_the_checkpoint_parameter_count():
+    import torch
+
+    config = get_preset("gemma-3-1b")
+    with torch.device("meta"):
+        theirs = sum(
+            p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters()
+        )
+    assert count_params(nnx.eval_shape(lambda: from_config(config))) == theirs == 999_885_952
+    ours = config_from_hf(config)
+    assert (
+        ours.sliding_layers.count(False) == 4 and not ours.sliding_layers[5]
+    )  # 5 local : 1 global
 
 
 def test_from_config_init_like_hf():
