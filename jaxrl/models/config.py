@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jaxrl.parallel import merge_rules
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "smollm3")
 GEMMA_TYPES = ("gemma", "gemma3_text")
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
 ROPE_TYPES = ("default", "llama3", "linear")
@@ -62,6 +62,8 @@ class ModelConfig:
     sliding_window: int | None = None
     # One flag per layer: does that layer use `sliding_window`?
     sliding_layers: tuple[bool, ...] = ()
+    # One flag per layer: does it apply rope (SmolLM3's `no_rope_layers`)? () = every layer.
+    rope_layers: tuple[bool, ...] = ()
     # Mixed precision follows torch autocast: `dtype` is the matmul dtype (Dense inputs and
     # outputs, attention, logits), `residual_dtype` that of the embeddings, the residual stream
     # and the norms. Under autocast (f32 params, bf16 matmuls) HF models keep the residual
@@ -179,7 +181,9 @@ def _llama_family(c: Any) -> dict[str, Any]:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // num_heads
     window = getattr(c, "sliding_window", None)
     layer_types = getattr(c, "layer_types", None)
-    if window is None:  # HF ignores layer_types' sliding layers without a window
+    if window is None or (model_type == "smollm3" and not c.use_sliding_window):
+        # HF ignores layer_types' sliding layers without a window (SmolLM3: or without
+        # use_sliding_window)
         sliding_layers = (False,) * c.num_hidden_layers
     elif model_type == "mistral" or not layer_types:
         sliding_layers = (True,) * c.num_hidden_layers
@@ -211,6 +215,9 @@ def _llama_family(c: Any) -> dict[str, Any]:
     )
     if model_type in GEMMA_TYPES:
         fields.update(_gemma_fields(c))
+    if model_type == "smollm3":
+        rope_layers = tuple(bool(x) for x in c.no_rope_layers)
+        fields["rope_layers"] = () if all(rope_layers) else rope_layers
     return fields
 
 

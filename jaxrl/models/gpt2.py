@@ -18,6 +18,7 @@ from jaxrl.models.kv_cache import Cache, CacheView, KVCache, apply_layers_cached
 from jaxrl.models.layers import (
     Dense,
     Embed,
+    LayerFlags,
     LayerNorm,
     activation,
     apply_layers,
@@ -53,18 +54,22 @@ class GPT2Attention(nnx.Module):
             init_std=residual_init_std(config),
         )
 
-    def __call__(self, x_BTD, mask_B1TS, sliding) -> jax.Array:
+    def __call__(self, x_BTD, mask_B1TS, layer: LayerFlags) -> jax.Array:
         qkv_BT3NH = self.c_attn(x_BTD)
         q_BTNH, k_BTNH, v_BTNH = (qkv_BT3NH[:, :, i] for i in range(3))
-        out_BTNH = dot_product_attention(q_BTNH, k_BTNH, v_BTNH, mask_B1TS, sliding, self.config)
+        out_BTNH = dot_product_attention(
+            q_BTNH, k_BTNH, v_BTNH, mask_B1TS, layer.sliding, self.config
+        )
         return self.c_proj(out_BTNH)
 
-    def cached(self, x_BTD, sliding, cache: KVCache, view: CacheView) -> tuple[jax.Array, KVCache]:
+    def cached(
+        self, x_BTD, layer: LayerFlags, cache: KVCache, view: CacheView
+    ) -> tuple[jax.Array, KVCache]:
         """Attention over the KV cache (incremental decoding; see `kv_cache.py`)."""
         qkv_BT3NH = self.c_attn(x_BTD)
         q_BTNH, k_BTNH, v_BTNH = (qkv_BT3NH[:, :, i] for i in range(3))
         out_BTNH, cache = cached_attention(
-            q_BTNH, k_BTNH, v_BTNH, cache, view, sliding, self.config
+            q_BTNH, k_BTNH, v_BTNH, cache, view, layer.sliding, self.config
         )
         return self.c_proj(out_BTNH), cache
 
@@ -96,12 +101,14 @@ class GPT2Block(nnx.Module):
         self.ln_2 = LayerNorm(config.hidden_size, config.norm_eps, config)
         self.mlp = GPT2MLP(config, rngs)
 
-    def __call__(self, h_BTD, mask_B1TS, sliding) -> jax.Array:
-        h_BTD = h_BTD + self.attn(self.ln_1(h_BTD), mask_B1TS, sliding)
+    def __call__(self, h_BTD, mask_B1TS, layer: LayerFlags) -> jax.Array:
+        h_BTD = h_BTD + self.attn(self.ln_1(h_BTD), mask_B1TS, layer)
         return h_BTD + self.mlp(self.ln_2(h_BTD))
 
-    def cached(self, h_BTD, sliding, cache: KVCache, view: CacheView) -> tuple[jax.Array, KVCache]:
-        attn_BTD, cache = self.attn.cached(self.ln_1(h_BTD), sliding, cache, view)
+    def cached(
+        self, h_BTD, layer: LayerFlags, cache: KVCache, view: CacheView
+    ) -> tuple[jax.Array, KVCache]:
+        attn_BTD, cache = self.attn.cached(self.ln_1(h_BTD), layer, cache, view)
         h_BTD = h_BTD + attn_BTD
         return h_BTD + self.mlp(self.ln_2(h_BTD)), cache
 

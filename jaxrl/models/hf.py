@@ -44,6 +44,7 @@ HF_CAUSAL_ARCH = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
 }
 HF_SEQ_CLS_ARCH = {
@@ -53,6 +54,7 @@ HF_SEQ_CLS_ARCH = {
     "qwen3": "Qwen3ForSequenceClassification",
     "gemma": "GemmaForSequenceClassification",
     "gemma3_text": "Gemma3TextForSequenceClassification",
+    "smollm3": "SmolLM3ForSequenceClassification",
     "gpt2": "GPT2ForSequenceClassification",
 }
 # Checkpoint entries that are buffers or derived values, never parameters.

@@ -26,7 +26,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.layers import attention_mask_BTS, constrain_batch, dot_product_attention
+from jaxrl.models.layers import (
+    attention_mask_BTS,
+    constrain_batch,
+    dot_product_attention,
+    merge_flags,
+    per_layer_flags,
+    stack_flags,
+)
 from jaxrl.parallel import Rules, logical_to_spec
 
 # Logical axes of one layer's k or v: sharded by batch and kv heads; slots stay whole.
@@ -152,7 +159,8 @@ def apply_layers_cached(
     view: CacheView,
     config: ModelConfig,
 ) -> tuple[jax.Array, Cache]:
-    """The block stack with a cache: `block.cached(h, *context, sliding, cache, view)` per layer.
+    """The block stack with a cache: `block.cached(h, *context, layer_flags, cache, view)` per
+    layer.
 
     Mirrors `layers.apply_layers` (a scanned stack scans over its cache's layer axis too) but
     never rematerialises: decoding takes no gradients.
@@ -160,21 +168,20 @@ def apply_layers_cached(
     h_BTD = constrain_batch(h_BTD, config)
     if not config.scan_layers:
         new_cache = []
-        for block, sliding, layer_cache in zip(layers, config.sliding_layers, cache, strict=True):
-            h_BTD, layer_cache = block.cached(h_BTD, *context, sliding, layer_cache, view)
+        for block, flags, layer_cache in zip(layers, per_layer_flags(config), cache, strict=True):
+            h_BTD, layer_cache = block.cached(h_BTD, *context, flags, layer_cache, view)
             h_BTD = constrain_batch(h_BTD, config)
             new_cache.append(layer_cache)
         return h_BTD, tuple(new_cache)
 
     graphdef, stacked_state = nnx.split(layers)
-    uniform = len(set(config.sliding_layers)) == 1
+    static, scanned = stack_flags(config)
 
     def body(h: jax.Array, xs: tuple) -> tuple[jax.Array, KVCache]:
-        block_state, sliding, layer_cache = xs
+        block_state, flags, layer_cache = xs
         block = nnx.merge(graphdef, block_state)
-        sliding = config.sliding_layers[0] if uniform else sliding
-        h, layer_cache = block.cached(h, *context, sliding, layer_cache, view)
+        h, layer_cache = block.cached(h, *context, merge_flags(static, flags), layer_cache, view)
         return constrain_batch(h, config), layer_cache
 
-    xs = (stacked_state, jnp.asarray(config.sliding_layers), cache)
+    xs = (stacked_state, scanned, cache)
     return jax.lax.scan(body, h_BTD, xs)

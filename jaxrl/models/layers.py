@@ -11,7 +11,7 @@ import contextvars
 import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -438,20 +438,51 @@ def rope_tables(positions_BT: jax.Array, config: ModelConfig) -> tuple[jax.Array
     return jnp.stack([cos_g, cos_l]), jnp.stack([sin_g, sin_l])
 
 
-def select_rope(
-    cos: jax.Array, sin: jax.Array, sliding: bool | jax.Array
+class LayerFlags(NamedTuple):
+    """What may differ between the layers of a stack, handed to each block: Python bools where
+    every layer agrees (or the stack is unrolled), the scanned layer's traced bools otherwise.
+    `sliding`: attention within `config.sliding_window`; `rope`: rotary embedding applied
+    (SmolLM3's NoPE layers have none)."""
+
+    sliding: bool | jax.Array
+    rope: bool | jax.Array
+
+
+def per_layer_flags(config: ModelConfig) -> list[LayerFlags]:
+    rope = config.rope_layers or (True,) * config.num_layers
+    return [LayerFlags(s, r) for s, r in zip(config.sliding_layers, rope, strict=True)]
+
+
+def stack_flags(config: ModelConfig) -> tuple[LayerFlags, LayerFlags]:
+    """(static, scanned) flags of a scanned stack: a field every layer agrees on is static (the
+    scanned array is then ignored), else read from the scanned array."""
+    per_layer = list(zip(*per_layer_flags(config), strict=True))
+    static = LayerFlags(*(v[0] if len(set(v)) == 1 else None for v in per_layer))
+    return static, LayerFlags(*(jnp.asarray(v) for v in per_layer))
+
+
+def merge_flags(static: LayerFlags, scanned: LayerFlags) -> LayerFlags:
+    return LayerFlags(*(x if s is None else s for s, x in zip(static, scanned, strict=True)))
+
+
+def rotate(
+    q_BTNH: jax.Array, k_BTKH: jax.Array, cos: jax.Array, sin: jax.Array, layer: LayerFlags
 ) -> tuple[jax.Array, jax.Array]:
-    """A layer's (cos, sin) [B, T, H] from `rope_tables`' output: the sliding layers' table
-    when there are two and the layer slides (`sliding` static or traced in a scanned stack)."""
-    if cos.ndim == 3:
-        return cos, sin
-    if isinstance(sliding, bool):
-        return cos[int(sliding)], sin[int(sliding)]
-    index = sliding.astype(jnp.int32)
-    return (
-        jax.lax.dynamic_index_in_dim(cos, index, keepdims=False),
-        jax.lax.dynamic_index_in_dim(sin, index, keepdims=False),
-    )
+    """q and k with a layer's rotary embedding: from `rope_tables`' output, the sliding layers'
+    table when there are two and the layer slides (Gemma 3); none on a NoPE layer (SmolLM3)."""
+    if cos.ndim == 4:
+        if isinstance(layer.sliding, bool):
+            cos, sin = cos[int(layer.sliding)], sin[int(layer.sliding)]
+        else:
+            index = layer.sliding.astype(jnp.int32)
+            cos = jax.lax.dynamic_index_in_dim(cos, index, keepdims=False)
+            sin = jax.lax.dynamic_index_in_dim(sin, index, keepdims=False)
+    if layer.rope is False:
+        return q_BTNH, k_BTKH
+    q_rot, k_rot = apply_rope(q_BTNH, cos, sin), apply_rope(k_BTKH, cos, sin)
+    if layer.rope is True:
+        return q_rot, k_rot
+    return jnp.where(layer.rope, q_rot, q_BTNH), jnp.where(layer.rope, k_rot, k_BTKH)
 
 
 def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax.Array:
@@ -593,34 +624,34 @@ def make_layers(
 def apply_layers(
     layers: nnx.Module, h_BTD: jax.Array, context: tuple, config: ModelConfig
 ) -> jax.Array:
-    """Run the block stack: `block(h, *context, sliding) -> h` for every layer.
+    """Run the block stack: `block(h, *context, layer_flags) -> h` for every layer.
 
-    Scanned stacks run under `jax.lax.scan`, so compile time does not grow with depth. The
-    per-layer `sliding` flag is static when all layers agree, scanned otherwise.
+    Scanned stacks run under `jax.lax.scan`, so compile time does not grow with depth. Each
+    `LayerFlags` field is static when all layers agree, scanned otherwise.
     """
 
-    def block_fn(graphdef: nnx.GraphDef, static_sliding: bool | None) -> Callable:
-        def fn(h, block_state, ctx, sliding):
+    def block_fn(graphdef: nnx.GraphDef, static: LayerFlags) -> Callable:
+        def fn(h, block_state, ctx, scanned):
             block = nnx.merge(graphdef, block_state)
-            h = block(h, *ctx, sliding if static_sliding is None else static_sliding)
+            h = block(h, *ctx, merge_flags(static, scanned))
             return constrain_batch(h, config)
 
         return remat_wrap(fn, config.remat_policy)
 
     h_BTD = constrain_batch(h_BTD, config)
     if not config.scan_layers:
-        for block, sliding in zip(layers, config.sliding_layers, strict=True):
+        for block, flags in zip(layers, per_layer_flags(config), strict=True):
             graphdef, block_state = nnx.split(block)
-            h_BTD = block_fn(graphdef, sliding)(h_BTD, block_state, context, None)
+            h_BTD = block_fn(graphdef, flags)(h_BTD, block_state, context, LayerFlags(None, None))
         return h_BTD
 
     graphdef, stacked_state = nnx.split(layers)
-    uniform = len(set(config.sliding_layers)) == 1
-    fn = block_fn(graphdef, config.sliding_layers[0] if uniform else None)
+    static, scanned = stack_flags(config)
+    fn = block_fn(graphdef, static)
 
     def body(h, xs):
-        block_state, sliding = xs
-        return fn(h, block_state, context, sliding), None
+        block_state, flags = xs
+        return fn(h, block_state, context, flags), None
 
-    h_BTD, _ = jax.lax.scan(body, h_BTD, (stacked_state, jnp.asarray(config.sliding_layers)))
+    h_BTD, _ = jax.lax.scan(body, h_BTD, (stacked_state, scanned))
     return h_BTD

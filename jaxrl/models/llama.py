@@ -21,10 +21,10 @@ from jaxrl.models.kv_cache import Cache, CacheView, KVCache, apply_layers_cached
 from jaxrl.models.layers import (
     Dense,
     Embed,
+    LayerFlags,
     RMSNorm,
     activation,
     apply_layers,
-    apply_rope,
     attention_masks,
     default_positions,
     dot_product_attention,
@@ -32,7 +32,7 @@ from jaxrl.models.layers import (
     make_layers,
     param_value,
     rope_tables,
-    select_rope,
+    rotate,
 )
 
 
@@ -55,27 +55,27 @@ class LlamaAttention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def _qkv(self, x_BTD, cos, sin, sliding) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _qkv(self, x_BTD, cos, sin, layer) -> tuple[jax.Array, jax.Array, jax.Array]:
         q_BTNH, k_BTKH, v_BTKH = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
         if self.q_norm is not None:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-        cos_BTH, sin_BTH = select_rope(cos, sin, sliding)
-        q_BTNH = apply_rope(q_BTNH, cos_BTH, sin_BTH)
-        k_BTKH = apply_rope(k_BTKH, cos_BTH, sin_BTH)
+        q_BTNH, k_BTKH = rotate(q_BTNH, k_BTKH, cos, sin, layer)
         return q_BTNH, k_BTKH, v_BTKH
 
-    def __call__(self, x_BTD, cos, sin, mask_B1TS, sliding) -> jax.Array:
-        q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, cos, sin, sliding)
-        out_BTNH = dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask_B1TS, sliding, self.config)
+    def __call__(self, x_BTD, cos, sin, mask_B1TS, layer: LayerFlags) -> jax.Array:
+        q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, cos, sin, layer)
+        out_BTNH = dot_product_attention(
+            q_BTNH, k_BTKH, v_BTKH, mask_B1TS, layer.sliding, self.config
+        )
         return self.o_proj(out_BTNH)
 
     def cached(
-        self, x_BTD, cos, sin, sliding, cache: KVCache, view: CacheView
+        self, x_BTD, cos, sin, layer: LayerFlags, cache: KVCache, view: CacheView
     ) -> tuple[jax.Array, KVCache]:
         """Attention over the KV cache (incremental decoding; see `kv_cache.py`)."""
-        q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, cos, sin, sliding)
+        q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, cos, sin, layer)
         out_BTNH, cache = cached_attention(
-            q_BTNH, k_BTKH, v_BTKH, cache, view, sliding, self.config
+            q_BTNH, k_BTKH, v_BTKH, cache, view, layer.sliding, self.config
         )
         return self.o_proj(out_BTNH), cache
 
@@ -118,15 +118,15 @@ class LlamaDecoderLayer(nnx.Module):
         mlp_BTD = self.mlp(self.pre_feedforward_layernorm(h_BTD))
         return h_BTD + self.post_feedforward_layernorm(mlp_BTD)
 
-    def __call__(self, h_BTD, cos, sin, mask_B1TS, sliding) -> jax.Array:
-        attn_BTD = self.self_attn(self.input_layernorm(h_BTD), cos, sin, mask_B1TS, sliding)
+    def __call__(self, h_BTD, cos, sin, mask_B1TS, layer: LayerFlags) -> jax.Array:
+        attn_BTD = self.self_attn(self.input_layernorm(h_BTD), cos, sin, mask_B1TS, layer)
         return self._add_attention_and_mlp(h_BTD, attn_BTD)
 
     def cached(
-        self, h_BTD, cos, sin, sliding, cache: KVCache, view: CacheView
+        self, h_BTD, cos, sin, layer: LayerFlags, cache: KVCache, view: CacheView
     ) -> tuple[jax.Array, KVCache]:
         attn_BTD, cache = self.self_attn.cached(
-            self.input_layernorm(h_BTD), cos, sin, sliding, cache, view
+            self.input_layernorm(h_BTD), cos, sin, layer, cache, view
         )
         return self._add_attention_and_mlp(h_BTD, attn_BTD), cache
 

@@ -72,6 +72,8 @@ FAMILIES: dict[str, tuple[Any, dict[str, Any]]] = {
         ),
         {"max_shard_size": "40KB"},
     ),
+    # SmolLM3: layer 1 is a NoPE layer (no rotary embedding).
+    "smollm3": (lambda: transformers.SmolLM3Config(**TINY, no_rope_layers=[1, 0]), {}),
     "gpt2": (
         lambda: transformers.GPT2Config(
             vocab_size=VOCAB,
