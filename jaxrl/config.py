@@ -246,6 +246,18 @@ class TrainingConfig(_ForeignTrainingFields):
     # HF: evaluate() and predict() compute the loss (and the trainer's metrics) only: no
     # predictions are gathered, `compute_metrics` is not called, predict() returns None for them.
     prediction_loss_only: bool = False
+    # HF: what else `compute_metrics` gets besides predictions and labels: "inputs" (the rows'
+    # input ids, `EvalPrediction.inputs`) and/or "loss" (each eval batch's loss once per example,
+    # `EvalPrediction.losses`). SFT, reward and DPO.
+    include_for_metrics: list[str] = field(default_factory=list)
+    # HF: call `compute_metrics(EvalPrediction, compute_result=...)` on each eval batch (True on
+    # the last one, whose return value is the metrics) instead of once on all predictions,
+    # which evaluate() then does not keep.
+    batch_eval_metrics: bool = False
+    # HF moves the eval predictions gathered on the accelerator to the CPU every N batches (None:
+    # at the end); the results never depend on it. jaxrl moves each batch's predictions to the
+    # host as soon as it is evaluated, so nothing accumulates on the accelerator for any N.
+    eval_accumulation_steps: int | None = None
     # HF: on resume, rebuild the `ExportableState` callbacks (e.g. `EarlyStoppingCallback`'s
     # patience counter) from the checkpoint's `stateful_callbacks`.
     restore_callback_states_from_checkpoint: bool = False
@@ -364,6 +376,7 @@ class TrainingConfig(_ForeignTrainingFields):
         )
         violations = config_fields.unset_violations(self, self._all_foreign_fields())
         _check(not violations, " ".join(violations))
+        self._validate_eval_metrics()
         self._validate_schedule()
         _check(self.weight_decay >= 0, f"`weight_decay` must be >= 0; got {self.weight_decay}.")
         for name in ("adam_beta1", "adam_beta2"):
@@ -422,6 +435,23 @@ class TrainingConfig(_ForeignTrainingFields):
         if self.remat_policy is None:
             self.remat_policy = "full" if self.gradient_checkpointing else "none"
         _check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
+
+    def _validate_eval_metrics(self) -> None:
+        value = self.include_for_metrics
+        if isinstance(value, str):  # one name (HF's `"loss" in value` test reads it so too)
+            value = [value]
+        _check(
+            isinstance(value, list | tuple) and all(v in ("inputs", "loss") for v in value),
+            f"`include_for_metrics={value!r}` must be a list of 'inputs' and/or 'loss' (HF's "
+            "options; HF ignores any other name).",
+        )
+        self.include_for_metrics = list(value)
+        steps = self.eval_accumulation_steps
+        _check(
+            steps is None
+            or (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1),
+            f"`eval_accumulation_steps={steps!r}` must be None or an integer >= 1.",
+        )
 
     def _resolve_pad_to_multiple_of(self) -> None:
         """TRL's spellings: "auto" (None off AWS Neuron, which jaxrl never runs on), "none" /

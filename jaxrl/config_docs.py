@@ -50,6 +50,9 @@ MAPPED = {
     "loss_type": "SFT: only nll; DPO and GRPO: every TRL loss type",
     "log_multimodal": "accepted; jaxrl's models are text-only, so there is nothing multimodal "
     "to log",
+    "eval_accumulation_steps": "accepted; each eval batch's predictions reach the host as soon "
+    "as it is done (HF's value 1), so none accumulate on the accelerator for any N, and HF's "
+    "results do not depend on N either",
     "dtype": "-> `param_dtype` (via model_init_kwargs)",
     "attn_implementation": "eager/sdpa/flash_attention_* -> XLA attention",
     "model_revision": "only main",
@@ -66,6 +69,12 @@ NOTES = {
     "it",
     "length_column_name": "read while the prepared rows are the dataset's examples one to one; "
     "else input_ids lengths (SFT) or an error naming the fix (reward/DPO, as HF)",
+    "include_for_metrics": "SFT/reward/DPO: `EvalPrediction.inputs` (input ids, rows as the "
+    "predictions'; reward `[N, 2, T]`) and `.losses` (each batch's loss once per example, as HF); "
+    "GRPO/RLOO reject it (no compute_metrics, as TRL)",
+    "batch_eval_metrics": "SFT/reward/DPO, HF's calls (`compute_result=True` on the last batch, "
+    "whose return value is the metrics); each batch's `inputs` are its input ids like the "
+    "concatenated ones (HF hands the collated batch dict); GRPO/RLOO reject it",
     "include_num_input_tokens_seen": "SFT/reward/DPO, counted on the batches as TRL collates "
     "them; GRPO/RLOO reject it (their `num_tokens` is TRL's count)",
 }

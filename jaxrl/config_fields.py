@@ -114,15 +114,6 @@ TRAINING_ARGUMENTS = (
     Foreign("trackio_static_space_id", str | bool | None, None, "trackio is not integrated"),
     Foreign("eval_do_concat_batches", bool, True, _EVAL),
     Foreign("eval_use_gather_object", bool, False, _EVAL),
-    Foreign("eval_accumulation_steps", int | None, None, _EVAL),
-    Foreign(
-        "include_for_metrics",
-        list[str],
-        [],
-        "`compute_metrics` receives predictions "
-        "(logits, or `preprocess_logits_for_metrics`' output) and labels, never inputs or losses",
-    ),
-    Foreign("batch_eval_metrics", bool, False, _EVAL),
     Foreign("save_on_each_node", bool, False, "orbax writes one checkpoint shared by all hosts"),
     Foreign(
         "enable_jit_checkpoint",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -45,6 +46,7 @@ from jaxrl.trainers.evaluation import (
     EvalPrediction,
     PredictionGatherer,
     PredictionOutput,
+    batch_losses_per_example,
     hf_eval_loss,
     prefixed,
     speed_metrics,
@@ -96,6 +98,15 @@ class Trainer(TrainLoop):
             raise TypeError(f"args must be a {self.config_class.__name__}, got {type(args)}.")
         self._check_script_inputs(eval_dataset)
         a = self.args
+        if a.batch_eval_metrics and compute_metrics is not None:
+            # As HF's Trainer: the last batch's call must be told to return the totals.
+            if "compute_result" not in inspect.signature(compute_metrics).parameters:
+                raise ValueError(
+                    "With `batch_eval_metrics=True`, `compute_metrics` must take a "
+                    "`compute_result` argument: it is called on each eval batch with "
+                    "compute_result=False and on the last one with compute_result=True, and the "
+                    "metrics of that last call are the evaluation's."
+                )
         run_dir.check_output_dir(a.output_dir)  # [run_dir] before loading anything
         # A metrics.jsonl that appears after this point is this trainer's (an evaluate() before
         # train()), which train() then continues, as HF's log_history does.
@@ -357,6 +368,12 @@ class Trainer(TrainLoop):
 
     # Rows of predictions per example: DPO predicts a chosen and a rejected row per pair.
     _prediction_groups = 1
+
+    def _prediction_input_ids(self, mb: dict) -> jax.Array:
+        """The input ids of an eval micro-batch's prediction rows, as `_prediction_fn` lays its
+        rows out (`EvalPrediction.inputs` with `include_for_metrics=["inputs"]`): by default the
+        batch's `input_ids` (SFT `[B, T]`, reward `[B, 2, T]` pairs). Traced in the predict step."""
+        return mb["input_ids"]
 
     # ----------------------------------------------------------------- functional pieces
     def apply_model(self, params: Any, state: TrainState | None = None):
@@ -716,7 +733,8 @@ class Trainer(TrainLoop):
     ) -> dict:
         """Eval loss and metrics over `eval_dataset` (default: the trainer's), logged and
         returned with keys `{metric_key_prefix}_*` (HF). With `compute_metrics`, it also gets
-        the gathered predictions (HF's layout; `preprocess_logits_for_metrics` runs on device)."""
+        the gathered predictions (HF's layout; `preprocess_logits_for_metrics` runs on device),
+        or each batch's with `batch_eval_metrics` (see `_evaluation_loop`)."""
         self._prepare_for_evaluation()
         ds = (
             self.eval_dataset
@@ -747,7 +765,9 @@ class Trainer(TrainLoop):
         self._prepare_for_evaluation()
         ds = self._admit(self._prepare_dataset(test_dataset, "test"))
         want = not self.args.prediction_loss_only  # HF: then no predictions, no labels
-        metrics, (preds, labels) = self._evaluation_loop(ds, metric_key_prefix, ignore_keys, want)
+        metrics, (preds, labels) = self._evaluation_loop(
+            ds, metric_key_prefix, ignore_keys, want, predicting=True
+        )
         self._event("on_predict", metrics=metrics)
         return PredictionOutput(preds, labels, metrics)
 
@@ -767,7 +787,12 @@ class Trainer(TrainLoop):
         return None
 
     def _evaluation_loop(
-        self, ds: Any, prefix: str, ignore_keys: list[str] | None, want_predictions: bool
+        self,
+        ds: Any,
+        prefix: str,
+        ignore_keys: list[str] | None,
+        want_predictions: bool,
+        predicting: bool = False,
     ) -> tuple[dict, tuple[Any, Any]]:
         """Eval metrics (prefixed) and, when asked for and the trainer has them, the predictions
         and labels of every example in order (gathered across processes on every host).
@@ -775,21 +800,37 @@ class Trainer(TrainLoop):
         Averaged as HF and TRL do: each metric's value is taken per eval batch
         (`per_device_eval_batch_size` x data-parallel devices; the last one holds the remaining
         examples), then the loss is averaged over the batches weighted by their example counts,
-        non-finite ones left out (HF's `eval_loss`, `hf_eval_loss`) and every other metric, a batch's min and max included, is the plain
-        mean of the batch values (TRL's `log()`). `num_tokens` is the training tokens seen so
-        far, as TRL logs it at evaluation. HF's `{prefix}_runtime`, `_samples_per_second` and
-        `_steps_per_second` are added."""
+        non-finite ones left out (HF's `eval_loss`, `hf_eval_loss`) and every other metric, a
+        batch's min and max included, is the plain mean of the batch values (TRL's `log()`).
+        `num_tokens` is the training tokens seen so far, as TRL logs it at evaluation. HF's
+        `{prefix}_runtime`, `_samples_per_second` and `_steps_per_second` are added.
+
+        `compute_metrics` as HF's `evaluation_loop` calls it: once on everything gathered, or,
+        with `batch_eval_metrics`, on each batch's rows with `compute_result=False` and on the
+        last batch's with `compute_result=True`, the last call's return value being the
+        metrics (evaluate() then keeps no predictions; predict() still returns them).
+        `include_for_metrics` adds `inputs` and/or `losses` to its `EvalPrediction`. Each
+        batch's outputs reach the host as soon as it is done (HF's `eval_accumulation_steps=1`),
+        so nothing accumulates on the accelerator."""
         start = time.time()
+        a = self.args
         batch_values: dict[str, list[float]] = {}
         batch_losses: list[float] = []
         seen_totals: set[str] = set()
         # HF drops model outputs named in ignore_keys; the only output here is `logits`.
         want_predictions = want_predictions and "logits" not in (ignore_keys or [])
         predict = self._jitted_predict() if want_predictions else None
-        preds = PredictionGatherer(self._prediction_groups)
-        labels = PredictionGatherer(self._prediction_groups)
-        bs = self.args.per_device_eval_batch_size * self.dp
-        for host in self._eval_batches(ds):
+        per_batch = a.batch_eval_metrics and self.compute_metrics is not None
+        keep_all = not per_batch or predicting  # HF: batch_eval_metrics keeps them for predict()
+        want_inputs = "inputs" in a.include_for_metrics
+        want_losses = "loss" in a.include_for_metrics
+        groups = self._prediction_groups
+        preds, labels, inputs = (PredictionGatherer(groups) for _ in range(3))
+        example_losses: list[np.ndarray] = []
+        bs = a.per_device_eval_batch_size * self.dp
+        n_batches = -(-len(ds) // bs)
+        batch_metrics = None
+        for step, host in enumerate(self._eval_batches(ds)):
             batch = self._to_device(host)
             aux = jax.device_get(self._jit_eval_step(self.train_state, batch))
             values = {
@@ -804,11 +845,34 @@ class Trainer(TrainLoop):
                     batch_losses.append(v)
                 else:
                     batch_values.setdefault(k, []).append(v)
-            if predict is not None:
-                p, lab = parallel.to_host(predict(self.current_params(), batch))
-                keep = parallel.to_host(batch["example_mask"])[0] > 0
+            if predict is None:
+                continue
+            p, lab, ids = predict(self.current_params(), batch)
+            p, lab = parallel.to_host((p, lab))
+            ids = parallel.to_host(ids) if want_inputs else None
+            keep = parallel.to_host(batch["example_mask"])[0] > 0
+            losses = None
+            if want_losses and self._loss_metric in values:
+                losses = batch_losses_per_example(values[self._loss_metric], int(keep.sum()))
+            if keep_all:
                 preds.add(p, keep)
                 labels.add(lab, keep)
+            if per_batch:
+                one = PredictionGatherer(groups)
+                batch_metrics = self.compute_metrics(
+                    EvalPrediction(
+                        one.batch_rows(p, keep),
+                        one.batch_rows(lab, keep),
+                        inputs=None if ids is None else one.batch_rows(ids, keep),
+                        losses=losses,
+                    ),
+                    compute_result=step == n_batches - 1,
+                )
+                continue
+            if ids is not None:  # for the one compute_metrics call after the loop
+                inputs.add(ids, keep)
+            if losses is not None:
+                example_losses.append(losses)
         metrics = {}
         if batch_losses:
             metrics[self._loss_metric] = hf_eval_loss(batch_losses, len(ds), bs)
@@ -816,19 +880,29 @@ class Trainer(TrainLoop):
         if "num_tokens" in seen_totals:
             metrics["num_tokens"] = float(getattr(self, "_tokens_seen", 0))
         all_preds, all_labels = preds.result(), labels.result()
-        if self.compute_metrics is not None and all_preds is not None:
-            metrics.update(self.compute_metrics(EvalPrediction(all_preds, all_labels)))
+        if per_batch:
+            metrics.update(batch_metrics or {})
+        elif self.compute_metrics is not None and all_preds is not None:
+            pred = EvalPrediction(
+                all_preds,
+                all_labels,
+                inputs=inputs.result() if want_inputs else None,
+                losses=np.concatenate(example_losses) if example_losses else None,
+            )
+            metrics.update(self.compute_metrics(pred))
         metrics = prefixed(metrics, prefix)
         prep = getattr(self, "model_preparation_time", None)
         metrics.update(speed_metrics(prefix, start, len(ds), bs, prep))
         return metrics, (all_preds, all_labels)
 
     def _jitted_predict(self) -> Callable | None:
-        """The jitted `(params, batch) -> (predictions, label_ids)` (built once), or None."""
+        """The jitted `(params, batch) -> (predictions, label_ids, input_ids)` (built once), or
+        None; `input_ids` are in the predictions' row layout (`_prediction_input_ids`)."""
         if self._jit_predict is None:
             fn = self._prediction_fn()
             if fn is None:
                 return None
+            input_ids = self._prediction_input_ids
             preprocess = self.preprocess_logits_for_metrics
             if preprocess is None and self.model_task == "causal_lm":
                 logger.warning(
@@ -843,7 +917,7 @@ class Trainer(TrainLoop):
                 logits, label_ids = fn(self.apply_model(params), mb)
                 if preprocess is not None:
                     logits = preprocess(logits, label_ids)
-                return logits, label_ids
+                return logits, label_ids, input_ids(mb)
 
             self._jit_predict = jax.jit(predict)
         return self._jit_predict

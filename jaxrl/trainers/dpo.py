@@ -139,9 +139,7 @@ def shared_rows_predictions(model, mb: dict) -> tuple[jax.Array, jax.Array]:
     branch_BT = mb["branch_ids"]
     h_BTD = model.hidden_states(mb["input_ids"], prefix_tree_mask(branch_BT), mb["positions"], None)
     logits_BTV = unembed_logits(h_BTD, model.unembed_weight())
-    p_B1, c_B1, r_B1 = (jnp.sum(branch_BT == k, axis=1, keepdims=True) for k in (1, 2, 3))
-    j_BT = jnp.broadcast_to(jnp.arange(branch_BT.shape[1]), branch_BT.shape)
-    src_BT = jnp.minimum(jnp.where(j_BT < p_B1, j_BT, j_BT + c_B1), branch_BT.shape[1] - 1)
+    p_B1, c_B1, r_B1, j_BT, src_BT = _shared_row_slots(branch_BT)
     rejected_logits_BTV = jnp.take_along_axis(logits_BTV, src_BT[..., None], axis=1)
     rejected_ids_BT = jnp.take_along_axis(mb["input_ids"], src_BT, axis=1)
     chosen_labels = label_ids_from_trained(mb["input_ids"], branch_BT == 2)
@@ -150,6 +148,25 @@ def shared_rows_predictions(model, mb: dict) -> tuple[jax.Array, jax.Array]:
         jnp.concatenate([logits_BTV, rejected_logits_BTV], axis=0),
         jnp.concatenate([chosen_labels, rejected_labels], axis=0),
     )
+
+
+def _shared_row_slots(branch_BT: jax.Array) -> tuple[jax.Array, ...]:
+    """Prompt, chosen and rejected lengths `[B, 1]` of prefix-shared rows, the slot index
+    `j` `[B, T]` and the shared slot the rejected row's position `j` reads (`src`)."""
+    p_B1, c_B1, r_B1 = (jnp.sum(branch_BT == k, axis=1, keepdims=True) for k in (1, 2, 3))
+    j_BT = jnp.broadcast_to(jnp.arange(branch_BT.shape[1]), branch_BT.shape)
+    src_BT = jnp.minimum(jnp.where(j_BT < p_B1, j_BT, j_BT + c_B1), branch_BT.shape[1] - 1)
+    return p_B1, c_B1, r_B1, j_BT, src_BT
+
+
+def shared_rows_input_ids(mb: dict, pad_id: int) -> jax.Array:
+    """Input ids of the `prompt + chosen` then `prompt + rejected` rows `[2B, T]` unpacked from
+    prefix-shared rows, each padded with `pad_id` as `collate_preference` pads its rows."""
+    ids_BT = mb["input_ids"]
+    p_B1, c_B1, r_B1, j_BT, src_BT = _shared_row_slots(mb["branch_ids"])
+    chosen_BT = jnp.where(j_BT < p_B1 + c_B1, ids_BT, pad_id)
+    rejected_BT = jnp.where(j_BT < p_B1 + r_B1, jnp.take_along_axis(ids_BT, src_BT, axis=1), pad_id)
+    return jnp.concatenate([chosen_BT, rejected_BT], axis=0).astype(ids_BT.dtype)
 
 
 def num_pair_tokens(mb: dict) -> jax.Array:
@@ -485,6 +502,11 @@ class DPOTrainer(Trainer):
             )
 
         return predict
+
+    def _prediction_input_ids(self, mb: dict) -> jax.Array:
+        if "branch_ids" in mb:
+            return shared_rows_input_ids(mb, self._pad_id())
+        return pairs_to_rows(mb)["input_ids"]
 
     # ----------------------------------------------------------------- generate_during_eval
     def _before_evaluation(self, dataset: datasets.Dataset) -> None:

@@ -23,13 +23,33 @@ import numpy as np
 IGNORE_INDEX = -100  # HF's label for positions without loss
 
 
-class EvalPrediction(NamedTuple):
+class EvalPrediction:
     """What `compute_metrics` receives, as HF's `EvalPrediction`: `predictions` (the model's
-    logits, or what `preprocess_logits_for_metrics` made of them on device) and `label_ids`
-    (unshifted, -100 where no loss is taken)."""
+    logits, or what `preprocess_logits_for_metrics` made of them on device), `label_ids`
+    (unshifted, -100 where no loss is taken) and, with `include_for_metrics`, `inputs` (the
+    rows' input ids) and `losses` (each eval batch's loss repeated per example); None otherwise.
 
-    predictions: Any
-    label_ids: Any
+    As HF's, it unpacks and indexes as `(predictions, label_ids[, inputs][, losses])`: only the
+    fields that are set, so `preds, labels = pred` keeps working without `include_for_metrics`.
+    """
+
+    def __init__(self, predictions: Any, label_ids: Any, inputs: Any = None, losses: Any = None):
+        self.predictions = predictions
+        self.label_ids = label_ids
+        self.inputs = inputs
+        self.losses = losses
+        self.elements = (predictions, label_ids) + tuple(
+            x for x in (inputs, losses) if x is not None
+        )
+
+    def __iter__(self):
+        return iter(self.elements)
+
+    def __getitem__(self, idx: int) -> Any:
+        # HF's bounds: 0 <= idx < number of set fields (no negative indices, no slices).
+        if idx < 0 or idx >= len(self.elements):
+            raise IndexError("tuple index out of range")
+        return self.elements[idx]
 
 
 class PredictionOutput(NamedTuple):
@@ -67,14 +87,21 @@ class PredictionGatherer:
         self.groups = groups
         self.parts: list[Any] = []
 
-    def add(self, outputs: Any, keep_B: np.ndarray) -> None:
-        """`outputs`: a pytree of host arrays (already gathered across processes)."""
-
+    def _blocks(self, outputs: Any, keep_B: np.ndarray) -> Any:
         def rows(x):
             x = np.asarray(x)
             return x.reshape(self.groups, -1, *x.shape[1:])[:, keep_B]
 
-        self.parts.append(jax.tree.map(rows, outputs))
+        return jax.tree.map(rows, outputs)
+
+    def add(self, outputs: Any, keep_B: np.ndarray) -> None:
+        """`outputs`: a pytree of host arrays (already gathered across processes)."""
+        self.parts.append(self._blocks(outputs, keep_B))
+
+    def batch_rows(self, outputs: Any, keep_B: np.ndarray) -> Any:
+        """One batch's rows as `result()` lays them out for a single batch (padding rows
+        dropped; DPO: the batch's chosen rows, then its rejected rows), without keeping them."""
+        return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), self._blocks(outputs, keep_B))
 
     def result(self) -> Any:
         if not self.parts:
@@ -85,6 +112,13 @@ class PredictionGatherer:
             return x.reshape(-1, *x.shape[2:])
 
         return jax.tree.map(concat, *self.parts)
+
+
+def batch_losses_per_example(loss: float, num_examples: int) -> np.ndarray:
+    """HF's `EvalPrediction.losses` rows of one eval batch: the batch's loss once per example it
+    holds, float32. (HF repeats it `eval_batch_size` times and accelerate's `gather_for_metrics`
+    cuts the copies of a short last batch to its examples.)"""
+    return np.full(num_examples, loss, np.float32)
 
 
 def prefixed(metrics: dict[str, Any], prefix: str) -> dict[str, Any]:

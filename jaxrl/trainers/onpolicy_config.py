@@ -50,6 +50,14 @@ _UNSUPPORTED = {
         "TRL's GRPO/RLOO sample prompts with their RepeatSampler; use `shuffle_dataset`",
     ),
     "length_column_name": ("length", "TRL's GRPO/RLOO never group prompts by length"),
+    "include_for_metrics": (
+        [],
+        "TRL's GRPO/RLOO take no `compute_metrics`, and neither does jaxrl's",
+    ),
+    "batch_eval_metrics": (
+        False,
+        "TRL's GRPO/RLOO take no `compute_metrics`, and neither does jaxrl's",
+    ),
     "include_num_input_tokens_seen": (
         "no",
         "TRL's GRPO/RLOO count their prompt and completion tokens themselves, which jaxrl logs "
