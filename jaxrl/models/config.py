@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jaxrl.parallel import merge_rules
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "smollm3")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "smollm3", "olmo2")
 GEMMA_TYPES = ("gemma", "gemma3_text")
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
 ROPE_TYPES = ("default", "llama3", "linear")
@@ -48,15 +48,20 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    # Gemma switches: RMSNorm scales by (1 + weight) in f32 and returns its input's dtype
-    # (`norm_offset`); token embeddings are multiplied by `embed_multiplier` (sqrt(hidden_size))
-    # in the parameter dtype; Gemma 3's "sandwich" norms after attention and around the MLP
-    # (`sandwich_norms`); queries scaled by `query_pre_attn_scalar ** -0.5` instead of
+    # OLMo 2: q/k norms over all heads' projections at once (Qwen3, Gemma 3: per head).
+    qk_norm_over_heads: bool = False
+    # RMSNorm numerics: None is Llama's (x_hat rounded to x's dtype, times the weight in the
+    # residual dtype); a float: x_hat * (norm_offset + weight) in f32, rounded once to x's dtype
+    # (Gemma: 1.0, its weight starting at 0; OLMo 2: 0.0).
+    norm_offset: float | None = None
+    # Where a block's norms sit: "pre" (Llama: before attention and MLP), "sandwich" (Gemma 3:
+    # before and after each), "post" (OLMo 2: after each, on the branch before the residual add).
+    norm_placement: str = "pre"
+    # Gemma switches: token embeddings are multiplied by `embed_multiplier` (sqrt(hidden_size))
+    # in the parameter dtype; queries scaled by `query_pre_attn_scalar ** -0.5` instead of
     # `head_dim ** -0.5` (`query_pre_attn_scalar`); sliding layers rotate with their own base
     # `local_rope_theta` (default rope), full layers with `rope_theta` and its scaling.
-    norm_offset: bool = False
     embed_multiplier: float | None = None
-    sandwich_norms: bool = False
     query_pre_attn_scalar: float | None = None
     local_rope_theta: float | None = None
     sliding_window: int | None = None
@@ -152,7 +157,7 @@ def _gemma_fields(c: Any) -> dict[str, Any]:
             "are causal LMs."
         )
     fields: dict[str, Any] = {
-        "norm_offset": True,
+        "norm_offset": 1.0,
         "embed_multiplier": float(c.hidden_size) ** 0.5,
         "hidden_act": getattr(c, "hidden_activation", None) or c.hidden_act,
     }
@@ -168,7 +173,7 @@ def _gemma_fields(c: Any) -> dict[str, Any]:
         )
     return {
         **fields,
-        "sandwich_norms": True,
+        "norm_placement": "sandwich",
         "qk_norm": True,
         "query_pre_attn_scalar": float(c.query_pre_attn_scalar),
         "local_rope_theta": float(local.get("rope_theta", 10000.0)),
@@ -215,6 +220,8 @@ def _llama_family(c: Any) -> dict[str, Any]:
     )
     if model_type in GEMMA_TYPES:
         fields.update(_gemma_fields(c))
+    if model_type == "olmo2":
+        fields.update(norm_offset=0.0, norm_placement="post", qk_norm=True, qk_norm_over_heads=True)
     if model_type == "smollm3":
         rope_layers = tuple(bool(x) for x in c.no_rope_layers)
         fields["rope_layers"] = () if all(rope_layers) else rope_layers

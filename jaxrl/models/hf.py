@@ -45,6 +45,7 @@ HF_CAUSAL_ARCH = {
     "gemma": "GemmaForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
 }
 HF_SEQ_CLS_ARCH = {
@@ -55,6 +56,7 @@ HF_SEQ_CLS_ARCH = {
     "gemma": "GemmaForSequenceClassification",
     "gemma3_text": "Gemma3TextForSequenceClassification",
     "smollm3": "SmolLM3ForSequenceClassification",
+    "olmo2": "Olmo2ForSequenceClassification",
     "gpt2": "GPT2ForSequenceClassification",
 }
 # Checkpoint entries that are buffers or derived values, never parameters.

@@ -148,19 +148,19 @@ class RMSNorm(nnx.Module):
     """Llama RMSNorm: statistics in f32, normalised back in x's dtype, then times the scale in
     the residual dtype (HF: `weight * x_hat.to(input_dtype)`; f32 under autocast).
 
-    With `config.norm_offset` (Gemma) the weight is an offset: `x_hat * (1 + weight)` in f32,
-    rounded once to x's dtype (HF's GemmaRMSNorm), and it starts at zero."""
+    With a float `config.norm_offset`: `x_hat * (offset + weight)` in f32, rounded once to x's
+    dtype (HF's GemmaRMSNorm with offset 1, the weight starting at 0; Olmo2RMSNorm with 0)."""
 
     def __init__(self, dim: int, eps: float, config: ModelConfig, axis_name: str = "norm"):
         self.eps = eps
         self.dtype = config.residual_dtype
         self.offset = config.norm_offset
-        init = jax.nn.initializers.zeros if self.offset else jax.nn.initializers.ones
+        init = jax.nn.initializers.zeros if self.offset == 1.0 else jax.nn.initializers.ones
         self.scale = make_param(None, init, (dim,), (axis_name,), config.param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        if self.offset:
-            return rms_norm_offset(x, param_value(self.scale), self.eps)
+        if self.offset is not None:
+            return rms_norm_f32(x, param_value(self.scale), self.eps, self.offset)
         return rms_norm(x, param_value(self.scale), self.eps, self.dtype)
 
 
@@ -194,28 +194,29 @@ def _rms_norm_bwd(eps, dtype, res, dy):
 rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def rms_norm_offset(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """Gemma's `x / rms(x) * (1 + weight)`, all in f32, rounded once to x's dtype; the backward
-    is `rms_norm`'s with the scale `1 + weight`."""
-    return _rms_norm_offset_fwd(x, weight, eps)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def rms_norm_f32(x: jax.Array, weight: jax.Array, eps: float, offset: float) -> jax.Array:
+    """`x / rms(x) * (offset + weight)`, all in f32, rounded once to x's dtype (Gemma: offset
+    1; OLMo 2: 0); the backward is `rms_norm`'s with the scale `offset + weight`."""
+    return _rms_norm_f32_fwd(x, weight, eps, offset)[0]
 
 
-def _rms_norm_offset_fwd(x, weight, eps):
+def _rms_norm_f32_fwd(x, weight, eps, offset):
     x32 = x.astype(jnp.float32)
     r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     xhat = x32 * r
-    scale = 1.0 + weight.astype(jnp.float32)
+    scale = offset + weight.astype(jnp.float32)
     return (xhat * scale).astype(x.dtype), (xhat, r, weight, jnp.zeros((), x.dtype))
 
 
-def _rms_norm_offset_bwd(eps, res, dy):
+def _rms_norm_f32_bwd(eps, offset, res, dy):
     xhat, r, weight, x_like = res
-    dx, dscale = _rms_norm_bwd(eps, None, (xhat, r, 1.0 + weight.astype(jnp.float32), x_like), dy)
+    scale = offset + weight.astype(jnp.float32)
+    dx, dscale = _rms_norm_bwd(eps, None, (xhat, r, scale, x_like), dy)
     return dx, dscale.astype(weight.dtype)
 
 
-rms_norm_offset.defvjp(_rms_norm_offset_fwd, _rms_norm_offset_bwd)
+rms_norm_f32.defvjp(_rms_norm_f32_fwd, _rms_norm_f32_bwd)
 
 
 class LayerNorm(nnx.Module):

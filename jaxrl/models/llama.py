@@ -1,12 +1,13 @@
-"""Llama-family decoder (Llama 1-3, Mistral, Qwen2/2.5, Qwen3, Gemma, Gemma 3 text): one
-implementation, config switches.
+"""Llama-family decoder (Llama 1-3, Mistral, Qwen2/2.5, Qwen3, Gemma, Gemma 3 text, SmolLM3,
+OLMo 2): one implementation, config switches.
 
 Switches (from `ModelConfig`): `qkv_bias`/`o_bias` (Qwen2 has q/k/v biases), `qk_norm` (Qwen3's
 and Gemma 3's per-head RMSNorm on q and k before rope), `sliding_window` + `sliding_layers`
 (Mistral, Gemma 3), `tie_word_embeddings` (Qwen2.5 small models, Gemma), rope type default /
-linear / llama3; Gemma's `norm_offset` (RMSNorm times 1 + weight), `embed_multiplier`,
-`query_pre_attn_scalar`, and Gemma 3's `sandwich_norms` and `local_rope_theta` (sliding layers
-rotate with their own base).
+linear / llama3; `norm_offset` (Gemma's and OLMo 2's RMSNorm numerics) and `norm_placement`
+(Gemma 3's sandwich norms, OLMo 2's post-norms, with its q/k norms over all heads);
+Gemma's `embed_multiplier`, `query_pre_attn_scalar` and Gemma 3's `local_rope_theta` (sliding
+layers rotate with their own base); SmolLM3's NoPE layers (`rope_layers`).
 Attribute names follow the HF module tree so checkpoint keys map one to one (see `hf.py`).
 """
 
@@ -49,7 +50,10 @@ class LlamaAttention(nnx.Module):
         self.o_proj = Dense(
             (n, h), (d,), ("heads", "head_dim"), ("embed",), config, rngs, use_bias=config.o_bias
         )
-        if config.qk_norm:
+        if config.qk_norm_over_heads:  # OLMo 2: one norm over all heads' features
+            self.q_norm = RMSNorm(n * h, config.norm_eps, config)
+            self.k_norm = RMSNorm(k * h, config.norm_eps, config)
+        elif config.qk_norm:
             self.q_norm = RMSNorm(h, config.norm_eps, config, axis_name="head_dim")
             self.k_norm = RMSNorm(h, config.norm_eps, config, axis_name="head_dim")
         else:
@@ -57,7 +61,10 @@ class LlamaAttention(nnx.Module):
 
     def _qkv(self, x_BTD, cos, sin, layer) -> tuple[jax.Array, jax.Array, jax.Array]:
         q_BTNH, k_BTKH, v_BTKH = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
-        if self.q_norm is not None:
+        if self.config.qk_norm_over_heads:
+            q_BTNH = self.q_norm(q_BTNH.reshape(*q_BTNH.shape[:2], -1)).reshape(q_BTNH.shape)
+            k_BTKH = self.k_norm(k_BTKH.reshape(*k_BTKH.shape[:2], -1)).reshape(k_BTKH.shape)
+        elif self.q_norm is not None:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
         q_BTNH, k_BTKH = rotate(q_BTNH, k_BTKH, cos, sin, layer)
         return q_BTNH, k_BTKH, v_BTKH
@@ -93,40 +100,55 @@ class LlamaMLP(nnx.Module):
 
 
 class LlamaDecoderLayer(nnx.Module):
-    """Pre-norm block. With `sandwich_norms` (Gemma 3) the attention output is normalised by
-    `post_attention_layernorm` before the residual add, the MLP's input by
-    `pre_feedforward_layernorm` and its output by `post_feedforward_layernorm`; otherwise
-    `post_attention_layernorm` is the MLP's input norm (HF's names either way)."""
+    """A block with HF's norm names for `config.norm_placement`:
+    - "pre" (Llama): `input_layernorm` before attention, `post_attention_layernorm` before the
+      MLP;
+    - "sandwich" (Gemma 3): also `post_attention_layernorm` on the attention output before the
+      residual add, `pre_feedforward_layernorm` before the MLP, `post_feedforward_layernorm` on
+      its output;
+    - "post" (OLMo 2): only `post_attention_layernorm` and `post_feedforward_layernorm` on the
+      branch outputs."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        d, eps = config.hidden_size, config.norm_eps
-        self.input_layernorm = RMSNorm(d, eps, config)
+        d, eps, placement = config.hidden_size, config.norm_eps, config.norm_placement
+        if placement not in ("pre", "sandwich", "post"):
+            raise ValueError(f"norm_placement={placement!r} is not one of pre, sandwich, post.")
+
+        def norm(present: bool) -> RMSNorm | None:
+            return RMSNorm(d, eps, config) if present else None
+
+        self.placement = placement
+        self.input_layernorm = norm(placement != "post")
         self.self_attn = LlamaAttention(config, rngs)
-        self.post_attention_layernorm = RMSNorm(d, eps, config)
-        if config.sandwich_norms:
-            self.pre_feedforward_layernorm = RMSNorm(d, eps, config)
-            self.post_feedforward_layernorm = RMSNorm(d, eps, config)
-        else:
-            self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        self.post_attention_layernorm = norm(True)
+        self.pre_feedforward_layernorm = norm(placement == "sandwich")
+        self.post_feedforward_layernorm = norm(placement != "pre")
         self.mlp = LlamaMLP(config, rngs)
 
+    def _attention_input(self, h_BTD) -> jax.Array:
+        return h_BTD if self.input_layernorm is None else self.input_layernorm(h_BTD)
+
     def _add_attention_and_mlp(self, h_BTD, attn_BTD) -> jax.Array:
-        if self.post_feedforward_layernorm is None:
+        if self.placement == "pre":
             h_BTD = h_BTD + attn_BTD
             return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
         h_BTD = h_BTD + self.post_attention_layernorm(attn_BTD)
-        mlp_BTD = self.mlp(self.pre_feedforward_layernorm(h_BTD))
-        return h_BTD + self.post_feedforward_layernorm(mlp_BTD)
+        mlp_in = (
+            h_BTD
+            if self.pre_feedforward_layernorm is None
+            else self.pre_feedforward_layernorm(h_BTD)
+        )
+        return h_BTD + self.post_feedforward_layernorm(self.mlp(mlp_in))
 
     def __call__(self, h_BTD, cos, sin, mask_B1TS, layer: LayerFlags) -> jax.Array:
-        attn_BTD = self.self_attn(self.input_layernorm(h_BTD), cos, sin, mask_B1TS, layer)
+        attn_BTD = self.self_attn(self._attention_input(h_BTD), cos, sin, mask_B1TS, layer)
         return self._add_attention_and_mlp(h_BTD, attn_BTD)
 
     def cached(
         self, h_BTD, cos, sin, layer: LayerFlags, cache: KVCache, view: CacheView
     ) -> tuple[jax.Array, KVCache]:
         attn_BTD, cache = self.self_attn.cached(
-            self.input_layernorm(h_BTD), cos, sin, layer, cache, view
+            self._attention_input(h_BTD), cos, sin, layer, cache, view
         )
         return self._add_attention_and_mlp(h_BTD, attn_BTD), cache
 

@@ -74,6 +74,7 @@ FAMILIES: dict[str, tuple[Any, dict[str, Any]]] = {
     ),
     # SmolLM3: layer 1 is a NoPE layer (no rotary embedding).
     "smollm3": (lambda: transformers.SmolLM3Config(**TINY, no_rope_layers=[1, 0]), {}),
+    "olmo2": (lambda: transformers.Olmo2Config(**TINY), {"safe_serialization": False}),
     "gpt2": (
         lambda: transformers.GPT2Config(
             vocab_size=VOCAB,

@@ -30,19 +30,28 @@ def _gap(path, ids, mask, want, **dtypes) -> float:
 # Mean |logit error| / mean |logit|, measured: 1.2e-3 (llama), 1.5e-3 (qwen2), 2.8e-3 (qwen3),
 # 1.3e-3 (gpt2) with autocast semantics; 4.4e-3 to 8.1e-3 with all-bf16 activations (what bf16
 # compute was before). `qwen2` has q/k/v biases, `qwen3` qk-norm, `gpt2` LayerNorm and learned
-# positions. `gemma3` (Gemma's norms: 1 + weight in f32, rounded to the input's dtype, bf16
-# after attention and the MLP; embedding multiplier; scores scaled by query_pre_attn_scalar):
-# 3.6e-3 against 1.2e-2 all-bf16, in a model whose own autocast-vs-f32 gap is 9.6e-3 (qwen3's
-# 5.2e-3); 7.1e-3 when the scale was folded into the queries before their bf16 rounding.
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2", "gemma3"])
+# positions. Norms that round their f32 product once to a bf16 input (after attention and the
+# MLP) leave larger gaps, over six random models each: `gemma3` (sandwich norms, embedding
+# multiplier, scores scaled by query_pre_attn_scalar) 3.6e-3 to 5.1e-3 against 1.1e-2 all-bf16
+# (7.1e-3 when the scale was folded into the queries before their bf16 rounding); `olmo2`
+# (post-norms, q/k norms over all heads) 2.4e-3 to 4.1e-3 against 5.3e-3 to 6.4e-3 all-bf16
+# (6.3e-3 to 7.3e-3 with Llama's norm rounding instead). Each model's own torch autocast-vs-f32
+# gap is ~9.5e-3 (gemma3), ~7.5e-3 (olmo2), ~5e-3 (qwen3). The hf_causal fixture seeds models
+# by build order, which varies with the tests a worker runs: the bounds leave room over seeds
+# 0-5.
+BOUNDS = {"gemma3": (6e-3, 0.6), "olmo2": (5e-3, 0.75)}  # (gap, fraction of the all-bf16 gap)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2", "gemma3", "olmo2"])
 def test_bf16_logits_match_torch_autocast(family, hf_causal):
     path = hf_causal(family).path
     ids, right, _ = padded_batch(seed=4, seq_len=16)
     want = _autocast_logits(path, ids, right)
     autocast = _gap(path, ids, right, want, dtype=jnp.bfloat16)
     all_bf16 = _gap(path, ids, right, want, dtype=jnp.bfloat16, residual_dtype=jnp.bfloat16)
-    assert autocast < (5e-3 if family == "gemma3" else 3.5e-3), autocast
-    assert autocast < 0.5 * all_bf16, (autocast, all_bf16)
+    bound, fraction = BOUNDS.get(family, (3.5e-3, 0.5))
+    assert autocast < bound, autocast
+    assert autocast < fraction * all_bf16, (autocast, all_bf16)
 
 
 def test_residual_dtype_follows_torch_promotion(hf_causal):
