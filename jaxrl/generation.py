@@ -1,4 +1,4 @@
-"""KV-cache sampling for jaxrl's causal LMs (Llama, Mistral, Qwen2, Qwen3, GPT-2).
+"""KV-cache sampling for jaxrl's causal LMs (every family of `jaxrl.models`).
 
 Design (after Tunix's sampler):
 

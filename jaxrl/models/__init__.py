@@ -1,4 +1,5 @@
-"""Flax NNX decoder-only LMs (Llama, Mistral, Qwen2/2.5, Qwen3, GPT-2) with HF checkpoint I/O.
+"""Flax NNX decoder-only LMs (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma, Gemma 3 text, SmolLM3,
+OLMo 2, GPT-2) with HF checkpoint I/O.
 
 Every model holds only `nnx.Param` state carrying logical axis names, so
 `graphdef, params = nnx.split(model)` / `nnx.merge(graphdef, params)` is the functional API.
