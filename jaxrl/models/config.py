@@ -7,16 +7,19 @@ the source transformers config (`hf_config`) so `save_pretrained` can write it b
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax.numpy as jnp
 
 from jaxrl.parallel import merge_rules
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "smollm3", "olmo2")
+LLAMA_FAMILY = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "smollm3", "olmo2", "olmo3",
+)  # fmt: skip
 GEMMA_TYPES = ("gemma", "gemma3_text")
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
-ROPE_TYPES = ("default", "llama3", "linear")
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 ATTENTION_IMPLS = (None, "blockwise", "xla", "cudnn", "splash")
 
@@ -44,6 +47,12 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
+    # YaRN (rope_type "yarn"): the ramp's rotation bounds, whether its range is rounded to whole
+    # dimensions, and the factor cos/sin are multiplied by (transformers' `attention_factor`).
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float = 1.0
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -115,9 +124,39 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+def _yarn_fields(params: dict[str, Any], top: dict[str, Any], hf_config: Any) -> dict[str, Any]:
+    """transformers' `_compute_yarn_parameters` inputs, with its defaults: `factor` None means
+    max_position_embeddings / original_max_position_embeddings; `attention_factor` None is
+    derived from `factor` (and `mscale` / `mscale_all_dim` when both are set); `truncate` is
+    read from the top-level rope dict, as transformers reads it."""
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor")
+    if factor is None:
+        factor = hf_config.max_position_embeddings / original
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    return {
+        "rope_factor": float(factor),
+        "rope_original_max_position_embeddings": original,
+        "rope_beta_fast": float(params.get("beta_fast") or 32),
+        "rope_beta_slow": float(params.get("beta_slow") or 1),
+        "rope_truncate": bool(top.get("truncate", True)),
+        "rope_attention_factor": float(attention_factor),
+    }
+
+
 def _rope_fields(hf_config: Any) -> dict[str, Any]:
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    if "full_attention" in params:  # per-layer-type rope dicts (Gemma 3)
+    top = params = getattr(hf_config, "rope_parameters", None) or {}
+    if "full_attention" in params:  # per-layer-type rope dicts (Gemma 3, OLMo 3)
         params = params["full_attention"]
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
@@ -131,6 +170,8 @@ def _rope_fields(hf_config: Any) -> dict[str, Any]:
         "rope_theta": float(params.get("rope_theta", 10000.0)),
         "rope_type": rope_type,
     }
+    if rope_type == "yarn":
+        fields.update(_yarn_fields(params, top, hf_config))
     if rope_type in ("llama3", "linear"):
         fields["rope_factor"] = float(params["factor"])
     if rope_type == "llama3":
@@ -165,19 +206,26 @@ def _gemma_fields(c: Any) -> dict[str, Any]:
         if fields["hidden_act"] == "gelu":  # transformers maps Gemma's legacy "gelu" so too
             fields["hidden_act"] = "gelu_pytorch_tanh"
         return fields
-    local = (getattr(c, "rope_parameters", None) or {}).get("sliding_attention") or {}
-    if local.get("rope_type", "default") != "default":
-        raise ValueError(
-            f"rope_type={local['rope_type']!r} for sliding_attention layers in "
-            "config.rope_parameters is not supported; Gemma 3 uses 'default' there."
-        )
     return {
         **fields,
         "norm_placement": "sandwich",
         "qk_norm": True,
         "query_pre_attn_scalar": float(c.query_pre_attn_scalar),
-        "local_rope_theta": float(local.get("rope_theta", 10000.0)),
+        "local_rope_theta": _local_rope_theta(c),
     }
+
+
+def _local_rope_theta(c: Any) -> float:
+    """The rope base of the sliding layers when the config has per-layer-type rope dicts
+    (Gemma 3, OLMo 3); they must use the default rope."""
+    local = (getattr(c, "rope_parameters", None) or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(
+            f"rope_type={local['rope_type']!r} for sliding_attention layers in "
+            f"config.rope_parameters is not supported for {c.model_type}; jaxrl rotates sliding "
+            "layers with the default rope."
+        )
+    return float(local.get("rope_theta", 10000.0))
 
 
 def _llama_family(c: Any) -> dict[str, Any]:
@@ -220,8 +268,14 @@ def _llama_family(c: Any) -> dict[str, Any]:
     )
     if model_type in GEMMA_TYPES:
         fields.update(_gemma_fields(c))
-    if model_type == "olmo2":
+    if model_type in ("olmo2", "olmo3"):
         fields.update(norm_offset=0.0, norm_placement="post", qk_norm=True, qk_norm_over_heads=True)
+    if model_type == "olmo3" and any(sliding_layers):
+        # Sliding layers rotate with their own default rope; a second table only when it
+        # differs from the full layers' rope.
+        local = _local_rope_theta(c)
+        same = fields["rope_type"] == "default" and local == fields["rope_theta"]
+        fields["local_rope_theta"] = None if same else local
     if model_type == "smollm3":
         rope_layers = tuple(bool(x) for x in c.no_rope_layers)
         fields["rope_layers"] = () if all(rope_layers) else rope_layers

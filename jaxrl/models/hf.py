@@ -46,6 +46,7 @@ HF_CAUSAL_ARCH = {
     "gemma3_text": "Gemma3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
 }
 HF_SEQ_CLS_ARCH = {
@@ -57,6 +58,7 @@ HF_SEQ_CLS_ARCH = {
     "gemma3_text": "Gemma3TextForSequenceClassification",
     "smollm3": "SmolLM3ForSequenceClassification",
     "olmo2": "Olmo2ForSequenceClassification",
+    "olmo3": "Olmo3ForSequenceClassification",
     "gpt2": "GPT2ForSequenceClassification",
 }
 # Checkpoint entries that are buffers or derived values, never parameters.

@@ -397,8 +397,9 @@ def default_positions(
 
 
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> jax.Array:
-    """Inverse frequencies [head_dim/2] for rope types default, linear and llama3 (Llama 3.1);
-    `local`: Gemma 3's sliding layers (default rope with base `local_rope_theta`)."""
+    """Inverse frequencies [head_dim/2] for rope types default, linear, llama3 (Llama 3.1) and
+    yarn; `local`: the sliding layers of Gemma 3 / OLMo 3 (default rope, base
+    `local_rope_theta`)."""
     dim = config.head_dim
     exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
     if local:
@@ -417,23 +418,46 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> jax.Array:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return jnp.where(is_medium, smoothed, scaled)
+    if config.rope_type == "yarn":
+        # transformers `_compute_yarn_parameters`: interpolated frequencies (divided by the
+        # factor) below a linear ramp over the dimensions between the beta_fast and beta_slow
+        # rotation counts, extrapolated (unchanged) ones above it.
+        def correction_dim(rotations: float) -> float:
+            length = config.rope_original_max_position_embeddings
+            return (
+                dim
+                * math.log(length / (rotations * 2 * math.pi))
+                / (2 * math.log(config.rope_theta))
+            )
+
+        low, high = correction_dim(config.rope_beta_fast), correction_dim(config.rope_beta_slow)
+        if config.rope_truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+        keep = 1 - ramp  # the extrapolation share
+        return inv_freq / config.rope_factor * (1 - keep) + inv_freq * keep
     return inv_freq
 
 
 def rope_tables(positions_BT: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """cos, sin [B, T, head_dim] in f32 (HF layout: the half-frequency table repeated twice).
     With `config.local_rope_theta` (Gemma 3) both are [2, B, T, head_dim]: the full layers'
-    table, then the sliding layers'; `select_rope` picks a layer's."""
+    table, then the sliding layers'; `rotate` picks a layer's."""
 
-    def table(inv_freq):
+    def table(inv_freq, factor=1.0):
         freqs_BTF = positions_BT.astype(jnp.float32)[..., None] * inv_freq
         emb_BTH = jnp.concatenate([freqs_BTF, freqs_BTF], axis=-1)
-        return jnp.cos(emb_BTH), jnp.sin(emb_BTH)
+        if factor == 1.0:
+            return jnp.cos(emb_BTH), jnp.sin(emb_BTH)
+        return jnp.cos(emb_BTH) * factor, jnp.sin(emb_BTH) * factor  # YaRN's attention factor
 
     if config.local_rope_theta is None:
-        return table(rope_inv_freq(config))
+        return table(rope_inv_freq(config), config.rope_attention_factor)
     (cos_g, sin_g), (cos_l, sin_l) = (
-        table(rope_inv_freq(config)),
+        table(rope_inv_freq(config), config.rope_attention_factor),
         table(rope_inv_freq(config, True)),
     )
     return jnp.stack([cos_g, cos_l]), jnp.stack([sin_g, sin_l])

@@ -75,6 +75,24 @@ FAMILIES: dict[str, tuple[Any, dict[str, Any]]] = {
     # SmolLM3: layer 1 is a NoPE layer (no rotary embedding).
     "smollm3": (lambda: transformers.SmolLM3Config(**TINY, no_rope_layers=[1, 0]), {}),
     "olmo2": (lambda: transformers.Olmo2Config(**TINY), {"safe_serialization": False}),
+    # OLMo 3: a sliding layer (default rope, its own base) next to a full one with YaRN.
+    "olmo3": (
+        lambda: transformers.Olmo3Config(
+            **TINY,
+            sliding_window=3,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 8,
+                    "rope_theta": 5e5,
+                },
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+        {},
+    ),
     "gpt2": (
         lambda: transformers.GPT2Config(
             vocab_size=VOCAB,

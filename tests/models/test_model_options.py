@@ -219,3 +219,38 @@ def test_prefix_tree_mask_matches_separate_sequences(family, hf_causal):
     assert np.abs(unmasked[0, 7:12] - rejected[4:]).max() > 1e-3
     with pytest.raises(ValueError, match="explicit `positions`"):
         model(jnp.asarray(shared["input_ids"]), mask)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"factor": 4.0, "original_max_position_embeddings": 32},
+        {"factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 16, "beta_slow": 2},
+        {"factor": 4.0, "original_max_position_embeddings": 32, "truncate": False},
+        {
+            "factor": 2.0,
+            "original_max_position_embeddings": 32,
+            "mscale": 2.0,
+            "mscale_all_dim": 1.0,
+        },
+        {"factor": None, "original_max_position_embeddings": 32},  # max_position / original
+        {"factor": 4.0, "original_max_position_embeddings": 32, "attention_factor": 0.9},
+    ],
+)
+def test_yarn_frequencies_and_attention_factor_equal_transformers(rope):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jaxrl.models.layers import rope_inv_freq
+
+    config = transformers.Qwen3Config(
+        hidden_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, **rope},
+    )  # fmt: skip
+    want_freq, want_factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    ours = config_from_hf(config)
+    np.testing.assert_allclose(np.asarray(rope_inv_freq(ours)), want_freq.numpy(), rtol=1e-6)
+    assert ours.rope_attention_factor == pytest.approx(want_factor, rel=1e-12)
+    assert not np.allclose(
+        want_freq.numpy(), np.asarray(rope_inv_freq(ours.replace(rope_type="default")))
+    )

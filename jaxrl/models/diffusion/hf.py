@@ -316,7 +316,6 @@ def load_pipeline(
     )
 
 
-
 def save_weights(
     module: nnx.Module,
     path: Path,
