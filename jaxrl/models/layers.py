@@ -155,7 +155,8 @@ class RMSNorm(nnx.Module):
         self.eps = eps
         self.dtype = config.residual_dtype
         self.offset = config.norm_offset
-        init = jax.nn.initializers.zeros if self.offset == 1.0 else jax.nn.initializers.ones
+        # The effective scale starts at 1 (HF's init): weight 1, or 1 - offset.
+        init = jax.nn.initializers.constant(1.0 - (self.offset or 0.0))
         self.scale = make_param(None, init, (dim,), (axis_name,), config.param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:

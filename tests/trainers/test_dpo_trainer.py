@@ -9,7 +9,7 @@ import datasets
 import jax
 import numpy as np
 import pytest
-from trainer_utils import base_args, tiny_config, train_logs
+from trainer_utils import base_args, tiny_config, train_logs, trl_train_logs
 
 from jaxrl import BEMACallback, DPOConfig, DPOTrainer, SyncRefModelCallback
 from jaxrl.core import averaging, quant
@@ -45,48 +45,21 @@ def dpo(tmp_path, model, tokenizer, data, eval_data=None, callbacks=None, **kw):
 def test_matches_trl_dpo_trainer(tmp_path, tokenizer, hf_model_dir, pref_data, prefix_sharing):
     """A few full-batch f32 steps: same losses, rewards and log-probs as TRL (also when jaxrl
     runs each pair as one prefix-shared row)."""
-    import torch
     import trl
-    from transformers import AutoModelForCausalLM
 
     data = pref_data[0].select(range(8))
     common = dict(
-        per_device_train_batch_size=8,
-        max_steps=3,
-        learning_rate=1e-3,
-        logging_steps=1,
-        lr_scheduler_type="constant",
-        beta=0.1,
-        seed=0,
-        report_to="none",
-        bf16=False,
-        gradient_checkpointing=False,
-        max_length=64,
+        per_device_train_batch_size=8, max_steps=3, learning_rate=1e-3, beta=0.1, max_length=64
     )
-    torch.manual_seed(0)
-    ref_trainer = trl.DPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32),
-        args=trl.DPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **common),
-        train_dataset=data,
-        processing_class=tokenizer,
+    _, theirs = trl_train_logs(
+        trl.DPOTrainer, trl.DPOConfig, hf_model_dir, tokenizer, data, tmp_path / "trl", **common
     )
-    ref_trainer.train()
-    theirs = [h for h in ref_trainer.state.log_history if "loss" in h]
     _, ours = dpo(
         tmp_path / "ours",
         hf_model_dir,
         tokenizer,
         data,
-        **{
-            k: common[k]
-            for k in (
-                "per_device_train_batch_size",
-                "max_steps",
-                "learning_rate",
-                "beta",
-                "max_length",
-            )
-        },
+        **common,
         max_prompt_length=32,
         prefix_sharing=prefix_sharing,
     )

@@ -4,7 +4,7 @@ step for step against TRL 1.16's own `DPOTrainer` on the same model and pairs.""
 import datasets
 import numpy as np
 import pytest
-from trainer_utils import assert_logs_match, base_args, train_logs, trl_train_logs
+from trainer_utils import assert_logs_match, jaxrl_trainer, train_logs, trl_train_logs
 
 from jaxrl import DPOConfig, DPOTrainer
 from jaxrl.config import ConfigError
@@ -77,12 +77,10 @@ def test_matches_trl(case, tmp_path, tokenizer, hf_model_dir):
     _, theirs = trl_train_logs(
         trl.DPOTrainer, trl.DPOConfig, hf_model_dir, tokenizer, data, tmp_path / "trl", **common
     )
-    trainer = DPOTrainer(
-        hf_model_dir,
-        args=DPOConfig(**base_args(tmp_path / "ours", **common, **jaxrl_only)),
-        train_dataset=data,
-        processing_class=tokenizer,
-    )
+    trainer = jaxrl_trainer(
+        DPOTrainer, DPOConfig, hf_model_dir, tokenizer, data, tmp_path / "ours", **common,
+        **jaxrl_only,
+    )  # fmt: skip
     trainer.train()
     assert_logs_match(train_logs(trainer), theirs, METRICS, steps=3)
 

@@ -6,7 +6,7 @@ from test_dpo_trl_options import METRICS as DPO_METRICS
 from test_dpo_trl_options import _pairs
 from test_sft_trl_options import METRICS as SFT_METRICS
 from test_sft_trl_options import _prompt_completion
-from trainer_utils import assert_logs_match, base_args, train_logs, trl_train_logs
+from trainer_utils import assert_logs_match, jaxrl_trainer, train_logs, trl_train_logs
 
 from jaxrl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
@@ -49,11 +49,8 @@ def _ours_and_theirs(trainer_cls, config_cls, trl_cls, trl_config_cls, data, tmp
     _, theirs = trl_train_logs(
         trl_cls, trl_config_cls, model_dir, tokenizer, data, tmp_path / "trl", **common
     )
-    trainer = trainer_cls(
-        model_dir,
-        args=config_cls(**base_args(tmp_path / "ours", **common)),
-        train_dataset=data,
-        processing_class=tokenizer,
+    trainer = jaxrl_trainer(
+        trainer_cls, config_cls, model_dir, tokenizer, data, tmp_path / "ours", **common
     )
     trainer.train()
     return train_logs(trainer), theirs

@@ -4,7 +4,7 @@ trained token, step for step against TRL 1.16's own `SFTTrainer` on the same mod
 import datasets
 import numpy as np
 import pytest
-from trainer_utils import assert_logs_match, base_args, train_logs, trl_train_logs
+from trainer_utils import assert_logs_match, base_args, jaxrl_trainer, train_logs, trl_train_logs
 
 from jaxrl import SFTConfig, SFTTrainer
 
@@ -48,11 +48,8 @@ def test_matches_trl(case, tmp_path, tokenizer, hf_model_dir):
     theirs_trainer, theirs = trl_train_logs(
         trl.SFTTrainer, trl.SFTConfig, hf_model_dir, tokenizer, data, tmp_path / "trl", **common
     )
-    trainer = SFTTrainer(
-        hf_model_dir,
-        args=SFTConfig(**base_args(tmp_path / "ours", **common)),
-        train_dataset=data,
-        processing_class=tokenizer,
+    trainer = jaxrl_trainer(
+        SFTTrainer, SFTConfig, hf_model_dir, tokenizer, data, tmp_path / "ours", **common
     )
     assert trainer.train_dataset["input_ids"] == theirs_trainer.train_dataset["input_ids"]
     trainer.train()
@@ -174,11 +171,8 @@ def test_skip_prepare_dataset_matches_trl(tmp_path, tokenizer, hf_model_dir):
     _, theirs = trl_train_logs(
         trl.SFTTrainer, trl.SFTConfig, hf_model_dir, tokenizer, data, tmp_path / "trl", **common
     )
-    trainer = SFTTrainer(
-        hf_model_dir,
-        args=SFTConfig(**base_args(tmp_path / "ours", **common)),
-        train_dataset=data,
-        processing_class=tokenizer,
+    trainer = jaxrl_trainer(
+        SFTTrainer, SFTConfig, hf_model_dir, tokenizer, data, tmp_path / "ours", **common
     )
     assert trainer.train_dataset["input_ids"] == data["input_ids"]
     assert trainer.seq_len >= max(len(r) for r in data["input_ids"]) > 12

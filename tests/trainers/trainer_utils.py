@@ -84,6 +84,16 @@ def trl_train_logs(trainer_cls, config_cls, model_dir, tokenizer, data, out, **a
     return trainer, train_logs(trainer)
 
 
+def jaxrl_trainer(trainer_cls, config_cls, model_dir, tokenizer, data, out, **args):
+    """jaxrl's trainer (untrained) in `trl_train_logs`' setting: `base_args` plus `args`."""
+    return trainer_cls(
+        model_dir,
+        args=config_cls(**base_args(out, **args)),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
+
+
 def assert_logs_match(ours: list[dict], theirs: list[dict], keys, steps: int, grad_norm=True):
     """Step-for-step agreement of two runs' training logs on `keys` (and `grad_norm`)."""
     assert len(ours) == len(theirs) == steps
