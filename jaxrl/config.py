@@ -811,6 +811,10 @@ class SFTConfig(_with_foreign("_SFTForeign", config_fields.SFT)):
     # loss (deprecated there): (1 - eps) x NLL + eps x the mean over tokens of
     # -(1/V) sum_v log p_v. jaxrl computes it in the fused LM head (no full logits).
     label_smoothing_factor: float = 0.0
+    # TRL: weight of the MoE load-balancing loss (transformers' `aux_loss`) added to the loss;
+    # None takes the model config's own `router_aux_loss_coef`, 0.0 turns it off; nonzero on a
+    # model without MoE layers is an error (`jaxrl.trainers.router_aux`).
+    router_aux_loss_coef: float | None = None
 
     @property
     def skip_prepare_dataset(self) -> bool:
@@ -988,6 +992,10 @@ class DPOConfig(_with_foreign("_DPOForeign", config_fields.DPO)):
     # mask (https://huggingface.co/papers/2410.20305), so the prompt is computed once, not twice.
     # Same log-probs as the two-row layout; fewer tokens when prompts are long.
     prefix_sharing: bool = False
+    # TRL: weight of the MoE load-balancing loss (transformers' `aux_loss`) added to the loss;
+    # None takes the model config's own `router_aux_loss_coef`, 0.0 turns it off; nonzero on a
+    # model without MoE layers is an error (`jaxrl.trainers.router_aux`).
+    router_aux_loss_coef: float | None = None
     pad_token: str | None = None  # TRL: overrides the tokenizer's pad token
     # TRL < 1.0 (dropped in 1.0): at each evaluation, sample completions of a random eval batch
     # from the policy and from the reference model; logged as the W&B table `game_log` (columns

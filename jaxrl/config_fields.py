@@ -193,20 +193,14 @@ _PADDING_FREE = Foreign(
     False,
     "batches always have one static shape; SFT `packing=True` removes the padding instead",
 )
-_ROUTER = Foreign(
-    "router_aux_loss_coef", float | None, None, "no mixture-of-experts model family is implemented"
-)
-
 SFT = (
     *_TRL_COMMON,
     _PADDING_FREE,
-    _ROUTER,
 )
 REWARD = (*_TRL_COMMON,)
 DPO = (
     *_TRL_COMMON,
     _PADDING_FREE,
-    _ROUTER,
 )
 
 

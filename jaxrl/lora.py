@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding
 
 from jaxrl import parallel
 from jaxrl.core import quant
-from jaxrl.models import hf
+from jaxrl.models import hf, moe
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.layers import Dense, param_value
 from jaxrl.models.weights_io import SafetensorsFile, write_safetensors
@@ -63,6 +63,7 @@ DEFAULT_TARGETS = {
     "qwen3": ("q_proj", "v_proj"),
     "gemma": ("q_proj", "v_proj"),
     "gemma3_text": ("q_proj", "v_proj"),
+    "mixtral": ("q_proj", "v_proj"),
     "gpt2": ("c_attn",),
 }
 ALL_LINEAR = "all-linear"
@@ -493,6 +494,9 @@ def apply_lora(model: nnx.Module, config: LoraConfig, rngs: nnx.Rngs) -> nnx.Mod
             saved_modules.append((path, module))
             found_saved.update(t for t in saved if any(_matches(n, (t,)) for n in names))
             continue
+        if isinstance(module, (moe.Router, moe.Experts)):
+            _refuse_moe_target(module, names, targets)
+            continue
         is_linear = isinstance(module, Dense)
         if targets == ALL_LINEAR:
             if type(module) is Dense and path != ("lm_head",):
@@ -527,6 +531,26 @@ def apply_lora(model: nnx.Module, config: LoraConfig, rngs: nnx.Rngs) -> nnx.Mod
         _retype_params(module, SavedParam)
     model.lora_config = config
     return model
+
+
+def _refuse_moe_target(module: nnx.Module, names: list[str], targets: Any) -> None:
+    """PEFT (with transformers v5) puts LoRA on an MoE model's router and stacked expert
+    weights (`target_parameters`) when the targets name them by their per-expert names
+    (`gate_proj`, Mixtral's `w1`, the router `gate`) or are "all-linear"; jaxrl has no adapters
+    on those, so such targets are an error rather than a different set of adapted layers."""
+    if isinstance(module, moe.Router):
+        candidates = names
+    else:
+        experts = getattr(module, module.names[0]).shape[-3]
+        candidates = [f"{n}.{e}.{p}" for n in names for e in range(experts) for p in module.names]
+    if targets == ALL_LINEAR or any(_matches(c, targets) for c in candidates):
+        raise ValueError(
+            f"target_modules {targets!r} selects the MoE {'router' if isinstance(module, moe.Router) else 'experts'} "
+            f"at {names[0]!r}; LoRA on a mixture-of-experts model's router and expert weights "
+            "(PEFT's target_parameters) is not implemented in jaxrl. Target the attention "
+            "projections (and shared experts / dense MLP layers) by name, e.g. "
+            "['q_proj', 'k_proj', 'v_proj', 'o_proj']."
+        )
 
 
 def _retype_params(module: nnx.Module, cls: type[nnx.Param]) -> None:
@@ -675,7 +699,7 @@ def save_peft_adapter(
     saved_state = nnx.state(model, SavedParam)
     for entry in hf._entries(saved_state, model_config):
         value = parallel.to_host(entry.variable.get_value())
-        for key, x in zip(entry.keys(), _layer_slices(value, int(entry.stacked)), strict=True):
+        for key, x in zip(entry.keys(), _layer_slices(value, entry.split), strict=True):
             tensors[PEFT_PREFIX + key] = hf._ours_to_hf(x, entry.path, entry.hf_shape, model_config)
     if jax.process_index() != 0:
         return

@@ -42,6 +42,7 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("vocab", "tensor"),
     ("head_dim", None),
     ("layers", None),
+    ("experts", None),
     ("norm", None),
     ("qkv", None),
     ("position", None),

@@ -51,18 +51,31 @@ def reduce_aux(aux_A: dict) -> dict[str, jax.Array]:
 StateUpdate = Callable[[TrainState], TrainState]
 
 
+# Micro-batch key set by `make_loss_and_grads(loss_units=...)`: the batch's loss-unit count over
+# the number of micro-batches. A loss function adds a per-micro-batch mean term `m` (HF adds it
+# to each micro-batch's loss, divided by the accumulation steps: the MoE load-balancing loss) as
+# `m * mb[UNITS_PER_MICRO]` to its sum, which the step then divides by the unit count.
+UNITS_PER_MICRO = "loss_units_per_micro_batch"
+
+
 def make_loss_and_grads(
-    loss_fn: LossFn,
+    loss_fn: LossFn, loss_units: Callable[[dict], jax.Array] | None = None
 ) -> Callable[[TrainState, dict, jax.Array], tuple[Any, dict, Any]]:
     """Build `loss_and_grads(state, batch_A, rng) -> (grads, aux_A, extras)`.
 
     Micro-batches (leading axis A) run as a `lax.scan`; gradients are summed in f32 and divided
     once by the total loss-unit count (and the fp16 loss scale), so they are the gradients of the
     full batch whatever A is. `aux_A` keeps the per-micro-batch reductions (see `reduce_aux`).
+    `loss_units(batch_A)`, when given, is that count computed from the batch before the scan;
+    every micro-batch then carries it over A under `UNITS_PER_MICRO`.
     """
 
     def loss_and_grads(state: TrainState, batch_A: dict, rng: jax.Array):
         scale = state.loss_scale[0] if state.loss_scale is not None else None
+        n_micro = jax.tree.leaves(batch_A)[0].shape[0]
+        if loss_units is not None:
+            per_micro = jnp.maximum(loss_units(batch_A).astype(jnp.float32), 1) / n_micro
+            batch_A = {**batch_A, UNITS_PER_MICRO: jnp.full((n_micro,), per_micro)}
 
         def scaled_loss(params, mb, key, extras):
             loss_sum, (aux, extras) = loss_fn(params, state, mb, key, extras)
@@ -79,7 +92,6 @@ def make_loss_and_grads(
             return (grads_acc, extras), aux
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        n_micro = jax.tree.leaves(batch_A)[0].shape[0]
         (grads, extras), aux_A = jax.lax.scan(
             micro, (zeros, state.extras), (batch_A, jnp.arange(n_micro))
         )
@@ -152,9 +164,10 @@ def make_train_step(
     tx: optax.GradientTransformation,
     schedule: Callable | None = None,
     state_updates: Sequence[StateUpdate] = (),
+    loss_units: Callable[[dict], jax.Array] | None = None,
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     """The offline step: `loss_and_grads` then `apply_grads`; batch leaves are [A, ...]."""
-    loss_and_grads = make_loss_and_grads(loss_fn)
+    loss_and_grads = make_loss_and_grads(loss_fn, loss_units)
     apply_grads = make_apply_grads(tx, schedule, state_updates)
 
     def train_step(state: TrainState, batch_A: dict) -> tuple[TrainState, dict]:

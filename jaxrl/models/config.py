@@ -16,7 +16,9 @@ from jaxrl.parallel import merge_rules
 
 LLAMA_FAMILY = (
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "smollm3", "olmo2", "olmo3",
+    "qwen2_moe", "qwen3_moe", "mixtral", "olmoe",
 )  # fmt: skip
+MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 GEMMA_TYPES = ("gemma", "gemma3_text")
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
 ROPE_TYPES = ("default", "llama3", "linear", "yarn")
@@ -78,6 +80,16 @@ class ModelConfig:
     sliding_layers: tuple[bool, ...] = ()
     # One flag per layer: does it apply rope (SmolLM3's `no_rope_layers`)? () = every layer.
     rope_layers: tuple[bool, ...] = ()
+    # Mixture of experts (Qwen2/3-MoE, Mixtral, OLMoE): one flag per layer (() = none) for an
+    # MoE block in place of the MLP; each token goes to its `num_experts_per_tok` best of
+    # `num_experts` experts (routing weights renormalised with `norm_topk_prob`); Qwen2-MoE adds
+    # a sigmoid-gated shared expert of `shared_expert_intermediate_size` (0 = none).
+    moe_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
     # Mixed precision follows torch autocast: `dtype` is the matmul dtype (Dense inputs and
     # outputs, attention, logits), `residual_dtype` that of the embeddings, the residual stream
     # and the norms. Under autocast (f32 params, bf16 matmuls) HF models keep the residual
@@ -106,6 +118,12 @@ class ModelConfig:
             raise ValueError(
                 f"attention_impl={self.attention_impl!r} is not supported; use one of "
                 f"{ATTENTION_IMPLS}."
+            )
+        if self.scan_layers and len(set(self.moe_layers)) > 1:
+            raise ValueError(
+                "scan_layers=True needs every layer to have the same block, but this config mixes "
+                "MoE and dense-MLP layers (mlp_only_layers / decoder_sparse_step); load it with "
+                "scan_layers=False."
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -228,6 +246,49 @@ def _local_rope_theta(c: Any) -> float:
     return float(local.get("rope_theta", 10000.0))
 
 
+def _moe_fields(c: Any) -> dict[str, Any]:
+    """The mixture-of-experts switches (see `jaxrl.models.moe`)."""
+    from jaxrl.models.moe import moe_layer_flags
+
+    if getattr(c, "router_jitter_noise", None):
+        raise ValueError(
+            f"router_jitter_noise={c.router_jitter_noise} is not supported: jaxrl's MoE router "
+            "has no multiplicative input noise; set it to 0.0 in config.json."
+        )
+    if getattr(c, "clip_qkv", None) is not None:
+        raise ValueError(
+            f"clip_qkv={c.clip_qkv} (OLMoE) is not supported: jaxrl does not clamp q/k/v; set it "
+            "to null in config.json."
+        )
+    mixtral = c.model_type == "mixtral"
+    experts = c.num_local_experts if mixtral else c.num_experts
+    fields: dict[str, Any] = {
+        "moe_layers": moe_layer_flags(c, c.num_hidden_layers),
+        "num_experts": experts,
+        "num_experts_per_tok": c.num_experts_per_tok,
+        # Mixtral's and OLMoE's experts are `intermediate_size` wide; Qwen's have their own size
+        # (`intermediate_size` is then their dense-MLP layers').
+        "moe_intermediate_size": (
+            c.moe_intermediate_size
+            if c.model_type in ("qwen2_moe", "qwen3_moe")
+            else c.intermediate_size
+        ),
+        "norm_topk_prob": True if mixtral else bool(c.norm_topk_prob),
+    }
+    if c.num_experts_per_tok > experts:
+        raise ValueError(
+            f"num_experts_per_tok={c.num_experts_per_tok} exceeds the number of experts ({experts})."
+        )
+    if c.model_type == "qwen2_moe":
+        fields["shared_expert_intermediate_size"] = c.shared_expert_intermediate_size
+        fields["qkv_bias"] = bool(c.qkv_bias)
+    if c.model_type == "olmoe":
+        fields.update(qk_norm=True, qk_norm_over_heads=True)
+    if c.model_type == "qwen3_moe":
+        fields["qk_norm"] = True
+    return fields
+
+
 def _llama_family(c: Any) -> dict[str, Any]:
     model_type = c.model_type
     num_heads = c.num_attention_heads
@@ -276,6 +337,8 @@ def _llama_family(c: Any) -> dict[str, Any]:
         local = _local_rope_theta(c)
         same = fields["rope_type"] == "default" and local == fields["rope_theta"]
         fields["local_rope_theta"] = None if same else local
+    if model_type in MOE_TYPES:
+        fields.update(_moe_fields(c))
     if model_type == "smollm3":
         rope_layers = tuple(bool(x) for x in c.no_rope_layers)
         fields["rope_layers"] = () if all(rope_layers) else rope_layers

@@ -122,7 +122,7 @@ class GPT2Model(nnx.Module):
         self.wpe = Embed(
             config.max_position_embeddings, config.hidden_size, "position", config, rngs
         )
-        self.h = make_layers(lambda r: GPT2Block(config, r), config, rngs)
+        self.h = make_layers(lambda r, _: GPT2Block(config, r), config, rngs)
         self.ln_f = LayerNorm(config.hidden_size, config.norm_eps, config)
 
     def __call__(

@@ -42,6 +42,10 @@ HF_CAUSAL_ARCH = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
@@ -54,6 +58,9 @@ HF_SEQ_CLS_ARCH = {
     "mistral": "MistralForSequenceClassification",
     "qwen2": "Qwen2ForSequenceClassification",
     "qwen3": "Qwen3ForSequenceClassification",
+    "qwen2_moe": "Qwen2MoeForSequenceClassification",
+    "qwen3_moe": "Qwen3MoeForSequenceClassification",
+    "mixtral": "MixtralForSequenceClassification",
     "gemma": "GemmaForSequenceClassification",
     "gemma3_text": "Gemma3TextForSequenceClassification",
     "smollm3": "SmolLM3ForSequenceClassification",
@@ -233,10 +240,12 @@ def _is_layer_stack(name: Any) -> bool:
     return name in ("layers", "h")
 
 
-def _hf_key_template(path: tuple, config: ModelConfig) -> tuple[str, bool]:
-    """HF key for a flat-state path; "{}" stands for the layer index when the param is stacked."""
+def _hf_key_template(path: tuple, config: ModelConfig, per_expert: bool = False) -> tuple[str, int]:
+    """HF key for a flat-state path, and how many leading axes of the param are split into
+    separate HF keys: each "{}" stands for one, the layer index of a stacked (scanned) param,
+    then the expert index of an MoE expert weight (`experts.{e}.gate_proj.weight`)."""
     parts: list[str] = []
-    stacked = False
+    split = 0
     if path[0] == "pretrained_model":  # value-head wrapper: the LM keeps its own HF keys
         path = path[1:]
     for i, name in enumerate(path):
@@ -244,18 +253,28 @@ def _hf_key_template(path: tuple, config: ModelConfig) -> tuple[str, bool]:
         parts.append(str(name))
         if _is_layer_stack(name) and config.scan_layers and i + 1 < len(path):
             parts.append("{}")
-            stacked = True
+            split += 1
+    if per_expert:  # [..., "experts", "gate_proj"] -> "experts.{}.gate_proj.weight"
+        return ".".join([*parts[:-1], "{}", parts[-1], "weight"]), split + 1
     leaf = {"kernel": "weight", "scale": "weight", "embedding": "weight"}.get(parts[-1], parts[-1])
-    return ".".join([*parts[:-1], leaf]), stacked
+    return ".".join([*parts[:-1], leaf]), split
 
 
 def _is_conv1d(path: tuple, config: ModelConfig) -> bool:
     return config.model_type == "gpt2" and path[-1] == "kernel" and path[-2] in CONV1D_MODULES
 
 
+def _is_linear(path: tuple, config: ModelConfig) -> bool:
+    """A torch `nn.Linear`-layout weight ([out, in]): our kernels [in..., out...] and the MoE
+    expert weights [in, out] per expert."""
+    return (path[-1] == "kernel" and not _is_conv1d(path, config)) or (
+        len(path) > 1 and path[-2] == "experts"
+    )
+
+
 def _hf_shape(path: tuple, shape: tuple[int, ...], n_in: int | None, config: ModelConfig) -> tuple:
     """Shape of the HF tensor for one (unstacked) param of ours."""
-    if path[-1] == "kernel":
+    if path[-1] == "kernel" or _is_linear(path, config):
         fan_in, fan_out = math.prod(shape[:n_in]), math.prod(shape[n_in:])
         return (fan_in, fan_out) if _is_conv1d(path, config) else (fan_out, fan_in)
     if path[-1] == "bias":
@@ -266,34 +285,42 @@ def _hf_shape(path: tuple, shape: tuple[int, ...], n_in: int | None, config: Mod
 def _hf_to_ours(
     x: np.ndarray, path: tuple, shape: tuple[int, ...], config: ModelConfig
 ) -> np.ndarray:
-    if path[-1] == "kernel" and not _is_conv1d(path, config):
+    if _is_linear(path, config):
         x = x.T  # torch nn.Linear stores [out, in]
     return x.reshape(shape)
 
 
 def _ours_to_hf(x: np.ndarray, path: tuple, hf_shape: tuple, config: ModelConfig) -> np.ndarray:
-    if path[-1] == "kernel" and not _is_conv1d(path, config):
+    if _is_linear(path, config):
         return x.reshape(hf_shape[::-1]).T
     return x.reshape(hf_shape)
 
 
 class _ParamEntry:
-    """One param of ours and the HF key(s) it maps to."""
+    """One param of ours and the HF key(s) it maps to: one key per index of its `split` leading
+    axes (layers of a scanned stack, then experts), in row-major order."""
 
     def __init__(self, path: tuple, variable: nnx.Variable, config: ModelConfig):
         self.path = path
         self.variable = variable
-        self.template, self.stacked = _hf_key_template(path, config)
+        metadata = variable.get_metadata()
+        self.template, self.split = _hf_key_template(path, config, bool(metadata.get("per_expert")))
         shape = tuple(variable.shape)
-        self.layer_shape = shape[1:] if self.stacked else shape
-        self.n_in = variable.get_metadata().get("n_in")
+        self.split_shape = shape[: self.split]
+        self.layer_shape = shape[self.split :]
+        self.n_in = metadata.get("n_in")
         self.hf_shape = _hf_shape(path, self.layer_shape, self.n_in, config)
-        self.num_layers = shape[0] if self.stacked else 1
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the param holds several HF tensors (indexed by `indices()`)."""
+        return self.split > 0
+
+    def indices(self) -> list[tuple[int, ...]]:
+        return list(np.ndindex(*self.split_shape))
 
     def keys(self) -> list[str]:
-        if self.stacked:
-            return [self.template.format(i) for i in range(self.num_layers)]
-        return [self.template]
+        return [self.template.format(*index) for index in self.indices()]
 
 
 def _entries(state: Any, config: ModelConfig) -> list[_ParamEntry]:
@@ -350,7 +377,7 @@ def _read_param(
 ) -> np.ndarray:
     """Our (stacked, for scanned layers) host array for one param, in the param dtype."""
     out = np.empty(entry.variable.shape, config.param_dtype)
-    for layer, key in enumerate(entry.keys()):
+    for index, key in zip(entry.indices(), entry.keys(), strict=True):
         found = _lookup_key(key, reader, config)
         if found is None:
             raise MissingWeightError(
@@ -365,7 +392,7 @@ def _read_param(
                 f"model built from config.json expects {tuple(entry.hf_shape)}."
             )
         # Filled in place so a scanned stack costs one stacked tensor of host memory.
-        target = out[layer] if entry.stacked else out
+        target = out[index]
         target[...] = _hf_to_ours(x, entry.path, entry.layer_shape, config)
     return out
 
@@ -506,20 +533,20 @@ def save_pretrained(model: Model, path: str | Path, *, max_shard_size: int | str
     entries = _entries(state, config)
     dtype = np.dtype(config.param_dtype)
     specs: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
-    key_to_entry: dict[str, tuple[_ParamEntry, int]] = {}
+    key_to_entry: dict[str, tuple[_ParamEntry, tuple[int, ...]]] = {}
     for entry in entries:
-        for layer, key in enumerate(entry.keys()):
+        for index, key in zip(entry.indices(), entry.keys(), strict=True):
             specs[key] = (tuple(entry.hf_shape), dtype)
-            key_to_entry[key] = (entry, layer)
+            key_to_entry[key] = (entry, index)
 
     cache: dict[tuple, np.ndarray] = {}
 
     def fetch(key: str) -> np.ndarray:
-        entry, layer = key_to_entry[key]
+        entry, index = key_to_entry[key]
         if entry.path not in cache:  # a stacked param is gathered once, kept for its layers
             cache.clear()
             cache[entry.path] = parallel.to_host(entry.variable[...])
-        x = cache[entry.path][layer] if entry.stacked else cache[entry.path]
+        x = cache[entry.path][index]
         return _ours_to_hf(x, entry.path, entry.hf_shape, config)
 
     shards = list(plan_shards(specs, parse_size(max_shard_size)))

@@ -634,15 +634,16 @@ def remat_wrap(fn: Callable, policy: str) -> Callable:
 
 
 def make_layers(
-    make_block: Callable[[nnx.Rngs], nnx.Module], config: ModelConfig, rngs: nnx.Rngs
+    make_block: Callable[[nnx.Rngs, int], nnx.Module], config: ModelConfig, rngs: nnx.Rngs
 ) -> nnx.Module:
-    """`num_layers` blocks: an `nnx.List`, or one block with params stacked on a `layers` axis."""
+    """`num_layers` blocks (`make_block(rngs, layer_index)`): an `nnx.List`, or one block with
+    params stacked on a `layers` axis (every layer then has the same structure: layer 0's)."""
     if not config.scan_layers:
-        return nnx.List([make_block(rngs) for _ in range(config.num_layers)])
+        return nnx.List([make_block(rngs, i) for i in range(config.num_layers)])
 
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def stacked(layer_rngs: nnx.Rngs) -> nnx.Module:
-        return make_block(layer_rngs)
+        return make_block(layer_rngs, 0)
 
     return stacked(rngs.split(config.num_layers))
 
@@ -656,11 +657,20 @@ def apply_layers(
     `LayerFlags` field is static when all layers agree, scanned otherwise.
     """
 
+    from jaxrl.models import moe  # noqa: PLC0415 (moe builds on this module)
+
+    collect = moe.collecting_router_stats()
+
     def block_fn(graphdef: nnx.GraphDef, static: LayerFlags) -> Callable:
         def fn(h, block_state, ctx, scanned):
             block = nnx.merge(graphdef, block_state)
-            h = block(h, *ctx, merge_flags(static, scanned))
-            return constrain_batch(h, config)
+            if not collect:
+                return constrain_batch(block(h, *ctx, merge_flags(static, scanned)), config), None
+            # MoE routing statistics leave as outputs (of the scan body, of the checkpointed
+            # function), never as tracers of an inner trace.
+            with moe.layer_router_stats() as stats:
+                h = block(h, *ctx, merge_flags(static, scanned))
+            return constrain_batch(h, config), (stats[0] if stats else None)
 
         return remat_wrap(fn, config.remat_policy)
 
@@ -668,7 +678,11 @@ def apply_layers(
     if not config.scan_layers:
         for block, flags in zip(layers, per_layer_flags(config), strict=True):
             graphdef, block_state = nnx.split(block)
-            h_BTD = block_fn(graphdef, flags)(h_BTD, block_state, context, LayerFlags(None, None))
+            h_BTD, stats = block_fn(graphdef, flags)(
+                h_BTD, block_state, context, LayerFlags(None, None)
+            )
+            if stats is not None:
+                moe.add_router_stats(stats)
         return h_BTD
 
     graphdef, stacked_state = nnx.split(layers)
@@ -677,7 +691,9 @@ def apply_layers(
 
     def body(h, xs):
         block_state, flags = xs
-        return fn(h, block_state, context, flags), None
+        return fn(h, block_state, context, flags)
 
-    h_BTD, _ = jax.lax.scan(body, h_BTD, (stacked_state, scanned))
+    h_BTD, stats = jax.lax.scan(body, h_BTD, (stacked_state, scanned))
+    if stats is not None:
+        moe.add_router_stats(stats)
     return h_BTD

@@ -7,7 +7,8 @@ and Gemma 3's per-head RMSNorm on q and k before rope), `sliding_window` + `slid
 linear / llama3; `norm_offset` (Gemma's and OLMo 2's RMSNorm numerics) and `norm_placement`
 (Gemma 3's sandwich norms, OLMo 2's post-norms, with its q/k norms over all heads);
 Gemma's `embed_multiplier`, `query_pre_attn_scalar` and Gemma 3's `local_rope_theta` (sliding
-layers rotate with their own base); SmolLM3's NoPE layers (`rope_layers`).
+layers rotate with their own base); SmolLM3's NoPE layers (`rope_layers`); mixture-of-experts
+blocks in place of the MLP (`moe_layers`: Qwen2/3-MoE, Mixtral, OLMoE; see `moe.py`).
 Attribute names follow the HF module tree so checkpoint keys map one to one (see `hf.py`).
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from jaxrl.models import moe
 from jaxrl.models.causal_lm import CausalLM
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.kv_cache import Cache, CacheView, KVCache, apply_layers_cached, cached_attention
@@ -88,8 +90,9 @@ class LlamaAttention(nnx.Module):
 
 
 class LlamaMLP(nnx.Module):
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, intermediate_size: int | None = None):
+        d, bias = config.hidden_size, config.mlp_bias
+        f = intermediate_size or config.intermediate_size
         self.gate_proj = Dense((d,), (f,), ("embed",), ("mlp",), config, rngs, use_bias=bias)
         self.up_proj = Dense((d,), (f,), ("embed",), ("mlp",), config, rngs, use_bias=bias)
         self.down_proj = Dense((f,), (d,), ("mlp",), ("embed",), config, rngs, use_bias=bias)
@@ -109,7 +112,7 @@ class LlamaDecoderLayer(nnx.Module):
     - "post" (OLMo 2): only `post_attention_layernorm` and `post_feedforward_layernorm` on the
       branch outputs."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, index: int = 0):
         d, eps, placement = config.hidden_size, config.norm_eps, config.norm_placement
         if placement not in ("pre", "sandwich", "post"):
             raise ValueError(f"norm_placement={placement!r} is not one of pre, sandwich, post.")
@@ -123,7 +126,24 @@ class LlamaDecoderLayer(nnx.Module):
         self.post_attention_layernorm = norm(True)
         self.pre_feedforward_layernorm = norm(placement == "sandwich")
         self.post_feedforward_layernorm = norm(placement != "pre")
-        self.mlp = LlamaMLP(config, rngs)
+        # The feed-forward block under HF's name: an MoE block on the MoE layers (Mixtral calls
+        # it `block_sparse_moe`), else the gated MLP.
+        self.ffn_name = "mlp"
+        if config.moe_layers and config.moe_layers[index]:
+            self.ffn_name = moe.moe_attribute(config)
+            shared = config.shared_expert_intermediate_size
+            setattr(
+                self,
+                self.ffn_name,
+                moe.SparseMoeBlock(
+                    config, rngs, LlamaMLP(config, rngs, shared) if shared else None
+                ),
+            )
+        else:
+            self.mlp = LlamaMLP(config, rngs)
+
+    def _ffn(self, x_BTD) -> jax.Array:
+        return getattr(self, self.ffn_name)(x_BTD)
 
     def _attention_input(self, h_BTD) -> jax.Array:
         return h_BTD if self.input_layernorm is None else self.input_layernorm(h_BTD)
@@ -131,14 +151,14 @@ class LlamaDecoderLayer(nnx.Module):
     def _add_attention_and_mlp(self, h_BTD, attn_BTD) -> jax.Array:
         if self.placement == "pre":
             h_BTD = h_BTD + attn_BTD
-            return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
+            return h_BTD + self._ffn(self.post_attention_layernorm(h_BTD))
         h_BTD = h_BTD + self.post_attention_layernorm(attn_BTD)
         mlp_in = (
             h_BTD
             if self.pre_feedforward_layernorm is None
             else self.pre_feedforward_layernorm(h_BTD)
         )
-        return h_BTD + self.post_feedforward_layernorm(self.mlp(mlp_in))
+        return h_BTD + self.post_feedforward_layernorm(self._ffn(mlp_in))
 
     def __call__(self, h_BTD, cos, sin, mask_B1TS, layer: LayerFlags) -> jax.Array:
         attn_BTD = self.self_attn(self._attention_input(h_BTD), cos, sin, mask_B1TS, layer)
@@ -159,7 +179,7 @@ class LlamaModel(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.config = config
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, "vocab", config, rngs)
-        self.layers = make_layers(lambda r: LlamaDecoderLayer(config, r), config, rngs)
+        self.layers = make_layers(lambda r, i: LlamaDecoderLayer(config, r, i), config, rngs)
         self.norm = RMSNorm(config.hidden_size, config.norm_eps, config)
 
     def __call__(

@@ -161,11 +161,19 @@ def flops_per_token(config: Any, seq_len: int) -> float:
 
     PaLM appendix B / MaxText MFU formula: N counts the weights used in matmuls (all layer
     projections and the unembedding, not the embedding lookup); the second term is attention
-    scores and weighted values (forward + backward).
+    scores and weighted values (forward + backward). A mixture-of-experts layer counts the
+    weights one token uses: the router, its `num_experts_per_tok` experts and any shared expert.
     """
     c = config if isinstance(config, ModelConfig) else config_from_hf(config)
     d, n, k, h, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
     attn = d * n * h + 2 * d * k * h + n * h * d
     mlp = (2 if c.model_type == "gpt2" else 3) * d * f
-    n_matmul = c.num_layers * (attn + mlp) + d * c.vocab_size
+    shared = c.shared_expert_intermediate_size
+    moe = (
+        d * c.num_experts
+        + c.num_experts_per_tok * 3 * d * c.moe_intermediate_size
+        + (3 * d * shared + d if shared else 0)
+    )
+    moe_layers = c.moe_layers or (False,) * c.num_layers
+    n_matmul = sum(attn + (moe if m else mlp) for m in moe_layers) + d * c.vocab_size
     return 6.0 * n_matmul + 12.0 * c.num_layers * n * h * seq_len

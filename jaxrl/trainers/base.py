@@ -41,7 +41,7 @@ from jaxrl.core.state import TrainState
 from jaxrl.core.step import make_eval_step, make_train_step
 from jaxrl.data.batching import BatchIterator
 from jaxrl.data.formats import read_chat_template
-from jaxrl.trainers import neftune
+from jaxrl.trainers import neftune, router_aux
 from jaxrl.trainers.evaluation import (
     EvalPrediction,
     PredictionGatherer,
@@ -125,6 +125,12 @@ class Trainer(TrainLoop):
         self.model_path = model if isinstance(model, str) else None
         self.model = self._load_model(model, task=self.model_task)
         self._setup_peft(peft_config, quantization_config)
+        # TRL's MoE load-balancing loss (trainers whose config has `router_aux_loss_coef`).
+        self.router_aux_loss_coef = (
+            router_aux.resolve_coef(a.router_aux_loss_coef, self.model)
+            if hasattr(a, "router_aux_loss_coef")
+            else 0.0
+        )
         self.processing_class = self._load_tokenizer(processing_class)
         self._mirror_pad_token()
         self.compute_metrics = compute_metrics
@@ -332,6 +338,11 @@ class Trainer(TrainLoop):
         raise NotImplementedError
 
     def _collate(self, examples: list[dict]) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def _loss_units(self) -> Callable[[dict], jax.Array]:
+        """`batch_A -> ` the number of loss units (`aux["count"]["loss"]` summed over the
+        micro-batches) of a train batch, known before its forward (see `make_loss_and_grads`)."""
         raise NotImplementedError
 
     def _loss_fn(self) -> Callable:
@@ -628,6 +639,7 @@ class Trainer(TrainLoop):
             self.tx,
             self.schedule,
             self._state_updates(),
+            loss_units=self._loss_units() if self.router_aux_loss_coef else None,
         )
         # State donated: params and optimizer moments are updated in place on device.
         self._jit_train_step = jax.jit(

@@ -33,6 +33,7 @@ from jaxrl.data.collate import (
 )
 from jaxrl.data.preference import prepare_preference_dataset
 from jaxrl.losses.dpo import LABEL_SMOOTHING_TYPES, dpo_multi_loss
+from jaxrl.trainers import router_aux
 from jaxrl.trainers.base import Trainer, weighted_token_count
 from jaxrl.trainers.evaluation import label_ids_from_loss_mask, label_ids_from_trained
 from jaxrl.trainers.sft import (
@@ -176,6 +177,23 @@ def num_pair_tokens(mb: dict) -> jax.Array:
     if "branch_ids" in mb:
         n = n + weighted_token_count(mb["branch_ids"] == 1, mb)
     return n
+
+
+def pair_token_weights(mb: dict) -> jax.Array:
+    """Per-token weights of the policy forward's rows for TRL's MoE load-balancing loss, which
+    runs over the `prompt + chosen` and `prompt + rejected` rows' real tokens: pair rows
+    `[2B, T]` (chosen rows, then rejected); a prefix-shared row `[B, T]` counts its prompt
+    twice (both of TRL's rows route the same prompt tokens identically). Copies filling a
+    partial batch count 0."""
+    if "branch_ids" in mb:
+        branch_BT = mb["branch_ids"]
+        weights_BT = (branch_BT > 0).astype(jnp.float32) + (branch_BT == 1)
+        w_B = mb.get("example_mask", jnp.ones(branch_BT.shape[0]))
+        return weights_BT * w_B[:, None]
+    mask_2BT = pairs_to_rows(mb)["attention_mask"].astype(jnp.float32)
+    if "example_mask" in mb:
+        mask_2BT = mask_2BT * jnp.concatenate([mb["example_mask"]] * 2)[:, None]
+    return mask_2BT
 
 
 def _sft_term(mb: dict, logps_c_B: jax.Array, n_pairs: jax.Array, n_chosen: jax.Array):
@@ -419,9 +437,13 @@ class DPOTrainer(Trainer):
         chunk = a.logprob_chunk_size
         loss_types = a.loss_type if isinstance(a.loss_type, list) else [a.loss_type]
 
+        coef = self.router_aux_loss_coef
+
         def loss_fn(params, state, mb, rng, extras):
             model = self.apply_model(params, state)
-            out = pair_logps(model, mb, chunk, True, self.score_span, a.ld_alpha)
+            tokens_BT = pair_token_weights(mb)
+            with router_aux.collect(bool(coef), tokens_BT) as router_stats:
+                out = pair_logps(model, mb, chunk, True, self.score_span, a.ld_alpha)
             logps_c, logps_r = out["chosen"], out["rejected"]
             if a.precompute_ref_log_probs:
                 ref_c, ref_r = mb["ref_logps"][:, 0], mb["ref_logps"][:, 1]
@@ -481,6 +503,9 @@ class DPOTrainer(Trainer):
                     "entropy": n_c + n_r,
                 }
             )
+            loss_sum = router_aux.add_to_loss(
+                coef, router_stats, tokens_BT, mb, n, loss_sum, sums, counts
+            )
             aux = {
                 "sum": sums,
                 "count": counts,
@@ -489,6 +514,9 @@ class DPOTrainer(Trainer):
             return loss_sum, (aux, extras)
 
         return loss_fn
+
+    def _loss_units(self):
+        return lambda batch_A: jnp.sum(batch_A["example_mask"])
 
     _prediction_groups = 2  # a `prompt + chosen` and a `prompt + rejected` row per pair
 

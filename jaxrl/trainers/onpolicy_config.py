@@ -36,7 +36,6 @@ _UNSUPPORTED = {
     "use_transformers_paged": (False, "jaxrl has its own sampler"),
     "ds3_gather_for_generation": (True, "DeepSpeed is not used (params are sharded by the mesh)"),
     "trust_remote_code": (False, "jaxrl loads only its own model families"),
-    "router_aux_loss_coef": (None, "jaxrl has no mixture-of-experts models"),
     "cache_implementation": (None, "the sampler always uses its own static KV cache"),
     # HF TrainingArguments fields the offline trainers honour but TRL's GRPO/RLOO do not.
     "neftune_noise_alpha": (
@@ -86,6 +85,10 @@ class OnPolicyConfig(TrainingConfig):
     remove_unused_columns: bool = False
     _keeps_unused_columns: typing.ClassVar[bool] = True
     trust_remote_code: bool = False
+    # TRL: weight of the MoE load-balancing loss (transformers' `aux_loss`) of the policy's loss
+    # forward, added to each micro-batch's loss divided by the accumulation steps; None takes
+    # the model config's own `router_aux_loss_coef`, 0.0 turns it off; nonzero on a model
+    # without MoE layers is an error (`jaxrl.trainers.router_aux`).
     router_aux_loss_coef: float | None = None
     num_generations: int = 8
     num_generations_eval: int | None = None

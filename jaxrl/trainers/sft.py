@@ -19,6 +19,7 @@ from jaxrl.core.logprobs import scored_logprobs, unembed_logits
 from jaxrl.data.collate import collate_sft, model_masks
 from jaxrl.data.sft import prepare_sft_dataset, rows_as_given
 from jaxrl.losses.sft import entropy, mean_token_accuracy, sft_loss_sum
+from jaxrl.trainers import router_aux
 from jaxrl.trainers.base import Trainer, weighted_token_count
 from jaxrl.trainers.evaluation import label_ids_from_loss_mask
 
@@ -91,11 +92,22 @@ def full_logits(model, mb: dict) -> jnp.ndarray:
 
 
 def example_weighted_mask(mb: dict) -> jnp.ndarray:
-    """`loss_mask` with the rows of eval padding examples zeroed."""
+    """`loss_mask` with the rows of padding examples zeroed (`[..., B, T]`: one micro-batch or
+    a whole `[A, B, T]` batch)."""
     mask_BT = mb["loss_mask"]
     if "example_mask" in mb:
-        mask_BT = mask_BT * mb["example_mask"][:, None]
+        mask_BT = mask_BT * mb["example_mask"][..., None]
     return mask_BT
+
+
+def lm_token_weights(mb: dict) -> jnp.ndarray:
+    """1 on the real tokens of a collated LM batch's real examples (packed rows: every token of
+    a segment), 0 on padding: the tokens TRL's MoE load-balancing loss counts."""
+    tokens_BT = (mb["segment_ids"] > 0) if "segment_ids" in mb else mb["attention_mask"]
+    tokens_BT = tokens_BT.astype(jnp.float32)
+    if "example_mask" in mb:
+        tokens_BT = tokens_BT * mb["example_mask"][..., None]
+    return tokens_BT
 
 
 class SFTTrainer(Trainer):
@@ -200,11 +212,15 @@ class SFTTrainer(Trainer):
 
         smoothing = getattr(self.args, "label_smoothing_factor", 0.0)
 
+        coef = self.router_aux_loss_coef
+
         def loss_fn(params, state, mb, rng, extras):
             model = self.apply_model(params, state)
-            logps_BT, stats = lm_forward(
-                model, mb, chunk, True, self.score_span, uniform_nll_grad=bool(smoothing)
-            )
+            tokens_BT = lm_token_weights(mb)
+            with router_aux.collect(bool(coef), tokens_BT) as router_stats:
+                logps_BT, stats = lm_forward(
+                    model, mb, chunk, True, self.score_span, uniform_nll_grad=bool(smoothing)
+                )
             mask_BT = example_weighted_mask(mb)
             loss_sum, n_tok = sft_loss_sum(logps_BT, mask_BT, loss_type=loss_type)
             if smoothing:  # HF's LabelSmoother: (1 - eps) NLL + eps x uniform-target NLL
@@ -212,9 +228,14 @@ class SFTTrainer(Trainer):
                 loss_sum = (1 - smoothing) * loss_sum + smoothing * uniform_sum
             correct, _ = mean_token_accuracy(stats["argmax_correct"], mask_BT)
             ent, _ = entropy(stats["entropy"], mask_BT)
+            sums = {"loss": loss_sum, "mean_token_accuracy": correct, "entropy": ent}
+            counts = {"loss": n_tok, "mean_token_accuracy": n_tok, "entropy": n_tok}
+            loss_sum = router_aux.add_to_loss(
+                coef, router_stats, tokens_BT, mb, n_tok, loss_sum, sums, counts
+            )
             aux = {
-                "sum": {"loss": loss_sum, "mean_token_accuracy": correct, "entropy": ent},
-                "count": {"loss": n_tok, "mean_token_accuracy": n_tok, "entropy": n_tok},
+                "sum": sums,
+                "count": counts,
                 "total": {
                     "num_tokens": weighted_token_count(mb["attention_mask"], mb).astype(jnp.float32)
                 },
@@ -222,6 +243,9 @@ class SFTTrainer(Trainer):
             return loss_sum, (aux, extras)
 
         return loss_fn
+
+    def _loss_units(self):
+        return lambda batch_A: jnp.sum(example_weighted_mask(batch_A))
 
     def _prediction_fn(self):
         def predict(model, mb):

@@ -17,7 +17,9 @@ from tests.models.conftest import FAMILIES, _build
 N_NEW = 10
 # The fast tier keeps one unscanned family and the scanned stack; the rest are slow.
 FAST = {("gpt2", False), ("mistral", True), ("gemma3", True)}
-SCANNED = [("mistral", True), ("gemma3", True), ("smollm3", True), ("olmo3", True)]
+SCANNED = [
+    ("mistral", True), ("gemma3", True), ("smollm3", True), ("olmo3", True), ("qwen3_moe", True),
+]  # fmt: skip
 CASES = [
     pytest.param(*c, marks=() if c in FAST else pytest.mark.slow)
     for c in [(family, False) for family in FAMILIES] + SCANNED

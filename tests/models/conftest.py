@@ -93,6 +93,40 @@ FAMILIES: dict[str, tuple[Any, dict[str, Any]]] = {
         ),
         {},
     ),
+    # Mixture of experts: 4 experts, 2 per token. Qwen3-MoE renormalises the top-k weights;
+    # Qwen2-MoE has a gated shared expert and a dense-MLP layer (mlp_only_layers) after its MoE
+    # layer; Mixtral always renormalises and keeps the weights in f32; OLMoE has q/k norms over
+    # all heads. OLMoE is saved sharded: expert keys spread over files.
+    "qwen3_moe": (
+        lambda: transformers.Qwen3MoeConfig(
+            **TINY,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+        ),
+        {},
+    ),  # fmt: skip
+    "qwen2_moe": (
+        lambda: transformers.Qwen2MoeConfig(
+            **TINY,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+        ),
+        {},
+    ),  # fmt: skip
+    "mixtral": (
+        lambda: transformers.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2),
+        {},
+    ),
+    "olmoe": (
+        lambda: transformers.OlmoeConfig(**TINY, num_experts=4, num_experts_per_tok=2),
+        {"max_shard_size": "40KB"},
+    ),
     "gpt2": (
         lambda: transformers.GPT2Config(
             vocab_size=VOCAB,

@@ -38,11 +38,19 @@ def _gap(path, ids, mask, want, **dtypes) -> float:
 # (6.3e-3 to 7.3e-3 with Llama's norm rounding instead). Each model's own torch autocast-vs-f32
 # gap is ~9.5e-3 (gemma3), ~7.5e-3 (olmo2), ~5e-3 (qwen3). The hf_causal fixture seeds models
 # by build order, which varies with the tests a worker runs: the bounds leave room over seeds
-# 0-5.
-BOUNDS = {"gemma3": (6e-3, 0.6), "olmo2": (5e-3, 0.75)}  # (gap, fraction of the all-bf16 gap)
+# 0-5. Mixture of experts (routing in bf16 logits, as torch's F.linear under autocast; no
+# routing flip was seen): `qwen3_moe` 2.4e-3 to 3.8e-3 against 7.0e-3 to 8.3e-3 all-bf16,
+# `mixtral` 2.2e-3 to 2.6e-3 against 5.9e-3 to 7.0e-3.
+BOUNDS = {  # (gap, fraction of the all-bf16 gap)
+    "gemma3": (6e-3, 0.6),
+    "olmo2": (5e-3, 0.75),
+    "qwen3_moe": (5e-3, 0.6),
+}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2", "gemma3", "olmo2"])
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen2", "qwen3", "gpt2", "gemma3", "olmo2", "qwen3_moe", "mixtral"]
+)
 def test_bf16_logits_match_torch_autocast(family, hf_causal):
     path = hf_causal(family).path
     ids, right, _ = padded_batch(seed=4, seq_len=16)

@@ -26,7 +26,10 @@ def _edit_config(path, **changes):
 def test_unsupported_model_type_lists_supported():
     with pytest.raises(
         ValueError,
-        match=r"model_type='bert'.*llama, mistral, qwen2, qwen3, gemma, gemma3_text, smollm3, olmo2,\s+olmo3, gpt2",
+        match=(
+            r"model_type='bert'.*llama, mistral, qwen2, qwen3, gemma, gemma3_text, smollm3, olmo2,"
+            r"\s+olmo3, qwen2_moe, qwen3_moe, mixtral, olmoe, gpt2"
+        ),
     ):
         from_config(transformers.BertConfig())
     with pytest.raises(ValueError, match=r"model_type='gemma3'.*'gemma3_text'"):

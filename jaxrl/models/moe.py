@@ -1,0 +1,272 @@
+"""Mixture-of-experts blocks (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE) and their load-balancing
+statistics.
+
+A block routes every token to its `num_experts_per_tok` best experts (softmax over the router
+logits in f32, top-k, optionally renormalised) and sums the experts' gated-MLP outputs weighted
+by those probabilities, as transformers' `XSparseMoeBlock`s do. Tokens are sorted by expert and
+each expert's matmul runs over its own rows only (`jax.lax.ragged_dot`: grouped GEMMs on TPU and
+GPU), so nothing is computed for experts a token is not routed to and no token is ever dropped:
+the result equals HF's loop over experts, with no capacity factor.
+
+Expert weights are stacked on an `experts` axis, `[E, in, out]`; checkpoints keep HF's
+per-expert keys (`mlp.experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.{e}.w1`),
+split and stacked on load and save by `hf.py`.
+
+The load-balancing loss (Switch Transformer, transformers' `load_balancing_loss_func`) needs
+per-layer routing statistics; forwards traced inside `collect_router_stats` hand them out (see
+`jaxrl.models.layers.apply_layers`), every other forward computes none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.layers import Dense, activation, gated, make_param, normal_init, param_value
+
+# Expert parameter names as HF's checkpoints spell them: (gate, up, down).
+EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}
+DEFAULT_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+# The decoder layer's attribute holding the MoE block.
+MOE_ATTRIBUTE = {"mixtral": "block_sparse_moe"}
+
+
+def expert_names(config: ModelConfig) -> tuple[str, str, str]:
+    return EXPERT_NAMES.get(config.model_type, DEFAULT_EXPERT_NAMES)
+
+
+def moe_attribute(config: ModelConfig) -> str:
+    return MOE_ATTRIBUTE.get(config.model_type, "mlp")
+
+
+# ---------------------------------------------------------------- routing statistics
+
+# (token mask [B, T], per-layer statistics collected so far) while collecting; None otherwise.
+_ROUTER_STATS: contextvars.ContextVar[tuple[jax.Array | None, list] | None] = (
+    contextvars.ContextVar("router_stats", default=None)
+)
+
+
+@contextlib.contextmanager
+def collect_router_stats(token_mask_BT: jax.Array | None) -> Iterator[list[jax.Array]]:
+    """Collect the routing statistics of every MoE layer of the forwards traced inside the
+    block: the yielded list receives one `[..., 2, E]` array per layer or scanned stack (the
+    leading axes are the stack's layers): the number of top-k assignments per expert and the
+    sum of router probabilities per expert, both over the tokens where `token_mask_BT` is
+    nonzero (all tokens for None). `load_balancing_loss` turns them into the auxiliary loss."""
+    collected: list[jax.Array] = []
+    token = _ROUTER_STATS.set((token_mask_BT, collected))
+    try:
+        yield collected
+    finally:
+        _ROUTER_STATS.reset(token)
+
+
+def collecting_router_stats() -> bool:
+    return _ROUTER_STATS.get() is not None
+
+
+@contextlib.contextmanager
+def layer_router_stats() -> Iterator[list[jax.Array]]:
+    """Inside `collect_router_stats`: a fresh list for one block's statistics (the layer stack
+    returns them from its scan body or checkpointed function instead of leaking tracers), with
+    the outer token mask."""
+    outer = _ROUTER_STATS.get()
+    assert outer is not None
+    collected: list[jax.Array] = []
+    token = _ROUTER_STATS.set((outer[0], collected))
+    try:
+        yield collected
+    finally:
+        _ROUTER_STATS.reset(token)
+
+
+def add_router_stats(stats: jax.Array) -> None:
+    """Hand a layer's (or a stack's stacked) statistics to the active collector."""
+    active = _ROUTER_STATS.get()
+    if active is not None:
+        active[1].append(stats)
+
+
+def _record_stats(router_logits_ME: jax.Array, top_k: int) -> None:
+    active = _ROUTER_STATS.get()
+    if active is None:
+        return
+    mask_BT, collected = active
+    num_experts = router_logits_ME.shape[-1]
+    # transformers' `load_balancing_loss_func`: softmax in the logits' dtype, top-k of that.
+    probs_ME = jax.nn.softmax(router_logits_ME, axis=-1)
+    _, chosen_MK = jax.lax.top_k(probs_ME, top_k)
+    weight_M = (
+        jnp.ones(probs_ME.shape[0], jnp.float32)
+        if mask_BT is None
+        else mask_BT.reshape(-1).astype(jnp.float32)
+    )
+    one_hot_MKE = jax.nn.one_hot(chosen_MK, num_experts, dtype=jnp.float32)
+    counts_E = jnp.einsum("mke,m->e", one_hot_MKE, weight_M)
+    prob_sum_E = jnp.einsum("me,m->e", probs_ME.astype(jnp.float32), weight_M)
+    collected.append(jnp.stack([counts_E, prob_sum_E]))
+
+
+def load_balancing_loss(
+    stats: list[jax.Array], token_mask_BT: jax.Array | None, num_tokens: int | None = None
+) -> jax.Array:
+    """transformers' `load_balancing_loss_func` from `collect_router_stats`' statistics:
+    `E * sum_e f_e * P_e`, with `f_e` the share of top-k assignments and `P_e` the mean router
+    probability of expert `e` over every MoE layer's valid tokens. `num_tokens` (without a
+    mask) is the number of tokens of one layer's forward."""
+    if not stats:
+        raise ValueError("No MoE layer ran inside collect_router_stats; the model has no router.")
+    per_layer = jnp.concatenate([s.reshape(-1, *s.shape[-2:]) for s in stats])  # [L, 2, E]
+    counts_E, prob_sum_E = jnp.sum(per_layer, axis=0)
+    valid = (
+        jnp.asarray(num_tokens, jnp.float32)
+        if token_mask_BT is None
+        else jnp.sum(token_mask_BT.astype(jnp.float32))
+    )
+    rows = valid * per_layer.shape[0]
+    return counts_E.shape[-1] * jnp.sum((counts_E / rows) * (prob_sum_E / rows))
+
+
+# ---------------------------------------------------------------- modules
+
+
+class Router(nnx.Module):
+    """HF's `XTopKRouter` (`gate.weight [E, D]`): logits in the compute dtype (F.linear under
+    autocast). A module of its own, not a `Dense`, as in transformers: PEFT's `all-linear` and
+    bitsandbytes skip it, and so do jaxrl's LoRA and `quantize_base`."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.dtype = config.dtype
+        self.kernel = make_param(
+            rngs,
+            normal_init(config.initializer_range),
+            (config.hidden_size, config.num_experts),
+            ("embed", None),
+            config.param_dtype,
+            n_in=1,
+        )
+
+    def __call__(self, x_MD: jax.Array) -> jax.Array:
+        return jnp.matmul(
+            x_MD.astype(self.dtype),
+            param_value(self.kernel, self.dtype),
+            preferred_element_type=jnp.float32,
+        ).astype(self.dtype)
+
+
+class Experts(nnx.Module):
+    """`num_experts` gated MLPs with weights stacked on the `experts` axis; the parameter names
+    are HF's per-expert module names (`gate_proj`/`up_proj`/`down_proj`, Mixtral `w1`/`w3`/`w2`)."""
+
+    def __init__(self, config: ModelConfig, intermediate_size: int, rngs: nnx.Rngs):
+        e, d, f = config.num_experts, config.hidden_size, intermediate_size
+        self.dtype = config.dtype
+        self.act = activation(config.hidden_act)
+        self.names = expert_names(config)
+        init = normal_init(config.initializer_range)
+
+        def param(shape, axes):
+            return make_param(rngs, init, shape, axes, config.param_dtype, n_in=1, per_expert=True)
+
+        gate, up, down = self.names
+        setattr(self, gate, param((e, d, f), ("experts", "embed", "mlp")))
+        setattr(self, up, param((e, d, f), ("experts", "embed", "mlp")))
+        setattr(self, down, param((e, f, d), ("experts", "mlp", "embed")))
+
+    def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return tuple(param_value(getattr(self, n), self.dtype) for n in self.names)
+
+    def __call__(self, x_MD: jax.Array, experts_MK: jax.Array) -> jax.Array:
+        """Each token's output from each of its K experts, `[M, K, D]` in the compute dtype."""
+        w_gate, w_up, w_down = self.weights()
+        num_tokens, top_k = experts_MK.shape
+        num_experts = w_gate.shape[0]
+        flat_N = experts_MK.reshape(-1)
+        order_N = jnp.argsort(flat_N, stable=True)  # rows grouped by expert, tokens in order
+        group_sizes_E = jnp.bincount(flat_N, length=num_experts).astype(jnp.int32)
+        x_ND = x_MD.astype(self.dtype)[order_N // top_k]
+
+        def grouped(lhs, rhs):
+            out = jax.lax.ragged_dot(lhs, rhs, group_sizes_E, preferred_element_type=jnp.float32)
+            return out.astype(self.dtype)
+
+        h_NF = gated(self.act, grouped(x_ND, w_gate), grouped(x_ND, w_up))
+        y_ND = grouped(h_NF, w_down)
+        inverse_N = jnp.zeros_like(order_N).at[order_N].set(jnp.arange(order_N.shape[0]))
+        return y_ND[inverse_N].reshape(num_tokens, top_k, -1)
+
+
+class SparseMoeBlock(nnx.Module):
+    """Router + experts (+ Qwen2-MoE's sigmoid-gated shared expert). `x [B, T, D] -> [B, T, D]`
+    in x's dtype (HF adds the experts' outputs into `zeros_like(hidden_states)`)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        rngs: nnx.Rngs,
+        shared_expert: nnx.Module | None = None,
+    ):
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        # Mixtral keeps the routing weights in f32; Qwen-MoE and OLMoE cast them to the logits'.
+        self.f32_weights = config.model_type == "mixtral"
+        self.gate = Router(config, rngs)
+        self.experts = Experts(config, config.moe_intermediate_size, rngs)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = (
+            None
+            if shared_expert is None
+            else Dense((config.hidden_size,), (1,), ("embed",), (None,), config, rngs)
+        )
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        b, t, d = x_BTD.shape
+        x_MD = x_BTD.reshape(b * t, d)
+        logits_ME = self.gate(x_MD)
+        _record_stats(logits_ME, self.top_k)
+        probs_ME = jax.nn.softmax(logits_ME.astype(jnp.float32), axis=-1)
+        weights_MK, experts_MK = jax.lax.top_k(probs_ME, self.top_k)
+        if self.norm_topk_prob:
+            weights_MK = weights_MK / jnp.sum(weights_MK, axis=-1, keepdims=True)
+        if not self.f32_weights:
+            weights_MK = weights_MK.astype(logits_ME.dtype)
+        y_MKD = self.experts(x_MD, experts_MK)
+        # Each expert's weighted output in its own dtype, summed in x's dtype (HF's index_add_).
+        out_MD = jnp.sum((y_MKD * weights_MK[..., None]).astype(x_BTD.dtype), axis=1)
+        if self.shared_expert is not None:
+            shared_MD = self.shared_expert(x_MD)
+            out_MD = out_MD + jax.nn.sigmoid(self.shared_expert_gate(x_MD)) * shared_MD
+        return out_MD.reshape(b, t, d)
+
+
+def moe_layer_flags(hf_config: Any, num_layers: int) -> tuple[bool, ...]:
+    """Which layers have an MoE block: all for Mixtral and OLMoE; Qwen-MoE's rule
+    (`mlp_only_layers`, `decoder_sparse_step`)."""
+    if hf_config.model_type in ("mixtral", "olmoe"):
+        return (True,) * num_layers
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    experts = hf_config.num_experts
+    return tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+
+
+def param_is_per_expert(variable: nnx.Variable) -> bool:
+    return bool(variable.get_metadata().get("per_expert"))
+
+
+__all__ = [
+    "Experts",
+    "Router",
+    "SparseMoeBlock",
+    "collect_router_stats",
+    "load_balancing_loss",
+    "moe_layer_flags",
+]

@@ -1,0 +1,123 @@
+"""Training a mixture-of-experts model (Qwen3-MoE: 4 experts, 2 per token, renormalised routing)
+equals TRL 1.16's own trainers step for step, with the load-balancing loss
+(`router_aux_loss_coef`) in the loss and the `aux_loss` metric: SFT with gradient accumulation
+(TRL divides each micro-batch's aux loss by the accumulation steps), DPO in TRL's two-row layout
+and with prefix sharing (the prompt counted for both rows, as TRL's two forwards count it)."""
+
+import pytest
+from test_dpo_trl_options import METRICS as DPO_METRICS
+from test_dpo_trl_options import _pairs
+from test_sft_trl_options import _prompt_completion
+from trainer_utils import assert_logs_match, jaxrl_trainer, train_logs, trl_train_logs
+
+from jaxrl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+COEF = 0.5  # large, so that the aux loss moves the loss and the gradients visibly
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory, tokenizer):
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=24,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=2,
+    )
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():  # a router with spread logits: routing is far from uniform
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+    path = tmp_path_factory.mktemp("tiny_qwen3_moe")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def _ours_and_theirs(trainer_cls, config_cls, trl_cls, trl_config_cls, data, tmp_path, tokenizer,
+                     model_dir, ours_only=None, **common):  # fmt: skip
+    _, theirs = trl_train_logs(
+        trl_cls, trl_config_cls, model_dir, tokenizer, data, tmp_path / "trl", **common
+    )
+    trainer = jaxrl_trainer(
+        trainer_cls, config_cls, model_dir, tokenizer, data, tmp_path / "ours",
+        **common, **(ours_only or {}),
+    )  # fmt: skip
+    trainer.train()
+    return trainer, train_logs(trainer), theirs
+
+
+def test_sft_matches_trl_with_aux_loss_and_accumulation(tmp_path, tokenizer, moe_dir):
+    import trl
+
+    # Sequential sampling: the aux loss is a per-micro-batch mean, so the micro-batches must
+    # hold the same examples on both sides (jaxrl's random order is numpy's, not torch's).
+    # TRL averages accuracy and entropy over micro-batches, jaxrl over tokens: not compared.
+    trainer, ours, theirs = _ours_and_theirs(
+        SFTTrainer, SFTConfig, trl.SFTTrainer, trl.SFTConfig, _prompt_completion(), tmp_path,
+        tokenizer, moe_dir, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        train_sampling_strategy="sequential", max_steps=2, learning_rate=1e-3, max_length=64,
+        router_aux_loss_coef=COEF,
+    )  # fmt: skip
+    assert_logs_match(ours, theirs, ("loss", "num_tokens", "aux_loss"), steps=2)
+    assert trainer.model.config.hf_config.router_aux_loss_coef == COEF
+    assert trainer.model.config.hf_config.output_router_logits is True
+
+
+@pytest.mark.parametrize("prefix_sharing", [False, True])
+def test_dpo_matches_trl_with_aux_loss(tmp_path, tokenizer, moe_dir, prefix_sharing):
+    import trl
+
+    _, ours, theirs = _ours_and_theirs(
+        DPOTrainer, DPOConfig, trl.DPOTrainer, trl.DPOConfig, _pairs(), tmp_path, tokenizer,
+        moe_dir, per_device_train_batch_size=8, max_steps=2, learning_rate=1e-3, beta=0.1,
+        max_length=64, router_aux_loss_coef=COEF,
+        ours_only={"prefix_sharing": prefix_sharing},
+    )  # fmt: skip
+    assert_logs_match(ours, theirs, (*DPO_METRICS, "aux_loss"), steps=2)
+
+
+def test_coefficient_follows_trl(tmp_path, tokenizer, moe_dir):
+    """None takes the model config's coefficient (Qwen3-MoE's default 0.001), 0.0 turns the loss
+    off (no `aux_loss` metric), a nonzero one on a dense model is an error, as in TRL."""
+
+    def make(model, **args):
+        return jaxrl_trainer(
+            SFTTrainer, SFTConfig, model, tokenizer, _prompt_completion(), tmp_path / str(len(args)),
+            max_steps=1, **args,
+        )  # fmt: skip
+
+    assert make(moe_dir).router_aux_loss_coef == 0.001
+    off = make(moe_dir, router_aux_loss_coef=0.0)
+    assert off.router_aux_loss_coef == 0.0
+    off.train()
+    assert "aux_loss" not in train_logs(off)[0]
+    assert off.model.config.hf_config.output_router_logits is False
+    dense = tmp_path / "dense"
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1,
+        )
+    ).save_pretrained(dense)  # fmt: skip
+    tokenizer.save_pretrained(dense)
+    with pytest.raises(ValueError, match="not a Mixture-of-Experts model"):
+        make(str(dense), router_aux_loss_coef=0.01)
