@@ -21,15 +21,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.layers import Dense, activation, gated, make_param, normal_init, param_value
+from jaxrl.parallel import logical_to_spec
 
 # Expert parameter names as HF's checkpoints spell them: (gate, up, down).
 EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}
@@ -169,6 +172,7 @@ class Experts(nnx.Module):
     def __init__(self, config: ModelConfig, intermediate_size: int, rngs: nnx.Rngs):
         e, d, f = config.num_experts, config.hidden_size, intermediate_size
         self.dtype = config.dtype
+        self.mesh, self.rules = config.mesh, config.rules
         self.act = activation(config.hidden_act)
         self.names = expert_names(config)
         init = normal_init(config.initializer_range)
@@ -185,23 +189,45 @@ class Experts(nnx.Module):
         return tuple(param_value(getattr(self, n), self.dtype) for n in self.names)
 
     def __call__(self, x_MD: jax.Array, experts_MK: jax.Array) -> jax.Array:
-        """Each token's output from each of its K experts, `[M, K, D]` in the compute dtype."""
-        w_gate, w_up, w_down = self.weights()
-        num_tokens, top_k = experts_MK.shape
-        num_experts = w_gate.shape[0]
-        flat_N = experts_MK.reshape(-1)
-        order_N = jnp.argsort(flat_N, stable=True)  # rows grouped by expert, tokens in order
-        group_sizes_E = jnp.bincount(flat_N, length=num_experts).astype(jnp.int32)
-        x_ND = x_MD.astype(self.dtype)[order_N // top_k]
+        """Each token's output from each of its K experts, `[M, K, D]` in the compute dtype.
 
-        def grouped(lhs, rhs):
-            out = jax.lax.ragged_dot(lhs, rhs, group_sizes_E, preferred_element_type=jnp.float32)
-            return out.astype(self.dtype)
+        Under a mesh whose batch axes split the tokens, each device sorts and runs its own
+        tokens (`shard_map`; the expert weights are gathered whole, as FSDP gathers a layer),
+        so no device ever sorts, gathers or multiplies another device's tokens."""
+        weights = self.weights()
+        dispatch = functools.partial(_dispatch, self.act, self.dtype)
+        if self.mesh is None or self.mesh.size == 1:
+            return dispatch(x_MD, experts_MK, *weights)
+        (batch,) = logical_to_spec(("batch",), self.rules, x_MD.shape[:1], self.mesh)
+        if batch is None:  # the tokens do not split over the batch axes
+            return dispatch(x_MD, experts_MK, *weights)
+        rows = PartitionSpec(batch, None)
+        return jax.shard_map(
+            dispatch,
+            mesh=self.mesh,
+            in_specs=(rows, rows, PartitionSpec(), PartitionSpec(), PartitionSpec()),
+            out_specs=PartitionSpec(batch, None, None),
+        )(x_MD, experts_MK, *weights)
 
-        h_NF = gated(self.act, grouped(x_ND, w_gate), grouped(x_ND, w_up))
-        y_ND = grouped(h_NF, w_down)
-        inverse_N = jnp.zeros_like(order_N).at[order_N].set(jnp.arange(order_N.shape[0]))
-        return y_ND[inverse_N].reshape(num_tokens, top_k, -1)
+
+def _dispatch(act, dtype, x_MD, experts_MK, w_gate, w_up, w_down) -> jax.Array:
+    """`Experts.__call__` on one device's tokens: rows sorted by expert, three grouped matmuls,
+    rows put back in token order."""
+    num_tokens, top_k = experts_MK.shape
+    num_experts = w_gate.shape[0]
+    flat_N = experts_MK.reshape(-1)
+    order_N = jnp.argsort(flat_N, stable=True)  # rows grouped by expert, tokens in order
+    group_sizes_E = jnp.bincount(flat_N, length=num_experts).astype(jnp.int32)
+    x_ND = x_MD.astype(dtype)[order_N // top_k]
+
+    def grouped(lhs, rhs):
+        out = jax.lax.ragged_dot(lhs, rhs, group_sizes_E, preferred_element_type=jnp.float32)
+        return out.astype(dtype)
+
+    h_NF = gated(act, grouped(x_ND, w_gate), grouped(x_ND, w_up))
+    y_ND = grouped(h_NF, w_down)
+    inverse_N = jnp.zeros_like(order_N).at[order_N].set(jnp.arange(order_N.shape[0]))
+    return y_ND[inverse_N].reshape(num_tokens, top_k, -1)
 
 
 class SparseMoeBlock(nnx.Module):

@@ -108,29 +108,54 @@ def test_gradients_equal_torch_autograd(family, hf_causal):
     assert np.abs(want["model.layers.0.mlp.gate.weight"]).max() > 1e-4
 
 
-def test_same_logits_and_aux_loss_on_every_mesh(hf_causal):
+def test_same_logits_aux_loss_and_gradients_on_every_mesh(hf_causal):
+    """Under a mesh each device routes its own tokens (`shard_map` over the batch axes): the
+    logits, the aux loss and the router / expert gradients equal one device's."""
     path = hf_causal("qwen3_moe").path
     ids, right, _ = padded_batch(seq_len=16)
     ids, right = np.tile(ids, (8, 1))[:8], np.tile(right, (8, 1))[:8]
 
-    def run(mesh, scan):
-        model = from_pretrained(path, mesh=mesh, scan_layers=scan)
+    def run(mesh):
+        model = from_pretrained(path, mesh=mesh, scan_layers=True)
+        graphdef, params = nnx.split(model)
 
-        @nnx.jit
-        def forward(model, ids, mask):
+        @jax.jit
+        def forward(params, ids, mask):
             with moe.collect_router_stats(mask) as stats:
-                logits = model(ids, mask)
-            return logits, moe.load_balancing_loss(stats, mask)
+                logits = nnx.merge(graphdef, params)(ids, mask)
+            aux = moe.load_balancing_loss(stats, mask)
+            return jnp.mean(logits.astype(jnp.float32) ** 2) + aux, (logits, aux)
 
-        logits, aux = forward(model, jnp.asarray(ids), jnp.asarray(right))
-        return np.asarray(logits), float(aux)
+        (_, (logits, aux)), grads = jax.value_and_grad(forward, has_aux=True)(
+            params, jnp.asarray(ids), jnp.asarray(right)
+        )
+        block = grads["model"]["layers"]["mlp"]
+        return (
+            np.asarray(logits),
+            float(aux),
+            np.asarray(block["gate"]["kernel"][...]),
+            np.asarray(block["experts"]["down_proj"][...]),
+        )
 
-    want_logits, want_aux = run(None, False)
-    for shape, scan in (((8, 1, 1), True), ((2, 2, 2), False), ((1, 4, 2), True)):
-        mesh = make_mesh(*shape)
-        logits, aux = run(mesh, scan)
-        np.testing.assert_allclose(logits, want_logits, atol=2e-5)
-        assert abs(aux - want_aux) < 1e-6, shape
+    want = run(None)
+    assert np.abs(want[2]).max() > 1e-4 and np.abs(want[3]).max() > 1e-4
+    for shape in ((8, 1, 1), (2, 2, 2), (1, 4, 2)):
+        got = run(make_mesh(*shape))
+        np.testing.assert_allclose(got[0], want[0], atol=2e-5, err_msg=str(shape))
+        assert abs(got[1] - want[1]) < 1e-6, shape
+        np.testing.assert_allclose(got[2], want[2], atol=1e-6, err_msg=str(shape))
+        np.testing.assert_allclose(got[3], want[3], atol=1e-6, err_msg=str(shape))
+
+
+def test_each_device_dispatches_its_own_tokens(hf_causal):
+    """The compiled (8, 1, 1) forward sorts 1/8 of the routed rows per device: no device sorts
+    the whole batch's."""
+    model = from_pretrained(hf_causal("qwen3_moe").path, mesh=make_mesh(8, 1, 1))
+    ids = jnp.ones((8, 16), jnp.int32)
+    hlo = jax.jit(lambda m, i: m(i)).lower(model, ids).compile().as_text()
+    rows = 8 * 16 * 2  # tokens x top-2
+    assert f"s32[{rows // 8}]" in hlo and "sort(" in hlo
+    assert not any(f"[{rows}]" in line for line in hlo.splitlines() if "sort(" in line)
 
 
 @pytest.mark.parametrize(
