@@ -434,21 +434,46 @@ def grpo_aggregate(
         else example_mask_B.astype(per_token_loss_BT.dtype)
     )
     seq_sum_B = jnp.sum(per_token_loss_BT * mask_BT, axis=-1) * w_B
-    num_seqs = jnp.sum(w_B)
+    count = grpo_count(
+        mask_BT, loss_type=loss_type, example_mask_B=example_mask_B, token_count=token_count
+    )
     if loss_type in ("grpo", "sapo"):
-        return jnp.sum(seq_sum_B / jnp.maximum(jnp.sum(mask_BT, axis=-1), 1.0)), num_seqs
+        return jnp.sum(seq_sum_B / jnp.maximum(jnp.sum(mask_BT, axis=-1), 1.0)), count
     if loss_type == "luspo":
-        return jnp.sum(seq_sum_B), num_seqs
+        return jnp.sum(seq_sum_B), count
     if loss_type == "dr_grpo":
         if max_completion_length is None:
             raise ValueError("loss_type='dr_grpo' normalises by max_completion_length; pass it.")
-        return jnp.sum(seq_sum_B) / max_completion_length, num_seqs
-    num_tokens = jnp.sum(mask_BT * w_B[:, None])
+        return jnp.sum(seq_sum_B) / max_completion_length, count
     if loss_type == "bnpo":
-        return jnp.sum(seq_sum_B) / jnp.maximum(num_tokens, 1.0), jnp.ones((), num_tokens.dtype)
+        num_tokens = jnp.sum(mask_BT * w_B[:, None])
+        return jnp.sum(seq_sum_B) / jnp.maximum(num_tokens, 1.0), count
+    return jnp.sum(seq_sum_B), count  # dapo, cispo, vespo
+
+
+def grpo_count(
+    mask_BT: jax.Array,
+    *,
+    loss_type: str,
+    example_mask_B: jax.Array | None = None,
+    token_count: jax.Array | float | None = None,
+) -> jax.Array:
+    """The loss-unit count `grpo_aggregate` gives one micro-batch (the module docstring's
+    table): its sequences, its active tokens (or `token_count`), or 1 for `bnpo`. Trainers sum
+    it over a step's micro-batches to weight per-micro-batch mean terms (`UNITS_PER_MICRO`)."""
+    mask_BT = mask_BT.astype(jnp.float32)
+    w_B = (
+        jnp.ones(mask_BT.shape[0], jnp.float32)
+        if example_mask_B is None
+        else example_mask_B.astype(jnp.float32)
+    )
+    if loss_type in ("grpo", "sapo", "luspo", "dr_grpo"):
+        return jnp.sum(w_B)
+    if loss_type == "bnpo":
+        return jnp.ones((), jnp.float32)
     if token_count is not None:
-        num_tokens = jnp.asarray(token_count, num_tokens.dtype)
-    return jnp.sum(seq_sum_B), num_tokens  # dapo, cispo, vespo
+        return jnp.asarray(token_count, jnp.float32)
+    return jnp.sum(mask_BT * w_B[:, None])  # dapo, cispo, vespo
 
 
 def grpo_metrics(

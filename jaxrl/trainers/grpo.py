@@ -18,6 +18,11 @@ the last micro-batch of an optimizer step moves it by `entropy_coef_delta` from 
 token-weighted entropy over all its micro-batches and devices. Evaluation applies the bonus with
 the state's gated coefficient and logs `policy_loss`, but never updates the controller nor logs
 `entropy_coef`.
+
+MoE load-balancing loss (`router_aux_loss_coef`): TRL adds `coef x aux_loss / accumulation
+steps` to each micro-batch's loss after the entropy bonus, whatever the loss type (eval: `coef x
+aux_loss`); `_loss_units` is `grpo_count` summed over the step's micro-batches, the count the
+step divides by (see `OnPolicyTrainer`'s module doc).
 """
 
 from __future__ import annotations
@@ -34,12 +39,19 @@ from jaxrl.losses.grpo import (
     entropy_bonus_coef,
     entropy_bonus_mask,
     grpo_advantages,
+    grpo_count,
     grpo_loss,
     high_entropy_mask,
 )
 from jaxrl.rewards import group_reward_metrics
+from jaxrl.trainers import router_aux
 from jaxrl.trainers.grpo_config import GRPOConfig
-from jaxrl.trainers.onpolicy import OnPolicyTrainer, completion_hidden, completion_logprobs
+from jaxrl.trainers.onpolicy import (
+    OnPolicyTrainer,
+    completion_hidden,
+    completion_logprobs,
+    rollout_token_weights,
+)
 
 
 def completion_logprobs_and_entropy(
@@ -108,6 +120,32 @@ class GRPOTrainer(OnPolicyTrainer):
             }
         return extras
 
+    def _token_count(self, mb: dict) -> jax.Array | None:
+        """The `dapo`/`cispo`/`vespo` count of a training micro-batch (`grpo_loss`'s
+        `token_count`): TRL normalises by the generation batch's tokens x accumulation /
+        steps_per_generation per optimizer step, i.e. its tokens / steps_per_generation per
+        micro-batch. None for the other types, and for an eval batch, which carries no
+        `num_items_in_batch`: TRL's eval normaliser is the batch's own token count."""
+        if self.args.loss_type in ("dapo", "cispo", "vespo") and "num_items_in_batch" in mb:
+            return jnp.maximum(mb["num_items_in_batch"][0], 1.0) / self.steps_per_generation
+        return None
+
+    def _loss_units(self):
+        loss_type = self.args.loss_type
+
+        def micro_batch_count(mb: dict) -> jax.Array:
+            return grpo_count(
+                mb["completion_mask"], loss_type=loss_type, token_count=self._token_count(mb)
+            )
+
+        def units(batch_A: dict) -> jax.Array:
+            keys = ("completion_mask", "num_items_in_batch")
+            return jnp.sum(
+                jax.vmap(micro_batch_count)({k: batch_A[k] for k in keys if k in batch_A})
+            )
+
+        return units
+
     def _loss_fn(self):
         a = self.args
         chunk = a.logprob_chunk_size
@@ -129,7 +167,6 @@ class GRPOTrainer(OnPolicyTrainer):
             off_policy_mask_threshold=a.off_policy_mask_threshold,
         )
 
-        spg = self.steps_per_generation
         token_normalised = a.loss_type in ("dapo", "cispo", "vespo")
 
         bonus = self._entropy_bonus
@@ -142,17 +179,22 @@ class GRPOTrainer(OnPolicyTrainer):
             entropy_coef_max=a.entropy_coef_max,
         )
 
+        aux_coef = self.router_aux_loss_coef
+
         def loss_fn(params, state, mb, rng, extras) -> tuple[jax.Array, Any]:
             model = self.apply_model(params, state)
-            if bonus:
-                logps_BC, stats, entropies_BC = completion_logprobs_and_entropy(
-                    model, mb, temperature=a.temperature, chunk_size=chunk
-                )
-            else:
-                logps_BC, stats = completion_logprobs(
-                    model, mb, temperature=a.temperature, chunk_size=chunk, with_stats=True
-                )
-                entropies_BC = stats["entropy"]
+            tokens_BT = rollout_token_weights(mb)
+            # TRL: the policy's loss forward returns the MoE load-balancing loss (no other one).
+            with router_aux.collect(bool(aux_coef), tokens_BT) as router_stats:
+                if bonus:
+                    logps_BC, stats, entropies_BC = completion_logprobs_and_entropy(
+                        model, mb, temperature=a.temperature, chunk_size=chunk
+                    )
+                else:
+                    logps_BC, stats = completion_logprobs(
+                        model, mb, temperature=a.temperature, chunk_size=chunk, with_stats=True
+                    )
+                    entropies_BC = stats["entropy"]
             mask_BC = mb["completion_mask"]
             entropy_mask = (
                 high_entropy_mask(stats["entropy"], mask_BC, a.top_entropy_quantile)
@@ -177,15 +219,19 @@ class GRPOTrainer(OnPolicyTrainer):
                 entropy_mask_BT=entropy_mask,
                 entropies_BT=entropies_BC,
                 entropy_coef=coef,
-                # TRL: the generation batch's tokens x accumulation / steps_per_generation per
-                # optimizer step, i.e. its tokens / steps_per_generation per micro-batch. An eval
-                # batch carries none: TRL's eval normaliser is the batch's own token count.
-                token_count=(
-                    jnp.maximum(mb["num_items_in_batch"][0], 1.0) / spg
-                    if token_normalised and "num_items_in_batch" in mb
-                    else None
-                ),
+                token_count=self._token_count(mb),
                 **loss_kwargs,
+            )
+            # TRL adds `coef x aux_loss / accumulation steps` (eval: / 1) after the entropy bonus.
+            loss_sum = router_aux.add_to_loss(
+                aux_coef,
+                router_stats,
+                tokens_BT,
+                mb,
+                aux["count"]["loss"],
+                loss_sum,
+                aux["sum"],
+                aux["count"],
             )
             # An eval batch carries no `num_items_in_batch` (`_eval_batch`): TRL's eval mode,
             # where `policy_loss` is the batch's and the controller neither moves nor logs.

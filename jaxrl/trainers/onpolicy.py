@@ -19,6 +19,16 @@ the sampler's own when a generation batch spans several optimizer steps with
 generation and update are aligned (the default) the update is on-policy and needs none. A
 subclass supplies `_advantages` (per algorithm) and `_loss_fn`. No algorithm math here.
 
+Mixture-of-experts policies (`router_aux_loss_coef`, TRL's semantics, `jaxrl.trainers.router_aux`):
+the policy's loss forward, and no other (not the reference's, not the sampling policy's),
+collects the routing statistics of the micro-batch's `prompt + completion` tokens
+(`rollout_token_weights`) and adds transformers' load-balancing loss as TRL does: `coef x
+aux_loss` divided by the accumulation steps per micro-batch (GRPO divides the term itself; RLOO
+returns it undivided and HF's Trainer divides), undivided in evaluation. The algorithms'
+`_loss_units` hand `make_train_step` the step's loss-unit count, so that this weight holds
+whatever a loss type counts (sequences, tokens, micro-batches). `aux_loss` is logged, the mean
+over micro-batches.
+
 LoRA (`peft_config=`, optionally over a `quantization_config` base; TRL's semantics): the train
 state holds the adapter (the optimizer sees nothing else) and the frozen base. The reference is
 the base with the adapter disabled (no second copy of the weights), or, for a model that came
@@ -83,6 +93,19 @@ def completion_hidden(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Arra
     n_prompt = ids_BT.shape[1] - n_completion
     h_BTD = model.hidden_states(ids_BT, batch["attention_mask"])
     return h_BTD[:, n_prompt - 1 : n_prompt + n_completion - 1], ids_BT[:, n_prompt:]
+
+
+def rollout_token_weights(batch: dict[str, jax.Array]) -> jax.Array:
+    """`[B, P + C]` f32: the tokens of `prompt + completion` rows TRL's loss forward attends to
+    (its `attention_mask`, `cat([prompt_mask, completion_mask])`), the tokens the MoE
+    load-balancing loss averages over. The completion part is the loss mask, so a completion
+    masked out by `mask_truncated_completions` is left out, as in TRL."""
+    n_completion = batch["completion_mask"].shape[1]
+    n_prompt = batch["input_ids"].shape[1] - n_completion
+    prompt_BP = batch["attention_mask"][:, :n_prompt]
+    return jnp.concatenate(
+        [prompt_BP.astype(jnp.float32), batch["completion_mask"].astype(jnp.float32)], axis=1
+    )
 
 
 def completion_logprobs(
@@ -461,6 +484,13 @@ class OnPolicyTrainer(Trainer):
         of `num_generations` (default `args.num_generations`; eval: `num_generations_eval`)."""
         raise NotImplementedError
 
+    def _loss_units(self) -> Callable[[dict], jax.Array]:
+        """The summed loss-unit count (`aux["count"]["loss"]`) of one step's micro-batches
+        `batch_A` (per algorithm): `make_train_step` hands each micro-batch its share, with
+        which `router_aux.add_to_loss` weights the MoE load-balancing loss as TRL does (each
+        micro-batch's `coef x aux_loss / gradient_accumulation_steps`)."""
+        raise NotImplementedError
+
     def _needs_ref(self) -> bool:
         return self.args.beta != 0.0
 
@@ -524,6 +554,7 @@ class OnPolicyTrainer(Trainer):
             self.tx,
             self.schedule,
             self._state_updates(),
+            loss_units=self._loss_units() if self.router_aux_loss_coef else None,
         )
         spg = self.steps_per_generation
 

@@ -4,7 +4,9 @@ The online shell is `OnPolicyTrainer`; this file supplies RLOO's advantages (rew
 `beta` times the sequence-level k1 KL `sum_t log pi_old - log pi_ref`, optionally clipped to
 `reward_clip_range`, minus the leave-one-out baseline, optionally normalised;
 `jaxrl.losses.rloo.rloo_advantages`) and its loss (a PPO-clipped surrogate on the *sequence*
-log-prob ratio, `rloo_loss`).
+log-prob ratio, `rloo_loss`). With a mixture-of-experts policy (`router_aux_loss_coef`) each
+micro-batch's loss adds `coef x aux_loss`, which HF's Trainer then divides by the accumulation
+steps as it does RLOO's loss (see `OnPolicyTrainer`'s module doc).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import numpy as np
 
 from jaxrl.losses.rloo import rloo_advantages, rloo_loss, rloo_sequence_kl
 from jaxrl.rewards import group_reward_metrics
-from jaxrl.trainers.onpolicy import OnPolicyTrainer, completion_logprobs
+from jaxrl.trainers import router_aux
+from jaxrl.trainers.onpolicy import OnPolicyTrainer, completion_logprobs, rollout_token_weights
 from jaxrl.trainers.rloo_config import RLOOConfig
 
 
@@ -63,15 +66,23 @@ class RLOOTrainer(OnPolicyTrainer):
         )
         return advantages_N, metrics
 
+    def _loss_units(self):
+        # `rloo_loss` counts sequences: the step's rows.
+        return lambda batch_A: jnp.asarray(batch_A["advantages"].size, jnp.float32)
+
     def _loss_fn(self):
         a = self.args
         chunk = a.logprob_chunk_size
+        aux_coef = self.router_aux_loss_coef
 
         def loss_fn(params, state, mb, rng, extras) -> tuple[jax.Array, Any]:
             model = self.apply_model(params, state)
-            logps_BC, stats = completion_logprobs(
-                model, mb, temperature=a.temperature, chunk_size=chunk, with_stats=True
-            )
+            tokens_BT = rollout_token_weights(mb)
+            # TRL: the policy's loss forward returns the MoE load-balancing loss (no other one).
+            with router_aux.collect(bool(aux_coef), tokens_BT) as router_stats:
+                logps_BC, stats = completion_logprobs(
+                    model, mb, temperature=a.temperature, chunk_size=chunk, with_stats=True
+                )
             mask_BC = mb["completion_mask"]
             # An eval batch carries none: TRL's eval takes its old log-probs from the policy being
             # evaluated, so the ratio is 1.
@@ -84,6 +95,18 @@ class RLOOTrainer(OnPolicyTrainer):
                 epsilon=a.epsilon,
                 epsilon_high=a.epsilon_high,
                 entropies_BT=stats["entropy"],
+            )
+            # TRL adds `coef x aux_loss` to the micro-batch's sequence mean, which HF's Trainer
+            # then divides by the accumulation steps (eval: by nothing).
+            loss_sum = router_aux.add_to_loss(
+                aux_coef,
+                router_stats,
+                tokens_BT,
+                mb,
+                aux["count"]["loss"],
+                loss_sum,
+                aux["sum"],
+                aux["count"],
             )
             return loss_sum, (aux, extras)
 

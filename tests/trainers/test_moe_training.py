@@ -8,7 +8,13 @@ import pytest
 from test_dpo_trl_options import METRICS as DPO_METRICS
 from test_dpo_trl_options import _pairs
 from test_sft_trl_options import _prompt_completion
-from trainer_utils import assert_logs_match, jaxrl_trainer, train_logs, trl_train_logs
+from trainer_utils import (
+    assert_logs_match,
+    jaxrl_trainer,
+    tiny_qwen3_moe,
+    train_logs,
+    trl_train_logs,
+)
 
 from jaxrl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
@@ -17,35 +23,7 @@ COEF = 0.5  # large, so that the aux loss moves the loss and the gradients visib
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory, tokenizer):
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=24,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=2,
-    )
-    model = Qwen3MoeForCausalLM(config)
-    with torch.no_grad():  # a router with spread logits: routing is far from uniform
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0.0, 0.5)
-    path = tmp_path_factory.mktemp("tiny_qwen3_moe")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return tiny_qwen3_moe(tmp_path_factory.mktemp("tiny_qwen3_moe"), tokenizer)
 
 
 def _ours_and_theirs(trainer_cls, config_cls, trl_cls, trl_config_cls, data, tmp_path, tokenizer,

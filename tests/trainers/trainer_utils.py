@@ -104,3 +104,36 @@ def assert_logs_match(ours: list[dict], theirs: list[dict], keys, steps: int, gr
             )
         if grad_norm:
             np.testing.assert_allclose(o["grad_norm"], t["grad_norm"], rtol=2e-3)
+
+
+def tiny_qwen3_moe(path, tokenizer) -> str:
+    """A tiny Qwen3-MoE (4 experts, 2 per token, renormalised routing) saved with `tokenizer` to
+    `path`, its router logits spread so routing is far from uniform."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=24,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=2,
+    )
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
