@@ -84,6 +84,9 @@ class ModelConfig:
     # MoE block in place of the MLP; each token goes to its `num_experts_per_tok` best of
     # `num_experts` experts (routing weights renormalised with `norm_topk_prob`); Qwen2-MoE adds
     # a sigmoid-gated shared expert of `shared_expert_intermediate_size` (0 = none).
+    # The embedding row HF's `nn.Embedding(padding_idx=config.pad_token_id)` never updates (the
+    # checkpoint config's pad id, fixed when the model is built, as in transformers); None: GPT-2.
+    pad_token_id: int | None = None
     moe_layers: tuple[bool, ...] = ()
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -289,6 +292,11 @@ def _moe_fields(c: Any) -> dict[str, Any]:
     return fields
 
 
+def _padding_idx(c: Any) -> int | None:
+    pad = getattr(c, "pad_token_id", None)
+    return int(pad) if isinstance(pad, int) and 0 <= pad < c.vocab_size else None
+
+
 def _llama_family(c: Any) -> dict[str, Any]:
     model_type = c.model_type
     num_heads = c.num_attention_heads
@@ -323,6 +331,7 @@ def _llama_family(c: Any) -> dict[str, Any]:
         o_bias=False if model_type == "qwen2" else attention_bias,
         mlp_bias=bool(getattr(c, "mlp_bias", False)),
         qk_norm=model_type == "qwen3",
+        pad_token_id=_padding_idx(c),
         sliding_window=window if any(sliding_layers) else None,
         sliding_layers=sliding_layers,
         **_rope_fields(c),

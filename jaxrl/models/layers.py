@@ -270,9 +270,19 @@ class Embed(nnx.Module):
     table (`axis="vocab"`) adds NEFTune noise inside `embedding_noise`, as transformers hooks
     the model's input embeddings only (not GPT-2's position table)."""
 
-    def __init__(self, num: int, dim: int, axis: str, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        num: int,
+        dim: int,
+        axis: str,
+        config: ModelConfig,
+        rngs: nnx.Rngs,
+        padding_idx: int | None = None,
+    ):
         self.dtype = config.residual_dtype
         self.token_table = axis == "vocab"
+        # torch's `nn.Embedding(padding_idx=...)`: lookups of that row pass no gradient to it.
+        self.padding_idx = padding_idx
         # Gemma's sqrt(hidden) factor, applied in the parameter dtype (HF rounds it so: 55.5
         # for sqrt(3072) in bf16), before any NEFTune noise (HF hooks the module's output).
         self.multiplier = config.embed_multiplier if self.token_table else None
@@ -286,6 +296,8 @@ class Embed(nnx.Module):
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         h = jnp.take(param_value(self.embedding), ids, axis=0)
+        if self.padding_idx is not None:
+            h = jnp.where((ids == self.padding_idx)[..., None], jax.lax.stop_gradient(h), h)
         if self.multiplier is not None:
             h = h * jnp.asarray(self.multiplier, jnp.float32).astype(h.dtype)
         h = h.astype(self.dtype)

@@ -178,7 +178,9 @@ class LlamaModel(nnx.Module):
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.config = config
-        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, "vocab", config, rngs)
+        self.embed_tokens = Embed(
+            config.vocab_size, config.hidden_size, "vocab", config, rngs, config.pad_token_id
+        )
         self.layers = make_layers(lambda r, i: LlamaDecoderLayer(config, r, i), config, rngs)
         self.norm = RMSNorm(config.hidden_size, config.norm_eps, config)
 

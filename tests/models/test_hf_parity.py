@@ -16,7 +16,9 @@ def _masked_max_diff(a, b, mask):
 @pytest.mark.parametrize(
     "family",
     [
-        pytest.param(f, marks=pytest.mark.slow if f in ("llama3_rope", "mistral", "qwen3", "gemma") else ())
+        pytest.param(
+            f, marks=pytest.mark.slow if f in ("llama3_rope", "mistral", "qwen3", "gemma") else ()
+        )
         for f in FAMILIES
     ],
 )
@@ -44,3 +46,31 @@ def test_sharded_save_writes_index(hf_causal, tmp_path):
     assert len(shards) > 1
     assert (tmp_path / "model.safetensors.index.json").exists()
     assert not (tmp_path / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_pad_embedding_row_gets_no_gradient_as_in_transformers(family, hf_causal):
+    """HF builds the token embedding with `padding_idx=config.pad_token_id`: a pad id used as
+    an input (here in the middle of real tokens) passes no gradient to its row; the other rows'
+    gradients equal torch autograd's."""
+    import jax
+    import torch
+    from flax import nnx
+
+    ref = hf_causal(family)
+    ids, right, _ = padded_batch()
+    ids[:, 2] = 0  # the config's pad_token_id, as a real (attended) token
+    ref.model.zero_grad()
+    out = ref.model(input_ids=torch.from_numpy(ids).long())
+    (out.logits.float() ** 2).mean().backward()
+    want = ref.model.model.embed_tokens.weight.grad.numpy()
+
+    graphdef, params = nnx.split(from_pretrained(ref.path))
+
+    def loss(params):
+        return jnp.mean(nnx.merge(graphdef, params)(jnp.asarray(ids)).astype(jnp.float32) ** 2)
+
+    got = np.asarray(jax.grad(loss)(params)["model"]["embed_tokens"]["embedding"][...])
+    assert np.abs(want[0]).max() == 0 and np.abs(got[0]).max() == 0
+    assert np.abs(want).max() > 1e-4
+    np.testing.assert_allclose(got, want, atol=1e-6)
