@@ -1,8 +1,19 @@
 """Test setup: 8 fake CPU devices (must be set before JAX is imported) and f32 matmuls."""
 
 import os
+import sys
 import tempfile
 
+# Bytecode: where the environment sets PYTHONDONTWRITEBYTECODE (this sandbox does), every process
+# (both xdist workers' collection, every CLI subprocess) would compile jaxrl's and the tests'
+# sources again: ~2 s of a subprocess's ~7 s `import jaxrl`, ~3 s of a worker's collection. They
+# go to one cache outside the checkout instead, shared like the XLA cache below (subprocesses
+# inherit it; a cached file is used only while its source's mtime and size are unchanged).
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
+    sys.pycache_prefix = os.environ.setdefault(
+        "PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), "jaxrl-tests-pycache")
+    )
+    sys.dont_write_bytecode = False
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"]
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:

@@ -75,7 +75,7 @@ def test_bad_algo(capsys):
 @pytest.mark.slow
 def test_sigkill_then_resume_reproduces_metrics(tmp_path):
     ref, killed = tmp_path / "ref", tmp_path / "killed"
-    p_ref = cli(ref)
+    p_ref = cli(ref, "--save_strategy", "no")  # saving changes no number; only `killed` resumes
     p_kill = cli(killed)
     deadline = time.time() + 300
     while not (killed / "checkpoints" / "checkpoint-8").exists():

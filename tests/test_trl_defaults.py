@@ -2,8 +2,9 @@
 
 Each algorithm runs five full-batch steps of TRL's own trainer (PyTorch, CPU) with TRL's default
 config and of the jaxrl CLI with nothing but `--model_name_or_path`, `--dataset_name` and the run
-bookkeeping (`--output_dir`, `--max_steps 5`, `--logging_steps 1`, `--disable_tqdm`); the
-per-step losses agree.
+bookkeeping (`--output_dir`, `--max_steps 5`, `--logging_steps 1`, `--disable_tqdm`, and on both
+sides `save_strategy="no"`: no checkpoint is compared, and saving one costs more than the five
+steps); the per-step losses agree.
 The batch is the whole 8-example dataset, so data order cannot make the runs differ.
 """
 
@@ -62,6 +63,7 @@ def _trl_losses(
         output_dir=str(out),
         max_steps=STEPS,
         logging_steps=1,
+        save_strategy="no",
         report_to="none",
         use_cpu=True,
         bf16=bf16,
@@ -72,14 +74,16 @@ def _trl_losses(
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def _jaxrl_losses(runs: list[tuple[Path, Path, Path, tuple[str, ...]]]) -> list[list[float]]:
-    """Per-step losses of `python -m jaxrl.train --algo ALGO --model_name_or_path MODEL
-    --dataset_name DATA --output_dir OUT ...` for each (model, data, out, flags); the runs go
-    one after another through `jaxrl.train.main` in one process (one `import jaxrl`)."""
+def _start_jaxrl(
+    runs: list[tuple[str, Path, Path, Path, tuple[str, ...]]], log: Path
+) -> subprocess.Popen:
+    """Start `python -m jaxrl.train --algo ALGO --model_name_or_path MODEL --dataset_name DATA
+    --output_dir OUT ...` for each (algo, model, data, out, flags); the runs go one after another
+    through `jaxrl.train.main` in one process (one `import jaxrl`), its output to `log`."""
     argvs = [
         ["--algo", algo, "--model_name_or_path", str(model), "--dataset_name", str(data),
          "--output_dir", str(out), "--max_steps", str(STEPS), "--logging_steps", "1",
-         "--disable_tqdm", "true", *flags]
+         "--disable_tqdm", "true", "--save_strategy", "no", *flags]
         for algo, model, data, out, flags in runs
     ]  # fmt: skip
     # One CPU device, as TRL's single process: the same per-device batch is the same batch.
@@ -93,8 +97,21 @@ def _jaxrl_losses(runs: list[tuple[Path, Path, Path, tuple[str, ...]]]) -> list[
         "        sys.exit(f'failed: {argv}')\n"
     )
     cmd = [sys.executable, "-c", script, json.dumps(argvs)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Output to a file, not a pipe: nothing reads a pipe while TRL's runs go.
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+
+
+def _jaxrl_losses(
+    proc: subprocess.Popen, log: Path, runs: list[tuple[str, Path, Path, Path, tuple[str, ...]]]
+) -> list[list[float]]:
+    """Per-step losses of `_start_jaxrl(runs, log)`'s runs, once its process has ended."""
+    try:
+        proc.wait(timeout=1200)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 0, log.read_text()[-3000:]
     losses = []
     for _, _, _, out, _ in runs:
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -137,14 +154,28 @@ def test_cli_defaults_reproduce_trl_losses(tmp_path):
         )
         for algo, precision in CASES
     ]
-    all_ours = _jaxrl_losses(runs)
-    for (algo, precision), (_, model, dataset, _, _), ours in zip(
-        CASES, runs, all_ours, strict=True
-    ):
-        f32 = precision.startswith("f32")
-        out = tmp_path / f"trl-{algo}-{precision.replace(' ', '')}"
-        pad = eos if "pad = eos" in precision else None
-        theirs = _trl_losses(algo, model, dataset, out, bf16=False if f32 else None, pad_token=pad)
+    # The jaxrl runs go in their own process while TRL's run here.
+    import torch
+
+    log = tmp_path / "jaxrl.log"
+    proc = _start_jaxrl(runs, log)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core each: TRL here, jaxrl there
+    try:
+        all_theirs = []
+        for (algo, precision), (_, model, dataset, _, _) in zip(CASES, runs, strict=True):
+            f32 = precision.startswith("f32")
+            out = tmp_path / f"trl-{algo}-{precision.replace(' ', '')}"
+            pad = eos if "pad = eos" in precision else None
+            bf16 = False if f32 else None
+            all_theirs.append(_trl_losses(algo, model, dataset, out, bf16=bf16, pad_token=pad))
+    except BaseException:
+        proc.kill()
+        raise
+    finally:
+        torch.set_num_threads(threads)
+    all_ours = _jaxrl_losses(proc, log, runs)
+    for (algo, precision), ours, theirs in zip(CASES, all_ours, all_theirs, strict=True):
         case = f"{algo}, {precision} precision"
         assert len(ours) == len(theirs) == STEPS, case
         np.testing.assert_allclose(ours, theirs, atol=2e-3, rtol=0, err_msg=case)

@@ -3,6 +3,7 @@ the pure pieces, advantages, async rewards, resume, LoRA-only training, config c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -22,8 +23,9 @@ from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.losses.ddpo import PerPromptStatTracker, ddpo_loss, normalize_rewards
 from jaxrl.models.diffusion import jpeg_compressibility
 from jaxrl.models.diffusion.ddim import transition_log_prob
+from jaxrl.models.diffusion.hf import StableDiffusion, load_pipeline
 from jaxrl.models.diffusion.lora import LoRAParam
-from jaxrl.models.diffusion.tiny import TINY_PROMPTS, tiny_pipeline
+from jaxrl.models.diffusion.tiny import TINY_PROMPTS, default_cache_dir, tiny_pipeline
 from jaxrl.trainers.ddpo import SAMPLE_KEYS, DDPOTrainer
 from jaxrl.trainers.ddpo_config import DDPOConfig
 
@@ -43,7 +45,15 @@ SMALL = dict(
 
 @pytest.fixture(scope="module")
 def sd_path(tmp_path_factory):
-    return tiny_pipeline(tmp_path_factory.mktemp("cache") / "tiny-sd")
+    # Named as under $JAXRL_CACHE, so that the CLI test's subprocess finds it built.
+    return tiny_pipeline(tmp_path_factory.mktemp("cache") / default_cache_dir().name)
+
+
+@pytest.fixture(scope="module")
+def sd(sd_path):
+    """The pipeline loaded once; `make` gives each trainer its own copy (a trainer adds LoRA to
+    its UNet and places the weights onto its mesh in place)."""
+    return load_pipeline(sd_path)
 
 
 def cycling_prompts():
@@ -51,9 +61,17 @@ def cycling_prompts():
     return lambda: (next(cyc), {})
 
 
-def make(sd_path, tmp_path, reward=jpeg_compressibility, **kw):
+def fresh(pipeline):
+    """A path as is (the trainer loads it), or a copy of a loaded pipeline's modules."""
+    if not isinstance(pipeline, StableDiffusion):
+        return pipeline
+    modules = ("unet", "vae", "text_encoder")
+    return dataclasses.replace(pipeline, **{m: nnx.clone(getattr(pipeline, m)) for m in modules})
+
+
+def make(pipeline, tmp_path, reward=jpeg_compressibility, **kw):
     cfg = DDPOConfig(**{**SMALL, "logdir": str(tmp_path), **kw})
-    return DDPOTrainer(cfg, reward, cycling_prompts(), sd_path)
+    return DDPOTrainer(cfg, reward, cycling_prompts(), fresh(pipeline))
 
 
 def test_config_checks():
@@ -132,8 +150,8 @@ def _mean_tree(trees):
 
 
 @pytest.mark.slow
-def test_step_metrics_equal_hand_computation(sd_path, tmp_path):
-    tr = make(sd_path, tmp_path)
+def test_step_metrics_equal_hand_computation(sd, tmp_path):
+    tr = make(sd, tmp_path)
     tr._ensure_state()
     params0, rest = tr.train_state.params, tr.train_state.frozen["unet"]
     captured = {}
@@ -196,9 +214,9 @@ def test_step_metrics_equal_hand_computation(sd_path, tmp_path):
     assert float(kl) < 1e-9 and float(cf) == 0.0
 
 
-def test_advantages_per_prompt_and_global(sd_path, tmp_path):
+def test_advantages_per_prompt_and_global(sd, tmp_path):
     tr = make(
-        sd_path,
+        sd,
         tmp_path,
         per_prompt_stat_tracking=True,
         per_prompt_stat_tracking_buffer_size=4,
@@ -211,14 +229,14 @@ def test_advantages_per_prompt_and_global(sd_path, tmp_path):
     ref = PerPromptStatTracker(4, 2)
     np.testing.assert_allclose(got, ref.update(prompts, rewards), rtol=1e-6)
     np.testing.assert_allclose(got, [-1, -1, 1, 1], atol=1e-5)  # per prompt, not global
-    tr_global = make(sd_path, tmp_path / "g")
+    tr_global = make(sd, tmp_path / "g")
     np.testing.assert_allclose(
         tr_global._advantages(ids, rewards), normalize_rewards(rewards), rtol=1e-6
     )
 
 
 @pytest.mark.slow
-def test_async_rewards_equal_sync(sd_path, tmp_path):
+def test_async_rewards_equal_sync(sd, tmp_path):
     threads = []
 
     def reward(images, prompts, metadata):
@@ -229,10 +247,10 @@ def test_async_rewards_equal_sync(sd_path, tmp_path):
 
     # Two batches of 2: the same 4 samples per epoch (and update program) as SMALL.
     kw = dict(num_epochs=1, sample_batch_size=2, sample_num_batches_per_epoch=2)
-    sync = make(sd_path, tmp_path / "s", reward, **kw)
+    sync = make(sd, tmp_path / "s", reward, **kw)
     m_sync = sync.step(0, 0)
     n_sync = len(threads)
-    asy = make(sd_path, tmp_path / "a", reward, **kw, async_reward_computation=True)
+    asy = make(sd, tmp_path / "a", reward, **kw, async_reward_computation=True)
     m_async = asy.step(0, 0)
     assert all(t == "MainThread" for t in threads[:n_sync])
     assert all(t != "MainThread" for t in threads[n_sync:]) and len(threads) == 2 * n_sync
@@ -258,7 +276,7 @@ def _metric_rows(run_dir):
 
 
 @pytest.mark.slow  # end to end: full training runs
-def test_resume_is_exact_and_lora_trains_only_adapters(sd_path, tmp_path):
+def test_resume_is_exact_and_lora_trains_only_adapters(sd, tmp_path):
     """Killed after epoch 1 and resumed == uninterrupted, bit for bit (metrics.jsonl), with
     per-prompt stat tracking (host state in the checkpoint) and async rewards."""
     kw = dict(
@@ -267,7 +285,7 @@ def test_resume_is_exact_and_lora_trains_only_adapters(sd_path, tmp_path):
         per_prompt_stat_tracking_min_count=2,
         async_reward_computation=True,
     )
-    full = make(sd_path, tmp_path / "full", **kw)
+    full = make(sd, tmp_path / "full", **kw)
     base0 = jax.tree.map(np.asarray, full._unet_rest)
     lora0 = jax.tree.map(np.asarray, full._unet_params)
     full.train()
@@ -281,9 +299,9 @@ def test_resume_is_exact_and_lora_trains_only_adapters(sd_path, tmp_path):
     cfg = DDPOConfig(**{**SMALL, **kw, "logdir": str(run)})
     with pytest.raises(_Killed):
         DDPOTrainer(
-            cfg, jpeg_compressibility, cycling_prompts(), sd_path, None, [_KillAfterSave()]
+            cfg, jpeg_compressibility, cycling_prompts(), fresh(sd), None, [_KillAfterSave()]
         ).train()
-    resumed = make(sd_path, run, **kw, resume_from=str(run / "checkpoints" / "checkpoint-1"))
+    resumed = make(sd, run, **kw, resume_from=str(run / "checkpoints" / "checkpoint-1"))
     # The prompt function is user state: replay the one epoch of prompts already drawn.
     for _ in range(4):
         resumed.prompt_fn()
@@ -300,10 +318,12 @@ def brightness(images, prompts, metadata):
 
 
 @pytest.mark.slow  # end to end: full training runs
-def test_mesh_equals_one_device(sd_path, tmp_path):
+def test_mesh_equals_one_device(sd, sd_path, tmp_path):
     """One epoch data parallel over prompts and FSDP/tensor over the UNet on a (2, 2, 2) mesh
     == the same epoch on one device: rewards, the updates' metrics and the updated params, over
-    two inner epochs (the second update's ratios are far from 1: approx_kl ~ 6e3, clipfrac 1)."""
+    two inner epochs (the second update's ratios are far from 1: approx_kl ~ 6e3, clipfrac 1).
+    Both full fine-tunes (use_lora=False): the one-device trainer's state is checked to hold the
+    UNet's params, all trained."""
     kw = dict(
         num_epochs=1,
         use_lora=False,
@@ -312,11 +332,18 @@ def test_mesh_equals_one_device(sd_path, tmp_path):
         # Adam's first step is sign(grad): near-zero grads would flip with the summation order.
         train_adam_epsilon=1e-3,
     )
-    one = make(sd_path, tmp_path / "one", brightness, mesh_fsdp=1, **kw)
+    one = make(sd, tmp_path / "one", brightness, mesh_fsdp=1, **kw)
     mesh = make(
         sd_path, tmp_path / "mesh", brightness, mesh_data=2, mesh_fsdp=2, mesh_tensor=2, **kw
     )
     assert one.mesh.size == 1 and dict(mesh.mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    # use_lora=False trains the UNet's own params (no LoRA leaves, conv_in among them) and
+    # freezes nothing of it.
+    one._ensure_state()
+    flat = nnx.to_flat_state(one.train_state.params)
+    assert not any(isinstance(v, LoRAParam) for _, v in flat)
+    assert any("conv_in" in [str(p) for p in path] for path, _ in flat)
+    assert not jax.tree.leaves(one.train_state.frozen["unet"])
     mesh._ensure_state()
     specs = [v.sharding.spec for v in jax.tree.leaves(mesh.train_state.params)]
     assert any("fsdp" in s and "tensor" in s for s in specs)  # e.g. attention q/k/v kernels
@@ -347,20 +374,12 @@ def test_mesh_equals_one_device(sd_path, tmp_path):
 
 
 @pytest.mark.slow
-def test_full_finetune_trains_unet_params(sd_path, tmp_path):
-    tr = make(sd_path, tmp_path, use_lora=False, num_epochs=1)
-    tr._ensure_state()
-    flat = nnx.to_flat_state(tr.train_state.params)
-    assert not any(isinstance(v, LoRAParam) for _, v in flat)
-    assert any("conv_in" in [str(p) for p in path] for path, _ in flat)
-    assert not jax.tree.leaves(tr.train_state.frozen["unet"])
-
-
-@pytest.mark.slow
-def test_cli_reward_rises(tmp_path):
-    env = {**os.environ, "JAXRL_CACHE": str(tmp_path / "cache")}
+def test_cli_reward_rises(sd_path, tmp_path):
+    # The tiny pipeline the CLI builds on first use under $JAXRL_CACHE: the module's, built.
+    env = {**os.environ, "JAXRL_CACHE": str(sd_path.parent)}
     cmd = [sys.executable, "-m", "jaxrl.train", "--algo", "ddpo", "--logdir", str(tmp_path)]
     cmd += ["--mesh_fsdp", "1"]  # one device: 8 fake CPU devices on 2 cores only slow it down
+    cmd += ["--save_freq", "6"]  # one checkpoint, after the 6th and last epoch (not every one)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -368,3 +387,4 @@ def test_cli_reward_rises(tmp_path):
     assert len(rewards) == 6
     assert np.mean(rewards[-3:]) > np.mean(rewards[:3]), rewards
     assert (tmp_path / "unet" / "config.json").exists()
+    assert (tmp_path / "checkpoints" / "checkpoint-6").is_dir()
