@@ -311,11 +311,6 @@ class _ParamEntry:
         self.n_in = metadata.get("n_in")
         self.hf_shape = _hf_shape(path, self.layer_shape, self.n_in, config)
 
-    @property
-    def stacked(self) -> bool:
-        """Whether the param holds several HF tensors (indexed by `indices()`)."""
-        return self.split > 0
-
     def indices(self) -> list[tuple[int, ...]]:
         return list(np.ndindex(*self.split_shape))
 

@@ -284,10 +284,6 @@ def moe_layer_flags(hf_config: Any, num_layers: int) -> tuple[bool, ...]:
     return tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
 
 
-def param_is_per_expert(variable: nnx.Variable) -> bool:
-    return bool(variable.get_metadata().get("per_expert"))
-
-
 __all__ = [
     "Experts",
     "Router",

@@ -504,7 +504,7 @@ class DPOTrainer(Trainer):
                 }
             )
             loss_sum = router_aux.add_to_loss(
-                coef, router_stats, tokens_BT, mb, n, loss_sum, sums, counts
+                coef, router_stats, tokens_BT, mb, loss_sum, sums, counts
             )
             aux = {
                 "sum": sums,

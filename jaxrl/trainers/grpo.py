@@ -224,14 +224,7 @@ class GRPOTrainer(OnPolicyTrainer):
             )
             # TRL adds `coef x aux_loss / accumulation steps` (eval: / 1) after the entropy bonus.
             loss_sum = router_aux.add_to_loss(
-                aux_coef,
-                router_stats,
-                tokens_BT,
-                mb,
-                aux["count"]["loss"],
-                loss_sum,
-                aux["sum"],
-                aux["count"],
+                aux_coef, router_stats, tokens_BT, mb, loss_sum, aux["sum"], aux["count"]
             )
             # An eval batch carries no `num_items_in_batch` (`_eval_batch`): TRL's eval mode,
             # where `policy_loss` is the batch's and the controller neither moves nor logs.

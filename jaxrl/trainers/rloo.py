@@ -99,14 +99,7 @@ class RLOOTrainer(OnPolicyTrainer):
             # TRL adds `coef x aux_loss` to the micro-batch's sequence mean, which HF's Trainer
             # then divides by the accumulation steps (eval: by nothing).
             loss_sum = router_aux.add_to_loss(
-                aux_coef,
-                router_stats,
-                tokens_BT,
-                mb,
-                aux["count"]["loss"],
-                loss_sum,
-                aux["sum"],
-                aux["count"],
+                aux_coef, router_stats, tokens_BT, mb, loss_sum, aux["sum"], aux["count"]
             )
             return loss_sum, (aux, extras)
 

@@ -65,18 +65,17 @@ def add_to_loss(
     stats: list | None,
     token_weights_BT: jax.Array,
     mb: dict,
-    own_units: jax.Array,
     loss_sum: jax.Array,
     sums: dict,
     counts: dict,
 ) -> jax.Array:
     """`loss_sum` plus the micro-batch's weighted aux loss, in the units the step divides by
-    (`UNITS_PER_MICRO`; an eval batch, which has none, uses `own_units`); records `aux_loss`
-    (and the new `loss`) in `sums`/`counts`."""
+    (`UNITS_PER_MICRO`; an eval batch, which has none, uses its own `counts["loss"]`); records
+    `aux_loss` (and the new `loss`) in `sums`/`counts`."""
     if not coef:
         return loss_sum
     aux = moe.load_balancing_loss(stats, token_weights_BT)
-    units = mb[UNITS_PER_MICRO] if UNITS_PER_MICRO in mb else jnp.maximum(own_units, 1)
+    units = mb[UNITS_PER_MICRO] if UNITS_PER_MICRO in mb else jnp.maximum(counts["loss"], 1)
     loss_sum = loss_sum + coef * aux * units
     sums["loss"] = loss_sum
     sums["aux_loss"] = aux

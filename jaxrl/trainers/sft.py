@@ -231,7 +231,7 @@ class SFTTrainer(Trainer):
             sums = {"loss": loss_sum, "mean_token_accuracy": correct, "entropy": ent}
             counts = {"loss": n_tok, "mean_token_accuracy": n_tok, "entropy": n_tok}
             loss_sum = router_aux.add_to_loss(
-                coef, router_stats, tokens_BT, mb, n_tok, loss_sum, sums, counts
+                coef, router_stats, tokens_BT, mb, loss_sum, sums, counts
             )
             aux = {
                 "sum": sums,

@@ -16,7 +16,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from onpolicy_utils import prompt_rows
-from trainer_utils import assert_logs_match, base_args, tiny_qwen3_moe, train_logs
+from trainer_utils import (
+    assert_logs_match,
+    base_args,
+    tiny_qwen3_moe,
+    train_logs,
+    trl_train_logs,
+)
 
 from jaxrl.trainers.grpo import GRPOTrainer
 from jaxrl.trainers.grpo_config import GRPOConfig
@@ -99,35 +105,16 @@ def _micro_batches(trainer) -> list[dict]:
 
 def _theirs(trl_trainer_cls, trl_config_cls, model_dir, tokenizer, out, inputs, **kw):
     """TRL's trainer with its `_prepare_inputs` replaying `inputs`, one per micro-step."""
-    import torch
-    from transformers import AutoModelForCausalLM
 
     class Replay(trl_trainer_cls):
         def _prepare_inputs(self, generation_batch):
             assert self.model.training
             return inputs[self._step]
 
-    torch.manual_seed(0)
-    trainer = Replay(
-        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-        reward_funcs=digits,
-        args=trl_config_cls(
-            output_dir=str(out),
-            use_cpu=True,
-            logging_steps=1,
-            lr_scheduler_type="constant",
-            seed=0,
-            report_to="none",
-            bf16=False,
-            gradient_checkpointing=False,
-            save_strategy="no",
-            **{**SETTINGS, **kw},
-        ),
-        train_dataset=prompt_rows(8),
-        processing_class=tokenizer,
-    )
-    trainer.train()
-    return trainer, train_logs(trainer)
+    return trl_train_logs(
+        Replay, trl_config_cls, model_dir, tokenizer, prompt_rows(8), out,
+        trainer_kwargs={"reward_funcs": digits}, save_strategy="no", **{**SETTINGS, **kw},
+    )  # fmt: skip
 
 
 def _eval_matches(ours, theirs, rows: dict, algorithm: str) -> None:

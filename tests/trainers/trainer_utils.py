@@ -57,9 +57,12 @@ def train_logs(trainer) -> list[dict]:
     return [h for h in trainer.state.log_history if "loss" in h]
 
 
-def trl_train_logs(trainer_cls, config_cls, model_dir, tokenizer, data, out, **args):
+def trl_train_logs(
+    trainer_cls, config_cls, model_dir, tokenizer, data, out, trainer_kwargs=None, **args
+):
     """TRL's own trainer (`trl.SFTTrainer`, `trl.DPOTrainer`, ...) on the transformers model in
-    `model_dir`, f32 on CPU, a constant learning rate and a log every step: `(trainer, logs)`."""
+    `model_dir`, f32 on CPU, a constant learning rate and a log every step: `(trainer, logs)`.
+    `trainer_kwargs` go to the trainer (e.g. GRPO's `reward_funcs`), `args` to its config."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -79,6 +82,7 @@ def trl_train_logs(trainer_cls, config_cls, model_dir, tokenizer, data, out, **a
         ),
         train_dataset=data,
         processing_class=tokenizer,
+        **(trainer_kwargs or {}),
     )
     trainer.train()
     return trainer, train_logs(trainer)
