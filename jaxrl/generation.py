@@ -521,7 +521,9 @@ class Sampler:
         view = CacheView(jnp.zeros((), jnp.int32), key_mask_BS, prefill=True)
         h_BPD, cache = model.cached_hidden_states(prompt_ids_BP, positions_BP, cache, view)
         # Left padding: every row's last prompt token sits in the last slot.
-        logits_BV = unembed_logits(h_BPD[:, -1], model.unembed_weight())
+        logits_BV = unembed_logits(
+            h_BPD[:, -1], model.unembed_weight(), model.config.final_logit_softcap
+        )
         seen_BV = None
         if config.repetition_penalty != 1.0:
             # transformers penalises every id of input_ids but its left padding (generate passes
@@ -581,7 +583,7 @@ class Sampler:
             h_B1D, cache = model.cached_hidden_states(
                 last_B1, s.positions_B[:, None], s.cache, view
             )
-            logits_BV = unembed_logits(h_B1D[:, 0], unembed_DV)
+            logits_BV = unembed_logits(h_B1D[:, 0], unembed_DV, model.config.final_logit_softcap)
             tokens_B, logprobs_B = choose_tokens(logits_BV, s.rng, s.step, config, s.seen_BV)
             tokens_B = jnp.where(s.done_B, config.pad_id, tokens_B)
             logprobs_B = jnp.where(s.done_B, 0.0, logprobs_B)

@@ -47,14 +47,19 @@ def _logits_dtype(head_dtype) -> jnp.dtype:
     return head_dtype
 
 
-def unembed_logits(hidden_BTD: jax.Array, unembed_DV: jax.Array) -> jax.Array:
+def unembed_logits(
+    hidden_BTD: jax.Array, unembed_DV: jax.Array, logit_softcap: float | None = None
+) -> jax.Array:
     """f32 logits `hidden @ unembed` as an LM head in the unembedding's dtype makes them: hidden
     cast to that dtype, the f32 accumulation rounded to it, then upcast for the softmax. A bf16
     head gives bf16-rounded logits, as torch autocast's lm_head and TRL's fused LM head tiles
-    do; an f32 head gives plain f32 logits."""
+    do; an f32 head gives plain f32 logits. `logit_softcap` (Gemma 2's final_logit_softcapping)
+    then maps them to `cap * tanh(logits / cap)` in f32."""
     if unembed_DV.dtype == jnp.float32:
-        return jnp.dot(hidden_BTD, unembed_DV, preferred_element_type=jnp.float32)
-    return _rounded_logits(hidden_BTD, unembed_DV)
+        logits = jnp.dot(hidden_BTD, unembed_DV, preferred_element_type=jnp.float32)
+    else:
+        logits = _rounded_logits(hidden_BTD, unembed_DV)
+    return _final_logits(logits, 1.0, logit_softcap)
 
 
 @jax.custom_vjp
@@ -434,6 +439,7 @@ def scored_logprobs(
     with_stats: bool,
     score_span: int | None = None,
     uniform_nll_grad: bool = False,
+    logit_softcap: float | None = None,
 ):
     """`token_logprobs` of every position, or with `score_span` (static) only of the
     `score_span` positions from each row's first scored one (`scored_BT`), which must hold all
@@ -448,6 +454,7 @@ def scored_logprobs(
             chunk_size=chunk_size,
             with_stats=with_stats,
             uniform_nll_grad=uniform_nll_grad,
+            logit_softcap=logit_softcap,
         )
     B, T = targets_BT.shape
     first_B = jnp.argmax(scored_BT, axis=1)
@@ -459,6 +466,7 @@ def scored_logprobs(
         chunk_size=chunk_size,
         with_stats=with_stats,
         uniform_nll_grad=uniform_nll_grad,
+        logit_softcap=logit_softcap,
     )
     rows_B1 = jnp.arange(B)[:, None]
     # Positions clamped to T - 1 repeat the same computation, so whichever write lands is right.

@@ -57,15 +57,19 @@ def make_rollout_forward(
         h_BLD = policy.hidden_states(input_ids_BL, attention_mask_BL)
         ref_h_BLD = ref.hidden_states(input_ids_BL, attention_mask_BL)
         w_DV, ref_w_DV = policy.unembed_weight(), ref.unembed_weight()
-        logprobs_BT = token_logprobs(h_BLD[:, :-1], w_DV, targets_BT, chunk_size=chunk_size)
+        cap, ref_cap = policy.config.final_logit_softcap, ref.config.final_logit_softcap
+        logprobs_BT = token_logprobs(
+            h_BLD[:, :-1], w_DV, targets_BT, chunk_size=chunk_size, logit_softcap=cap
+        )
         ref_logprobs_BT = token_logprobs(
-            ref_h_BLD[:, :-1], ref_w_DV, targets_BT, chunk_size=chunk_size
+            ref_h_BLD[:, :-1], ref_w_DV, targets_BT, chunk_size=chunk_size, logit_softcap=ref_cap
         )
         values_BT = policy.v_head(h_BLD[:, :-1]).astype(jnp.float32)
         if kl_kind == "full":
             kl_BT = full_kl_from_hidden(
-                h_BLD[:, :-1], w_DV, ref_h_BLD[:, :-1], ref_w_DV, chunk_size=chunk_size
-            )
+                h_BLD[:, :-1], w_DV, ref_h_BLD[:, :-1], ref_w_DV, chunk_size=chunk_size,
+                logit_softcap=cap, ref_logit_softcap=ref_cap,
+            )  # fmt: skip
         else:
             kl_BT = kl_penalty(logprobs_BT, ref_logprobs_BT, kl_kind)
         out = {

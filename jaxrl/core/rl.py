@@ -129,10 +129,13 @@ def full_kl_from_hidden(
     ref_unembed_DV: jax.Array,
     *,
     chunk_size: int | None = None,
+    logit_softcap: float | None = None,
+    ref_logit_softcap: float | None = None,
 ) -> jax.Array:
     """Per-position KL(policy || ref) over the whole vocabulary, `[B, T]` f32, from both models'
-    final hidden states and unembeddings (TRL's `kl_penalty="full"`). Logits are formed one
-    `[B, chunk, V]` block of T at a time, never for the whole sequence."""
+    final hidden states and unembeddings (TRL's `kl_penalty="full"`), each model's logits
+    soft-capped with its own cap when it has one. Logits are formed one `[B, chunk, V]` block of
+    T at a time, never for the whole sequence."""
     shape_is("full_kl_from_hidden", (None, None, None), hidden_BTD=hidden_BTD)
     B, T, D = hidden_BTD.shape
     shape_is("full_kl_from_hidden", (D, None), unembed_DV=unembed_DV)
@@ -156,8 +159,8 @@ def full_kl_from_hidden(
 
     def body(_, xs):
         h, h_ref = xs
-        lp = jax.nn.log_softmax(unembed_logits(h, unembed_DV), -1)
-        ref_lp = jax.nn.log_softmax(unembed_logits(h_ref, ref_unembed_DV), -1)
+        lp = jax.nn.log_softmax(unembed_logits(h, unembed_DV, logit_softcap), -1)
+        ref_lp = jax.nn.log_softmax(unembed_logits(h_ref, ref_unembed_DV, ref_logit_softcap), -1)
         return None, kl_penalty(lp, ref_lp, "full")
 
     _, kl_NBC = jax.lax.scan(body, None, (chunks(hidden_BTD), chunks(ref_hidden_BTD)))

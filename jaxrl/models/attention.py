@@ -17,6 +17,11 @@ scores as autodiff residuals.
 - XLA's reference attention (`implementation="xla"`): materialises the scores; kept as the
   parity reference and for `attention_impl="xla"`.
 
+Gemma 2's tanh soft-capping of the scores (`softcap`: `cap * tanh(scores / cap)` after scaling,
+before the mask) runs in the blockwise kernel (its backward chains through the tanh), in splash
+(the kernel's `attn_logits_soft_cap`) and in `grouped_attention` (the reference for
+`attention_impl="xla"`); cuDNN's kernel has none, so the default picks blockwise on GPU then.
+
 GQA is computed with query heads grouped per K/V head, so K and V are never repeated. Masks are
 the model's `[B, 1, T, S]` key-visibility masks (padding, packed segments, DPO prefix trees) plus
 causality and an optional static sliding window, as in `layers.dot_product_attention`.
@@ -61,17 +66,28 @@ def block_size(seq_len: int, max_block: int = MAX_BLOCK) -> int:
     return size if size <= 8 else -(-size // 8) * 8
 
 
-def resolve_impl(requested: str | None, q_BTNH: jax.Array, segments_known: bool = True) -> str:
+def resolve_impl(
+    requested: str | None,
+    q_BTNH: jax.Array,
+    segments_known: bool = True,
+    softcap: float | None = None,
+) -> str:
     """The kernel for `ModelConfig.attention_impl`: None picks splash on TPU when the mask is
     segment ids (`segments_known`), cuDNN on GPU where it applies (bf16/fp16, head_dim a multiple
-    of 8 up to 128), blockwise elsewhere."""
+    of 8 up to 128, no soft-capping), blockwise elsewhere."""
     if requested is not None:
+        if requested == "cudnn" and softcap is not None:
+            raise ValueError(
+                f"attention_impl='cudnn' has no score soft-capping (attn_logit_softcapping="
+                f"{softcap}); use 'blockwise' or leave attention_impl unset."
+            )
         return requested
     if jax.default_backend() == "tpu" and segments_known:
         return "splash"
     head_dim = q_BTNH.shape[-1]
     if (
         jax.default_backend() == "gpu"
+        and softcap is None
         and q_BTNH.dtype in (jnp.bfloat16, jnp.float16)
         and head_dim % 8 == 0
         and head_dim <= 128
@@ -90,17 +106,21 @@ def attend(
     mesh: Mesh | None = None,
     rules: Any = None,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Causal GQA self-attention with the kernel `impl` (see `resolve_impl`); `mask` is a dense
     `[B, 1, T, S]` visibility mask or an `AttentionMask`; `window` is a static sliding window (HF
     semantics: key j is kept for query i when j > i - window) or None. `mesh`/`rules` let the
     splash kernel run per shard (batch and heads as the model shards them). Scores are scaled by
-    `scale` (default head_dim ** -0.5) in f32, after the matmul, as torch's SDPA does."""
+    `scale` (default head_dim ** -0.5) in f32, after the matmul, as torch's SDPA does, then
+    soft-capped to `softcap * tanh(scores / softcap)` when `softcap` is set (Gemma 2)."""
     if isinstance(mask, AttentionMask):
         mask_B1TS, segments_BT = mask.dense_B1TS, mask.segments_BT
     else:
         mask_B1TS, segments_BT = mask, None
-    impl = resolve_impl(impl, q_BTNH, segments_known=mask_B1TS is None or segments_BT is not None)
+    impl = resolve_impl(
+        impl, q_BTNH, segments_known=mask_B1TS is None or segments_BT is not None, softcap=softcap
+    )
     if impl == "splash":
         if mask_B1TS is not None and segments_BT is None:
             raise ValueError(
@@ -109,10 +129,25 @@ def attend(
                 "attention_impl unset."
             )
         return splash_attention(
-            q_BTNH, k_BSKH, v_BSKH, segments_BT, window=window, mesh=mesh, rules=rules, scale=scale
-        )
+            q_BTNH, k_BSKH, v_BSKH, segments_BT, window=window, mesh=mesh, rules=rules,
+            scale=scale, softcap=softcap,
+        )  # fmt: skip
     if impl == "blockwise":
-        return blockwise_attention(q_BTNH, k_BSKH, v_BSKH, mask_B1TS, window=window, scale=scale)
+        return blockwise_attention(
+            q_BTNH, k_BSKH, v_BSKH, mask_B1TS, window=window, scale=scale, softcap=softcap
+        )
+    if softcap is not None:  # XLA's reference has no soft-capping: the same math, written out
+        T = q_BTNH.shape[1]
+        idx = jnp.arange(T)
+        visible_TS = idx[None, :] <= idx[:, None]
+        if window is not None:
+            visible_TS &= idx[None, :] > idx[:, None] - window
+        visible = visible_TS[None, None, None]
+        if mask_B1TS is not None:
+            visible = visible & mask_B1TS.astype(bool)[:, :, None]
+        return grouped_attention(
+            q_BTNH, k_BSKH.swapaxes(1, 2), v_BSKH.swapaxes(1, 2), visible, scale, softcap
+        )
     return jax.nn.dot_product_attention(
         q_BTNH,
         k_BSKH,
@@ -126,6 +161,35 @@ def attend(
     )
 
 
+def grouped_attention(
+    q_BTNH: jax.Array,
+    k_BKSH: jax.Array,
+    v_BKSH: jax.Array,
+    visible: jax.Array,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> jax.Array:
+    """Materialised GQA attention (K/V heads not repeated: query head n = kv head n // G, HF's
+    order): f32 scores scaled by `scale` (default: divided by sqrt(head_dim)), soft-capped when
+    `softcap` is set, masked to -inf where `visible` (bool, broadcastable to `[B, K, G, T, S]`)
+    is False, softmax in f32, probabilities cast to v's dtype. Every row must see a key. The
+    KV-cache decode path and the soft-capped `attention_impl="xla"` use it."""
+    B, T, N, H = q_BTNH.shape
+    K = k_BKSH.shape[1]
+    q_BKGTH = q_BTNH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
+    scores = jnp.einsum("bkgth,bksh->bkgts", q_BKGTH, k_BKSH, preferred_element_type=jnp.float32)
+    if scale is None:
+        scores = scores / jnp.sqrt(jnp.float32(H))
+    else:
+        scores = scores * jnp.float32(scale)
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
+    scores = jnp.where(visible, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BKSH.dtype)
+    out_BKGTH = jnp.einsum("bkgts,bksh->bkgth", probs, v_BKSH)
+    return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+
+
 # ---------------------------------------------------------------- splash (Pallas, TPU)
 
 
@@ -135,7 +199,9 @@ def _splash_block(seq_len: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _splash_kernel(seq_len: int, num_heads: int, window: int | None, interpret: bool):
+def _splash_kernel(
+    seq_len: int, num_heads: int, window: int | None, interpret: bool, softcap: float | None
+):
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel_lib,
     )
@@ -163,6 +229,7 @@ def _splash_kernel(seq_len: int, num_heads: int, window: int | None, interpret: 
             head_shards=1,
             q_seq_shards=1,
             block_sizes=sizes,
+            attn_logits_soft_cap=softcap,
             interpret=interpret,
         )
     return kernel, kernel_lib.SegmentIds
@@ -179,10 +246,11 @@ def splash_attention(
     rules: Any = None,
     interpret: bool | None = None,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Causal GQA attention with the Pallas splash kernel: `softmax(q k^T * scale) v` (`scale`
-    default 1 / sqrt(H)) where query i sees key j when j <= i, j > i - window (if set) and both
-    share a segment id.
+    default 1 / sqrt(H); scores soft-capped to `softcap * tanh(s / softcap)` when set) where
+    query i sees key j when j <= i, j > i - window (if set) and both share a segment id.
 
     Lengths are padded to a multiple of 128 with a segment id no real token has. Under a mesh the
     kernel runs per shard (`shard_map`: batch and heads split as the model's rules split them,
@@ -215,7 +283,7 @@ def splash_attention(
     v_BKTH = jnp.pad(v_BSKH, pad).transpose(0, 2, 1, 3)
 
     def local(q_BNTH, k_BKTH, v_BKTH, segments_BT):
-        kernel, segment_ids = _splash_kernel(padded, q_BNTH.shape[1], window, interpret)
+        kernel, segment_ids = _splash_kernel(padded, q_BNTH.shape[1], window, interpret, softcap)
         if segments_BT is None:
             return jax.vmap(kernel)(q_BNTH, k_BKTH, v_BKTH)
         ids = segment_ids(q=segments_BT, kv=segments_BT)
@@ -251,8 +319,10 @@ def blockwise_attention(
     window: int | None = None,
     max_block: int = MAX_BLOCK,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
-    """Causal attention `softmax(q k^T * scale + mask) v` (`scale` default 1 / sqrt(H)) computed
+    """Causal attention `softmax(cap(q k^T * scale) + mask) v` (`scale` default 1 / sqrt(H);
+    `cap(s) = softcap * tanh(s / softcap)` when `softcap` is set, else the identity) computed
     block by block.
 
     q [B, T, N, H]; k, v [B, T, K, H] with N a multiple of K (GQA). `mask_B1TS` (bool, leading dim
@@ -270,7 +340,8 @@ def blockwise_attention(
         raise ValueError(f"mask of shape {mask_B1TS.shape} does not match T={T}, S={S}.")
     size = block_size(T, max_block)
     scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
-    return _attention(q_BTNH, k_BSKH, v_BSKH, mask_B1TS, size, window, scale)
+    softcap = None if softcap is None else float(softcap)
+    return _attention(q_BTNH, k_BSKH, v_BSKH, mask_B1TS, size, window, scale, softcap)
 
 
 # ---------------------------------------------------------------- layout helpers
@@ -340,8 +411,9 @@ def _visible(i, j, size, seq_len, window, mask_pad, groups):
     return jnp.tile(ok, (1, 1, groups, 1))
 
 
-def _scores(q_BKRH, k_BKbH, scale):
-    return jnp.einsum("bkrh,bksh->bkrs", q_BKRH, k_BKbH, preferred_element_type=jnp.float32) * scale
+def _scores(q_BKRH, k_BKbH, scale, softcap):
+    s = jnp.einsum("bkrh,bksh->bkrs", q_BKRH, k_BKbH, preferred_element_type=jnp.float32) * scale
+    return s if softcap is None else jnp.tanh(s / softcap) * softcap
 
 
 def _pad_mask(mask_B1TS, size):
@@ -356,12 +428,12 @@ def _pad_mask(mask_B1TS, size):
 # ---------------------------------------------------------------- forward and backward
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attention(q, k, v, mask, size, window, scale):
-    return _forward(q, k, v, mask, size, window, scale)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attention(q, k, v, mask, size, window, scale, softcap):
+    return _forward(q, k, v, mask, size, window, scale, softcap)[0]
 
 
-def _forward(q, k, v, mask, size, window, scale):
+def _forward(q, k, v, mask, size, window, scale, softcap):
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
@@ -375,7 +447,7 @@ def _forward(q, k, v, mask, size, window, scale):
 
         def key_block(j, carry):
             m_BKR, l_BKR, acc_BKRH = carry
-            s = _scores(q_BKRH, k_blocks[j], scale)
+            s = _scores(q_BKRH, k_blocks[j], scale, softcap)
             s = jnp.where(_visible(i, j, size, T, window, mask_pad, G), s, -jnp.inf)
             m_new = jnp.maximum(m_BKR, s.max(-1))
             # A row that has seen no visible key yet keeps max -inf: shift by 0 instead (no NaN).
@@ -409,7 +481,7 @@ def _forward(q, k, v, mask, size, window, scale):
     return out, (q, k, v, mask, out, lse_blocks)
 
 
-def _backward(size, window, scale, res, dout):
+def _backward(size, window, scale, softcap, res, dout):
     q, k, v, mask, out, lse_blocks = res
     B, T, N, H = q.shape
     K = k.shape[2]
@@ -441,12 +513,18 @@ def _backward(size, window, scale, res, dout):
             k_j, v_j = k_blocks[j], v_blocks[j]
             sT = jnp.einsum("bksh,bkrh->bksr", k_j, q_BKRH, preferred_element_type=jnp.float32)
             visible = jnp.swapaxes(_visible(i, j, size, T, window, mask_pad, G), -1, -2)
-            pT = jnp.where(visible, jnp.exp(sT * scale - finite_lse[..., None, :]), 0.0)
+            sT = sT * scale
+            if softcap is not None:
+                capped_T = jnp.tanh(sT / softcap)
+                sT = capped_T * softcap
+            pT = jnp.where(visible, jnp.exp(sT - finite_lse[..., None, :]), 0.0)
             dv_j = jnp.einsum(
                 "bksr,bkrh->bksh", pT.astype(v.dtype), do_BKRH, preferred_element_type=jnp.float32
             )
             dpT = jnp.einsum("bksh,bkrh->bksr", v_j, do_BKRH, preferred_element_type=jnp.float32)
             dsT = pT * (dpT - delta_BKR[..., None, :]) * scale
+            if softcap is not None:  # d(cap * tanh(s / cap)) / ds = 1 - tanh(s / cap) ** 2
+                dsT = dsT * (1.0 - jnp.square(capped_T))
             dq_BKRH = dq_BKRH + jnp.einsum(
                 "bkhs,bksr->bkhr", kT_blocks[j], dsT.astype(k.dtype),
                 preferred_element_type=jnp.float32,

@@ -73,4 +73,9 @@ class CausalLM(nnx.Module):
     ) -> jax.Array:
         h_BTD = self.hidden_states(input_ids_BT, attention_mask, positions, segment_ids)
         # The LM head is a compute-dtype matmul (bf16 logits under autocast).
-        return jnp.dot(h_BTD.astype(self.config.dtype), self.unembed_weight())
+        logits_BTV = jnp.dot(h_BTD.astype(self.config.dtype), self.unembed_weight())
+        cap = self.config.final_logit_softcap
+        if cap is None:
+            return logits_BTV
+        # Gemma 2's final_logit_softcapping, in the logits' dtype as transformers computes it.
+        return (jnp.tanh(logits_BTV / cap) * cap).astype(logits_BTV.dtype)

@@ -15,11 +15,11 @@ import jax.numpy as jnp
 from jaxrl.parallel import merge_rules
 
 LLAMA_FAMILY = (
-    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "smollm3", "olmo2", "olmo3",
-    "qwen2_moe", "qwen3_moe", "mixtral", "olmoe",
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "olmo2",
+    "olmo3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe",
 )  # fmt: skip
 MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
-GEMMA_TYPES = ("gemma", "gemma3_text")
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
 ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
@@ -75,6 +75,11 @@ class ModelConfig:
     embed_multiplier: float | None = None
     query_pre_attn_scalar: float | None = None
     local_rope_theta: float | None = None
+    # Gemma 2 (and Gemma 3 configs that set them): tanh soft-capping `cap * tanh(x / cap)` of the
+    # scaled attention scores before masking and softmax (`attn_logit_softcapping`), and of the
+    # LM head's logits before temperature and softmax (`final_logit_softcapping`); None: off.
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
     sliding_window: int | None = None
     # One flag per layer: does that layer use `sliding_window`?
     sliding_layers: tuple[bool, ...] = ()
@@ -205,14 +210,7 @@ def _rope_fields(hf_config: Any) -> dict[str, Any]:
 
 
 def _gemma_fields(c: Any) -> dict[str, Any]:
-    """The Gemma switches (Gemma 1 and Gemma 3 text); Gemma 2's tanh soft-capping of attention
-    scores and logits has no kernel here, so configs that set it are refused."""
-    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if getattr(c, name, None) is not None:
-            raise ValueError(
-                f"{c.model_type} configs with {name}={getattr(c, name)} are not supported: "
-                "jaxrl's attention kernels and fused LM head have no tanh soft-capping."
-            )
+    """The Gemma switches (Gemma 1, Gemma 2, Gemma 3 text)."""
     if getattr(c, "use_bidirectional_attention", False):
         raise ValueError(
             "use_bidirectional_attention=True (EmbeddingGemma) is not supported: jaxrl's models "
@@ -227,13 +225,23 @@ def _gemma_fields(c: Any) -> dict[str, Any]:
         if fields["hidden_act"] == "gelu":  # transformers maps Gemma's legacy "gelu" so too
             fields["hidden_act"] = "gelu_pytorch_tanh"
         return fields
-    return {
-        **fields,
-        "norm_placement": "sandwich",
-        "qk_norm": True,
-        "query_pre_attn_scalar": float(c.query_pre_attn_scalar),
-        "local_rope_theta": _local_rope_theta(c),
-    }
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        cap = getattr(c, name, None)
+        if cap is not None and not cap > 0:
+            raise ValueError(f"{name}={cap} must be a positive number or null.")
+    fields.update(
+        norm_placement="sandwich",
+        query_pre_attn_scalar=float(c.query_pre_attn_scalar),
+        attn_logit_softcap=_optional_float(getattr(c, "attn_logit_softcapping", None)),
+        final_logit_softcap=_optional_float(getattr(c, "final_logit_softcapping", None)),
+    )
+    if c.model_type == "gemma2":  # one rope for every layer, no q/k norms
+        return fields
+    return {**fields, "qk_norm": True, "local_rope_theta": _local_rope_theta(c)}
+
+
+def _optional_float(x: Any) -> float | None:
+    return None if x is None else float(x)
 
 
 def _local_rope_theta(c: Any) -> float:

@@ -243,7 +243,7 @@ class CausalLMWithValueHead(nnx.Module):
         dropout_rng: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         h_BTD = self.hidden_states(input_ids_BT, attention_mask, positions)
-        logits_BTV = unembed_logits(h_BTD, self.unembed_weight())
+        logits_BTV = unembed_logits(h_BTD, self.unembed_weight(), self.config.final_logit_softcap)
         return logits_BTV, self.v_head(h_BTD, dropout_rng)
 
     def token_logprobs_and_values(
@@ -265,6 +265,7 @@ class CausalLMWithValueHead(nnx.Module):
             input_ids_BT[:, 1:],
             chunk_size=chunk_size,
             with_stats=with_entropy,
+            logit_softcap=self.config.final_logit_softcap,
         )
         logps_BT, stats = out if with_entropy else (out, {})
         return logps_BT, self.v_head(h_BTD[:, :-1]), stats.get("entropy")

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from jaxrl.models.attention import grouped_attention
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.layers import (
     attention_mask_BTS,
@@ -118,7 +119,7 @@ def cached_attention(
         cache.v, v_BTKH.swapaxes(1, 2).astype(cache.v.dtype), view.index, axis=2
     )
     new_cache = KVCache(k_BKSH, v_BKSH)
-    batch, seq_len, num_heads, head_dim = q_BTNH.shape
+    seq_len = q_BTNH.shape[1]
     if view.prefill:  # nothing older in the cache: the training kernel on the prompt alone
         mask_B1TT = attention_mask_BTS(view.key_mask_BS[:, :seq_len], None)
         out = dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask_B1TT, sliding, config)
@@ -132,22 +133,11 @@ def cached_attention(
             visible_TS = visible_TS & in_window_TS if sliding else visible_TS
         else:  # scanned stack mixing full and sliding layers
             visible_TS = visible_TS & (in_window_TS | ~sliding)
+    # A query always sees itself, so no row is fully masked.
     mask_B11TS = view.key_mask_BS[:, None, None, None, :] & visible_TS[None, None, None]
-    # GQA without repeating K/V: query head n = kv head k * group + g (HF's head order).
-    num_kv = k_BKSH.shape[1]
-    q_BKGTH = q_BTNH.reshape(batch, seq_len, num_kv, num_heads // num_kv, head_dim)
-    q_BKGTH = q_BKGTH.transpose(0, 2, 3, 1, 4)
-    scores_BKGTS = jnp.einsum(
-        "bkgth,bksh->bkgts", q_BKGTH, k_BKSH, preferred_element_type=jnp.float32
+    out_BTNH = grouped_attention(
+        q_BTNH, k_BKSH, v_BKSH, mask_B11TS, config.attention_scale, config.attn_logit_softcap
     )
-    if config.attention_scale is None:
-        scores_BKGTS = scores_BKGTS / jnp.sqrt(jnp.float32(head_dim))
-    else:
-        scores_BKGTS = scores_BKGTS * jnp.float32(config.attention_scale)
-    scores_BKGTS = jnp.where(mask_B11TS, scores_BKGTS, -jnp.inf)  # a query always sees itself
-    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BKSH.dtype)
-    out_BKGTH = jnp.einsum("bkgts,bksh->bkgth", probs_BKGTS, v_BKSH)
-    out_BTNH = out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(batch, seq_len, num_heads, head_dim)
     return out_BTNH.astype(q_BTNH.dtype), new_cache
 
 

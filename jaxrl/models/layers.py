@@ -617,6 +617,7 @@ def dot_product_attention(
     return attend(
         q_BTNH, k_BSKH, v_BSKH, mask_B1TS, static_window, config.attention_impl,
         mesh=config.mesh, rules=config.rules, scale=config.attention_scale,
+        softcap=config.attn_logit_softcap,
     )  # fmt: skip
 
 

@@ -1,13 +1,14 @@
-"""Llama-family decoder (Llama 1-3, Mistral, Qwen2/2.5, Qwen3, Gemma, Gemma 3 text, SmolLM3,
-OLMo 2): one implementation, config switches.
+"""Llama-family decoder (Llama 1-3, Mistral, Qwen2/2.5, Qwen3, Gemma, Gemma 2, Gemma 3 text,
+SmolLM3, OLMo 2/3, MoE families): one implementation, config switches.
 
 Switches (from `ModelConfig`): `qkv_bias`/`o_bias` (Qwen2 has q/k/v biases), `qk_norm` (Qwen3's
 and Gemma 3's per-head RMSNorm on q and k before rope), `sliding_window` + `sliding_layers`
 (Mistral, Gemma 3), `tie_word_embeddings` (Qwen2.5 small models, Gemma), rope type default /
 linear / llama3; `norm_offset` (Gemma's and OLMo 2's RMSNorm numerics) and `norm_placement`
 (Gemma 3's sandwich norms, OLMo 2's post-norms, with its q/k norms over all heads);
-Gemma's `embed_multiplier`, `query_pre_attn_scalar` and Gemma 3's `local_rope_theta` (sliding
-layers rotate with their own base); SmolLM3's NoPE layers (`rope_layers`); mixture-of-experts
+Gemma's `embed_multiplier`, `query_pre_attn_scalar`, Gemma 2's soft-caps (`attn_logit_softcap`
+in the attention kernels, `final_logit_softcap` wherever logits are formed) and Gemma 3's
+`local_rope_theta` (sliding layers rotate with their own base); SmolLM3's NoPE layers (`rope_layers`); mixture-of-experts
 blocks in place of the MLP (`moe_layers`: Qwen2/3-MoE, Mixtral, OLMoE; see `moe.py`).
 Attribute names follow the HF module tree so checkpoint keys map one to one (see `hf.py`).
 """

@@ -63,8 +63,9 @@ def shared_token_logps(model, mb: dict, chunk: int, with_stats: bool, score_span
     h_BTD = jnp.take_along_axis(h_BTD, mb["source_index"][..., None], axis=1)
     scored_BT = (mb["chosen_mask"] > 0) | (mb["rejected_mask"] > 0)
     return scored_logprobs(
-        h_BTD, model.unembed_weight(), mb["targets"], scored_BT, chunk, with_stats, score_span
-    )
+        h_BTD, model.unembed_weight(), mb["targets"], scored_BT, chunk, with_stats, score_span,
+        logit_softcap=model.config.final_logit_softcap,
+    )  # fmt: skip
 
 
 def pair_logps(
@@ -139,7 +140,7 @@ def shared_rows_predictions(model, mb: dict) -> tuple[jax.Array, jax.Array]:
     completion). A rejected row reads slot `j` for its prompt and `j + len(chosen)` after it."""
     branch_BT = mb["branch_ids"]
     h_BTD = model.hidden_states(mb["input_ids"], prefix_tree_mask(branch_BT), mb["positions"], None)
-    logits_BTV = unembed_logits(h_BTD, model.unembed_weight())
+    logits_BTV = unembed_logits(h_BTD, model.unembed_weight(), model.config.final_logit_softcap)
     p_B1, c_B1, r_B1, j_BT, src_BT = _shared_row_slots(branch_BT)
     rejected_logits_BTV = jnp.take_along_axis(logits_BTV, src_BT[..., None], axis=1)
     rejected_ids_BT = jnp.take_along_axis(mb["input_ids"], src_BT, axis=1)

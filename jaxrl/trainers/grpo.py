@@ -71,6 +71,7 @@ def completion_logprobs_and_entropy(
         chunk_size=chunk_size,
         with_stats=True,
         temperature=temperature,
+        logit_softcap=model.config.final_logit_softcap,
         entropy_grad=True,
     )
     entropies_BC = stats["entropy"]

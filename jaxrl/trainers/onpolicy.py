@@ -130,6 +130,7 @@ def completion_logprobs(
         chunk_size=chunk_size,
         with_stats=with_stats,
         temperature=temperature,
+        logit_softcap=model.config.final_logit_softcap,
     )
 
 

@@ -891,12 +891,15 @@ class PPOTrainer(TrainLoop):
                 lm = m.pretrained_model
             else:
                 h = m.hidden_states(ids, attn)
-                logps = token_logprobs(h[:, :-1], m.unembed_weight(), ids[:, 1:])
+                logps = token_logprobs(
+                    h[:, :-1], m.unembed_weight(), ids[:, 1:],
+                    logit_softcap=m.config.final_logit_softcap,
+                )  # fmt: skip
                 values, lm = None, m
             logits = None
             if return_logits:
                 h = lm.hidden_states(ids, attn)[:, :-1]
-                logits = unembed_logits(h, lm.unembed_weight())
+                logits = unembed_logits(h, lm.unembed_weight(), lm.config.final_logit_softcap)
             return logps, logits, values
 
         logps, logits, values = run(state, ids, attn)

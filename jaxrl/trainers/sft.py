@@ -50,6 +50,7 @@ def lm_forward(
         with_stats,
         score_span,
         uniform_nll_grad=uniform_nll_grad,
+        logit_softcap=model.config.final_logit_softcap,
     )
 
 
@@ -88,7 +89,9 @@ def check_score_span(loss_mask: np.ndarray, span: int | None) -> None:
 def full_logits(model, mb: dict) -> jnp.ndarray:
     """f32 logits [B, T, V] of a collated LM batch (eval predictions only; training never
     builds them)."""
-    return unembed_logits(lm_hidden_states(model, mb), model.unembed_weight())
+    return unembed_logits(
+        lm_hidden_states(model, mb), model.unembed_weight(), model.config.final_logit_softcap
+    )
 
 
 def example_weighted_mask(mb: dict) -> jnp.ndarray:

@@ -72,6 +72,23 @@ FAMILIES: dict[str, tuple[Any, dict[str, Any]]] = {
         ),
         {"max_shard_size": "40KB"},
     ),
+    # Gemma 2: sandwich norms, no qk-norm, one rope for a sliding and a full layer, tanh
+    # soft-capping of attention scores and logits. Caps and init scale are chosen so that both
+    # caps bend what they cap (raw scores reach ~1.6 against a cap of 1.5).
+    "gemma2": (
+        lambda: transformers.Gemma2Config(
+            **TINY,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=3,
+            layer_types=["sliding_attention", "full_attention"],
+            attn_logit_softcapping=1.5,
+            final_logit_softcapping=0.5,
+            initializer_range=0.1,
+            tie_word_embeddings=False,
+        ),
+        {},
+    ),
     # SmolLM3: layer 1 is a NoPE layer (no rotary embedding).
     "smollm3": (lambda: transformers.SmolLM3Config(**TINY, no_rope_layers=[1, 0]), {}),
     "olmo2": (lambda: transformers.Olmo2Config(**TINY), {"safe_serialization": False}),

@@ -160,6 +160,67 @@ def test_score_scale_equals_reference(impl):
     assert float(jnp.max(jnp.abs(gap))) > 0.1  # the scale matters
 
 
+def softcapped_reference(q, k, v, mask, window, scale, cap):
+    """Gemma 2's eager attention written out: K/V heads repeated, scores scaled, then
+    `cap * tanh(scores / cap)`, then masked (causal, window, `mask`), softmax."""
+    T, G = q.shape[1], q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) * scale
+    s = cap * jnp.tanh(s / cap)
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    visible = (j <= i) & (j > i - window)
+    if mask is not None:
+        visible = visible & mask
+    s = jnp.where(visible, s, -jnp.inf)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), v)
+
+
+@pytest.mark.parametrize(
+    ("impl", "mask_kind"),
+    [
+        ("blockwise", "prefix_tree"),
+        ("blockwise", "packed_padded"),
+        ("xla", "prefix_tree"),
+        pytest.param("splash", "packed_padded", marks=pytest.mark.slow),
+    ],
+)
+def test_softcap_equals_reference(impl, mask_kind):
+    """Gemma 2's attn_logit_softcapping, values and gradients, GQA, a window across blocks."""
+    seq_len, scale, window, cap = 37 if impl != "splash" else 140, 0.5, 20, 1.0
+    q, k, v, w = qkv(seq_len, 2, seed=4)
+    dense = MASKS[mask_kind](seq_len)
+    masks = dense
+    if mask_kind == "packed_padded":
+        masks = attention_masks(padding_mask(seq_len), segment_ids(seq_len))
+    max_block = 16 if impl == "blockwise" else None
+
+    def ours(q, k, v, softcap=cap):
+        if max_block:
+            return blockwise_attention(
+                q, k, v, dense, window=window, max_block=max_block, scale=scale, softcap=softcap
+            )
+        return attend(q, k, v, masks, window, impl, scale=scale, softcap=softcap)
+
+    assert_values_and_grads(
+        ours,
+        lambda q, k, v: softcapped_reference(q, k, v, dense, window, scale, cap),
+        q, k, v, w, atol=1e-5,
+    )  # fmt: skip
+    gap = jax.jit(lambda q, k, v: ours(q, k, v) - ours(q, k, v, None))(q, k, v)
+    assert float(jnp.max(jnp.abs(gap))) > 0.1  # the cap bends the scores
+
+
+def test_softcap_dispatch(monkeypatch):
+    """cuDNN's kernel has no soft-capping: the GPU default falls back to blockwise, and asking
+    for cuDNN is an error naming the alternatives."""
+    q, k, v, _ = qkv(16, 2, dtype=jnp.bfloat16)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert resolve_impl(None, q) == "cudnn"
+    assert resolve_impl(None, q, softcap=50.0) == "blockwise"
+    with pytest.raises(ValueError, match="cudnn.*soft-capping.*blockwise"):
+        attend(q, k, v, None, None, "cudnn", softcap=50.0)
+
+
 @pytest.mark.parametrize("seq_len", [1, 7, 17, 129])
 def test_lengths_not_multiple_of_the_block(seq_len):
     q, k, v, w = qkv(seq_len, 2, seed=seq_len)

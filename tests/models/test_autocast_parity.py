@@ -14,7 +14,11 @@ from tests.models.conftest import padded_batch, torch_logits
 
 
 def _autocast_logits(path, ids, mask) -> np.ndarray:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+    # Gemma 2's soft-capped scores run only in transformers' eager attention.
+    eager = transformers.AutoConfig.from_pretrained(path).model_type == "gemma2"
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager" if eager else "sdpa"
+    )
     with torch.autocast("cpu", dtype=torch.bfloat16):
         return torch_logits(model.eval(), ids, mask)
 
@@ -40,8 +44,12 @@ def _gap(path, ids, mask, want, **dtypes) -> float:
 # by build order, which varies with the tests a worker runs: the bounds leave room over seeds
 # 0-5. Mixture of experts (routing in bf16 logits, as torch's F.linear under autocast; no
 # routing flip was seen): `qwen3_moe` 2.4e-3 to 3.8e-3 against 7.0e-3 to 8.3e-3 all-bf16,
-# `mixtral` 2.2e-3 to 2.6e-3 against 5.9e-3 to 7.0e-3.
+# `mixtral` 2.2e-3 to 2.6e-3 against 5.9e-3 to 7.0e-3. `gemma2` runs transformers' eager
+# attention (bf16 scores, soft-capped in bf16) and logits capped at 0.5: 6.0e-3 to 7.1e-3
+# against 8.7e-3 to 9.5e-3 all-bf16; measured against torch in f32, jaxrl's bf16 logits are as
+# close (7.7e-3 to 7.9e-3) as torch autocast's own (7.8e-3 to 8.6e-3).
 BOUNDS = {  # (gap, fraction of the all-bf16 gap)
+    "gemma2": (8e-3, 0.85),
     "gemma3": (6e-3, 0.6),
     "olmo2": (5e-3, 0.75),
     "qwen3_moe": (5e-3, 0.6),
@@ -49,7 +57,8 @@ BOUNDS = {  # (gap, fraction of the all-bf16 gap)
 
 
 @pytest.mark.parametrize(
-    "family", ["llama", "qwen2", "qwen3", "gpt2", "gemma3", "olmo2", "qwen3_moe", "mixtral"]
+    "family",
+    ["llama", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3", "olmo2", "qwen3_moe", "mixtral"],
 )
 def test_bf16_logits_match_torch_autocast(family, hf_causal):
     path = hf_causal(family).path

@@ -27,7 +27,7 @@ def test_unsupported_model_type_lists_supported():
     with pytest.raises(
         ValueError,
         match=(
-            r"model_type='bert'.*llama, mistral, qwen2, qwen3, gemma, gemma3_text, smollm3, olmo2,"
+            r"model_type='bert'.*llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, smollm3, olmo2,"
             r"\s+olmo3, qwen2_moe, qwen3_moe, mixtral, olmoe, gpt2"
         ),
     ):
@@ -39,8 +39,8 @@ def test_unsupported_model_type_lists_supported():
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
-        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+        ({"final_logit_softcapping": 0.0}, "final_logit_softcapping=0.0 must be a positive"),
+        ({"attn_logit_softcapping": -50.0}, "attn_logit_softcapping=-50.0 must be a positive"),
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
         (
             {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},

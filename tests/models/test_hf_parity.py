@@ -48,11 +48,11 @@ def test_sharded_save_writes_index(hf_causal, tmp_path):
     assert not (tmp_path / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3"])
 def test_pad_embedding_row_gets_no_gradient_as_in_transformers(family, hf_causal):
     """HF builds the token embedding with `padding_idx=config.pad_token_id`: a pad id used as
     an input (here in the middle of real tokens) passes no gradient to its row; the other rows'
-    gradients equal torch autograd's."""
+    gradients equal torch autograd's (for Gemma 2 through both soft-caps' backward)."""
     import jax
     import torch
     from flax import nnx
