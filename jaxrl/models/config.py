@@ -15,13 +15,13 @@ import jax.numpy as jnp
 from jaxrl.parallel import merge_rules
 
 LLAMA_FAMILY = (
-    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "olmo2",
-    "olmo3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe",
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "smollm3",
+    "olmo2", "olmo3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe",
 )  # fmt: skip
 MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
-ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 ATTENTION_IMPLS = (None, "blockwise", "xla", "cudnn", "splash")
 
@@ -55,6 +55,17 @@ class ModelConfig:
     rope_beta_slow: float = 1.0
     rope_truncate: bool = True
     rope_attention_factor: float = 1.0
+    # LongRoPE (Phi-3): per-frequency divisors, the short ones while every position of a call is
+    # below `rope_original_max_position_embeddings`, the long ones otherwise (transformers picks
+    # by the call's largest position id).
+    rope_short_factor: tuple[float, ...] = ()
+    rope_long_factor: tuple[float, ...] = ()
+    # Rotary embedding on the first `rotary_dim` features of each head only (Phi-3's
+    # partial_rotary_factor < 1); None: all of head_dim.
+    rotary_dim: int | None = None
+    # Phi-3: fused q/k/v (`qkv_proj`, rows q then k then v) and gate/up (`gate_up_proj`, gate
+    # rows then up rows) projections, as in the checkpoint and PEFT's module tree.
+    fused_projections: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -180,6 +191,30 @@ def _yarn_fields(params: dict[str, Any], top: dict[str, Any], hf_config: Any) ->
     }
 
 
+def _longrope_fields(params: dict[str, Any], hf_config: Any) -> dict[str, Any]:
+    """transformers' `_compute_longrope_parameters` inputs, with its defaults: `factor` None
+    means max_position_embeddings / original_max_position_embeddings; `attention_factor` None is
+    sqrt(1 + log(factor) / log(original)) (1 when factor <= 1)."""
+    original = params.get("original_max_position_embeddings") or getattr(
+        hf_config, "original_max_position_embeddings", None
+    )
+    if original is None:
+        raise ValueError("rope_type='longrope' needs original_max_position_embeddings.")
+    original = int(original)
+    factor = params.get("factor") or hf_config.max_position_embeddings / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    return {
+        "rope_short_factor": tuple(float(x) for x in params["short_factor"]),
+        "rope_long_factor": tuple(float(x) for x in params["long_factor"]),
+        "rope_original_max_position_embeddings": original,
+        "rope_attention_factor": float(attention_factor),
+    }
+
+
 def _rope_fields(hf_config: Any) -> dict[str, Any]:
     top = params = getattr(hf_config, "rope_parameters", None) or {}
     if "full_attention" in params:  # per-layer-type rope dicts (Gemma 3, OLMo 3)
@@ -190,12 +225,24 @@ def _rope_fields(hf_config: Any) -> dict[str, Any]:
             f"rope_type={rope_type!r} in config.rope_parameters is not supported; jaxrl supports "
             f"{ROPE_TYPES}."
         )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1.0 in config.rope_parameters is not supported.")
+    partial = params.get("partial_rotary_factor", 1.0)
+    if partial != 1.0 and hf_config.model_type != "phi3":
+        raise ValueError(
+            f"partial_rotary_factor={partial} in config.rope_parameters is supported for phi3 "
+            f"only ({hf_config.model_type}'s transformers implementation rotates all features)."
+        )
     fields: dict[str, Any] = {
         "rope_theta": float(params.get("rope_theta", 10000.0)),
         "rope_type": rope_type,
     }
+    if partial != 1.0:
+        head_dim = (
+            getattr(hf_config, "head_dim", None)
+            or hf_config.hidden_size // hf_config.num_attention_heads
+        )
+        fields["rotary_dim"] = int(head_dim * partial)
+    if rope_type == "longrope":
+        fields.update(_longrope_fields(params, hf_config))
     if rope_type == "yarn":
         fields.update(_yarn_fields(params, top, hf_config))
     if rope_type in ("llama3", "linear"):
@@ -356,6 +403,14 @@ def _llama_family(c: Any) -> dict[str, Any]:
         fields["local_rope_theta"] = None if same else local
     if model_type in MOE_TYPES:
         fields.update(_moe_fields(c))
+    if model_type == "phi3":
+        fields["fused_projections"] = True
+        for name in ("resid_pdrop", "embd_pdrop", "attention_dropout"):
+            if getattr(c, name, 0.0):
+                raise ValueError(
+                    f"{name}={getattr(c, name)} is not supported: jaxrl's models have no dropout "
+                    "layers; set it to 0.0 in config.json."
+                )
     if model_type == "smollm3":
         rope_layers = tuple(bool(x) for x in c.no_rope_layers)
         fields["rope_layers"] = () if all(rope_layers) else rope_layers

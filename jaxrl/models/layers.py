@@ -409,15 +409,18 @@ def default_positions(
     return jnp.broadcast_to(idx_T, (1, seq_len))
 
 
-def rope_inv_freq(config: ModelConfig, local: bool = False) -> jax.Array:
-    """Inverse frequencies [head_dim/2] for rope types default, linear, llama3 (Llama 3.1) and
-    yarn; `local`: the sliding layers of Gemma 3 / OLMo 3 (default rope, base
-    `local_rope_theta`)."""
-    dim = config.head_dim
+def rope_inv_freq(config: ModelConfig, local: bool = False, long: bool = False) -> jax.Array:
+    """Inverse frequencies [rotary_dim/2] for rope types default, linear, llama3 (Llama 3.1),
+    yarn and longrope (its short factors, or with `long` its long ones); `local`: the sliding
+    layers of Gemma 3 / OLMo 3 (default rope, base `local_rope_theta`)."""
+    dim = config.rotary_dim or config.head_dim
     exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
     if local:
         return 1.0 / (config.local_rope_theta**exponents)
     inv_freq = 1.0 / (config.rope_theta**exponents)
+    if config.rope_type == "longrope":
+        factors = config.rope_long_factor if long else config.rope_short_factor
+        return 1.0 / (jnp.asarray(factors, jnp.float32) * config.rope_theta**exponents)
     if config.rope_type == "linear":
         return inv_freq / config.rope_factor
     if config.rope_type == "llama3":
@@ -456,7 +459,7 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> jax.Array:
 
 
 def rope_tables(positions_BT: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, T, head_dim] in f32 (HF layout: the half-frequency table repeated twice).
+    """cos, sin [B, T, rotary_dim] in f32 (HF layout: the half-frequency table repeated twice).
     With `config.local_rope_theta` (Gemma 3) both are [2, B, T, head_dim]: the full layers'
     table, then the sliding layers'; `rotate` picks a layer's."""
 
@@ -467,6 +470,14 @@ def rope_tables(positions_BT: jax.Array, config: ModelConfig) -> tuple[jax.Array
             return jnp.cos(emb_BTH), jnp.sin(emb_BTH)
         return jnp.cos(emb_BTH) * factor, jnp.sin(emb_BTH) * factor  # YaRN's attention factor
 
+    if config.rope_type == "longrope":
+        # transformers' longrope update: the long factors once the call's largest position id
+        # reaches the original context (one choice for the whole batch, as there).
+        is_long = jnp.max(positions_BT) + 1 > config.rope_original_max_position_embeddings
+        inv_freq = jnp.where(
+            is_long, rope_inv_freq(config, long=True), rope_inv_freq(config, long=False)
+        )
+        return table(inv_freq, config.rope_attention_factor)
     if config.local_rope_theta is None:
         return table(rope_inv_freq(config), config.rope_attention_factor)
     (cos_g, sin_g), (cos_l, sin_l) = (
@@ -524,12 +535,17 @@ def rotate(
 
 
 def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax.Array:
-    """Rotary embedding with HF's rotate_half convention, computed in f32."""
-    x = x_BTNH.astype(jnp.float32)
-    half = x.shape[-1] // 2
+    """Rotary embedding with HF's rotate_half convention, computed in f32, on the first
+    `cos_BTH.shape[-1]` features of each head (all of them but with a partial rotary factor);
+    the others pass unchanged."""
+    rotary = cos_BTH.shape[-1]
+    x = x_BTNH[..., :rotary].astype(jnp.float32)
+    half = rotary // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    out = x * cos_BTH[:, :, None, :] + rotated * sin_BTH[:, :, None, :]
-    return out.astype(x_BTNH.dtype)
+    out = (x * cos_BTH[:, :, None, :] + rotated * sin_BTH[:, :, None, :]).astype(x_BTNH.dtype)
+    if rotary == x_BTNH.shape[-1]:
+        return out
+    return jnp.concatenate([out, x_BTNH[..., rotary:]], axis=-1)
 
 
 def attention_mask_BTS(

@@ -1,15 +1,17 @@
-"""Llama-family decoder (Llama 1-3, Mistral, Qwen2/2.5, Qwen3, Gemma, Gemma 2, Gemma 3 text,
-SmolLM3, OLMo 2/3, MoE families): one implementation, config switches.
+"""Llama-family decoder (Llama 1-3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma, Gemma 2, Gemma 3
+text, SmolLM3, OLMo 2/3, MoE families): one implementation, config switches.
 
 Switches (from `ModelConfig`): `qkv_bias`/`o_bias` (Qwen2 has q/k/v biases), `qk_norm` (Qwen3's
 and Gemma 3's per-head RMSNorm on q and k before rope), `sliding_window` + `sliding_layers`
 (Mistral, Gemma 3), `tie_word_embeddings` (Qwen2.5 small models, Gemma), rope type default /
-linear / llama3; `norm_offset` (Gemma's and OLMo 2's RMSNorm numerics) and `norm_placement`
-(Gemma 3's sandwich norms, OLMo 2's post-norms, with its q/k norms over all heads);
-Gemma's `embed_multiplier`, `query_pre_attn_scalar`, Gemma 2's soft-caps (`attn_logit_softcap`
-in the attention kernels, `final_logit_softcap` wherever logits are formed) and Gemma 3's
-`local_rope_theta` (sliding layers rotate with their own base); SmolLM3's NoPE layers (`rope_layers`); mixture-of-experts
-blocks in place of the MLP (`moe_layers`: Qwen2/3-MoE, Mixtral, OLMoE; see `moe.py`).
+linear / llama3 / yarn / longrope (on the first `rotary_dim` features: Phi-4-mini);
+`fused_projections` (Phi-3's `qkv_proj` and `gate_up_proj`); `norm_offset` (Gemma's and OLMo
+2's RMSNorm numerics) and `norm_placement` (Gemma 3's sandwich norms, OLMo 2's post-norms, with
+its q/k norms over all heads); Gemma's `embed_multiplier`, `query_pre_attn_scalar`, Gemma 2's
+soft-caps (`attn_logit_softcap` in the attention kernels, `final_logit_softcap` wherever logits
+are formed) and Gemma 3's `local_rope_theta` (sliding layers rotate with their own base);
+SmolLM3's NoPE layers (`rope_layers`); mixture-of-experts blocks in place of the MLP
+(`moe_layers`: Qwen2/3-MoE, Mixtral, OLMoE; see `moe.py`).
 Attribute names follow the HF module tree so checkpoint keys map one to one (see `hf.py`).
 """
 
@@ -44,12 +46,21 @@ class LlamaAttention(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
         self.config = config
-        self.q_proj = Dense(
-            (d,), (n, h), ("embed",), ("heads", "head_dim"), config, rngs, use_bias=config.qkv_bias
-        )
-        kv_axes = (("embed",), ("kv_heads", "head_dim"))
-        self.k_proj = Dense((d,), (k, h), *kv_axes, config, rngs, use_bias=config.qkv_bias)
-        self.v_proj = Dense((d,), (k, h), *kv_axes, config, rngs, use_bias=config.qkv_bias)
+        if config.fused_projections:
+            # Phi-3: one [D, N + 2K, H] projection (q heads, then k, then v, as HF's rows). The
+            # fused head axis is not split over `tensor` (a split would cut across q, k and v).
+            self.qkv_proj = Dense(
+                (d,), (n + 2 * k, h), ("embed",), ("qkv", "head_dim"), config, rngs,
+                use_bias=config.qkv_bias,
+            )  # fmt: skip
+        else:
+            self.q_proj = Dense(
+                (d,), (n, h), ("embed",), ("heads", "head_dim"), config, rngs,
+                use_bias=config.qkv_bias,
+            )  # fmt: skip
+            kv_axes = (("embed",), ("kv_heads", "head_dim"))
+            self.k_proj = Dense((d,), (k, h), *kv_axes, config, rngs, use_bias=config.qkv_bias)
+            self.v_proj = Dense((d,), (k, h), *kv_axes, config, rngs, use_bias=config.qkv_bias)
         self.o_proj = Dense(
             (n, h), (d,), ("heads", "head_dim"), ("embed",), config, rngs, use_bias=config.o_bias
         )
@@ -62,8 +73,15 @@ class LlamaAttention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def _project(self, x_BTD) -> tuple[jax.Array, jax.Array, jax.Array]:
+        if not self.config.fused_projections:
+            return self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
+        n, k = self.config.num_heads, self.config.num_kv_heads
+        qkv_BTFH = self.qkv_proj(x_BTD)
+        return qkv_BTFH[:, :, :n], qkv_BTFH[:, :, n : n + k], qkv_BTFH[:, :, n + k :]
+
     def _qkv(self, x_BTD, cos, sin, layer) -> tuple[jax.Array, jax.Array, jax.Array]:
-        q_BTNH, k_BTKH, v_BTKH = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
+        q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD)
         if self.config.qk_norm_over_heads:
             q_BTNH = self.q_norm(q_BTNH.reshape(*q_BTNH.shape[:2], -1)).reshape(q_BTNH.shape)
             k_BTKH = self.k_norm(k_BTKH.reshape(*k_BTKH.shape[:2], -1)).reshape(k_BTKH.shape)
@@ -94,13 +112,24 @@ class LlamaMLP(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs, intermediate_size: int | None = None):
         d, bias = config.hidden_size, config.mlp_bias
         f = intermediate_size or config.intermediate_size
-        self.gate_proj = Dense((d,), (f,), ("embed",), ("mlp",), config, rngs, use_bias=bias)
-        self.up_proj = Dense((d,), (f,), ("embed",), ("mlp",), config, rngs, use_bias=bias)
+        self.fused = config.fused_projections
+        if self.fused:  # Phi-3: one [D, 2, F] projection, gate rows then up rows as HF's
+            self.gate_up_proj = Dense(
+                (d,), (2, f), ("embed",), (None, "mlp"), config, rngs, use_bias=bias
+            )
+        else:
+            self.gate_proj = Dense((d,), (f,), ("embed",), ("mlp",), config, rngs, use_bias=bias)
+            self.up_proj = Dense((d,), (f,), ("embed",), ("mlp",), config, rngs, use_bias=bias)
         self.down_proj = Dense((f,), (d,), ("mlp",), ("embed",), config, rngs, use_bias=bias)
         self.act = activation(config.hidden_act)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        return self.down_proj(gated(self.act, self.gate_proj(x_BTD), self.up_proj(x_BTD)))
+        if self.fused:
+            gate_up_BT2F = self.gate_up_proj(x_BTD)
+            gate_BTF, up_BTF = gate_up_BT2F[..., 0, :], gate_up_BT2F[..., 1, :]
+        else:
+            gate_BTF, up_BTF = self.gate_proj(x_BTD), self.up_proj(x_BTD)
+        return self.down_proj(gated(self.act, gate_BTF, up_BTF))
 
 
 class LlamaDecoderLayer(nnx.Module):

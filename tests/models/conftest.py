@@ -89,6 +89,25 @@ FAMILIES: dict[str, tuple[Any, dict[str, Any]]] = {
         ),
         {},
     ),
+    # Phi-3: fused qkv_proj / gate_up_proj, a sliding window, LongRoPE on half of each head
+    # (Phi-4-mini's partial_rotary_factor) with an original context of 8 positions, so 9-token
+    # rows take the long factors, shorter ones the short factors, and generation switches.
+    "phi3": (
+        lambda: transformers.Phi3Config(
+            **TINY,
+            sliding_window=5,
+            original_max_position_embeddings=8,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.5, 2.0, 3.0],
+                "long_factor": [2.0, 4.0, 8.0, 16.0],
+                "original_max_position_embeddings": 8,
+            },
+        ),
+        {},
+    ),
     # SmolLM3: layer 1 is a NoPE layer (no rotary embedding).
     "smollm3": (lambda: transformers.SmolLM3Config(**TINY, no_rope_layers=[1, 0]), {}),
     "olmo2": (lambda: transformers.Olmo2Config(**TINY), {"safe_serialization": False}),

@@ -58,7 +58,18 @@ BOUNDS = {  # (gap, fraction of the all-bf16 gap)
 
 @pytest.mark.parametrize(
     "family",
-    ["llama", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3", "olmo2", "qwen3_moe", "mixtral"],
+    [
+        "llama",
+        "qwen2",
+        "qwen3",
+        "phi3",
+        "gpt2",
+        "gemma2",
+        "gemma3",
+        "olmo2",
+        "qwen3_moe",
+        "mixtral",
+    ],
 )
 def test_bf16_logits_match_torch_autocast(family, hf_causal):
     path = hf_causal(family).path

@@ -27,8 +27,8 @@ def test_unsupported_model_type_lists_supported():
     with pytest.raises(
         ValueError,
         match=(
-            r"model_type='bert'.*llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, smollm3, olmo2,"
-            r"\s+olmo3, qwen2_moe, qwen3_moe, mixtral, olmoe, gpt2"
+            r"model_type='bert'.*llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text,"
+            r"\s+smollm3, olmo2, olmo3, qwen2_moe, qwen3_moe, mixtral, olmoe, gpt2"
         ),
     ):
         from_config(transformers.BertConfig())
@@ -63,6 +63,22 @@ def test_unsupported_rope_type():
     )
     with pytest.raises(ValueError, match="rope_type='dynamic'"):
         from_config(config)
+
+
+def test_partial_rotary_and_dropout_refusals():
+    """A partial rotary factor is honoured where transformers honours it (Phi-3) and refused
+    elsewhere; Phi-3's dropout probabilities must be 0 (jaxrl's models have no dropout)."""
+    small = dict(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    llama = transformers.LlamaConfig(
+        **small, rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}
+    )
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5.*phi3 only"):
+        from_config(llama)
+    with pytest.raises(ValueError, match=r"resid_pdrop=0\.1 .*set it to 0\.0"):
+        from_config(transformers.Phi3Config(**small, resid_pdrop=0.1))
 
 
 def test_missing_weight_names_the_key(llama_copy):

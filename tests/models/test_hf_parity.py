@@ -48,7 +48,7 @@ def test_sharded_save_writes_index(hf_causal, tmp_path):
     assert not (tmp_path / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "phi3", "gemma2", "gemma3"])
 def test_pad_embedding_row_gets_no_gradient_as_in_transformers(family, hf_causal):
     """HF builds the token embedding with `padding_idx=config.pad_token_id`: a pad id used as
     an input (here in the middle of real tokens) passes no gradient to its row; the other rows'
@@ -74,3 +74,48 @@ def test_pad_embedding_row_gets_no_gradient_as_in_transformers(family, hf_causal
     assert np.abs(want[0]).max() == 0 and np.abs(got[0]).max() == 0
     assert np.abs(want).max() > 1e-4
     np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_longrope_switches_at_the_original_context(hf_causal):
+    """Phi-3's LongRoPE: rows up to the original context (8 positions) rotate with the short
+    factors, a batch whose longest row is past it with the long ones, as transformers picks by
+    the largest position id."""
+    ref = hf_causal("phi3")
+    model = from_pretrained(ref.path)
+    for seq_len in (6, 8, 9):
+        ids, right, _ = padded_batch(seed=seq_len, seq_len=seq_len)
+        expected = torch_logits(ref.model, ids, right)
+        got = model(jnp.asarray(np.where(right == 1, ids, 0)), jnp.asarray(right))
+        assert _masked_max_diff(got, expected, right) <= 1e-4, seq_len
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma2"])
+def test_every_gradient_equals_torch(family, hf_causal, tmp_path):
+    """Gradients of mean(logits ** 2) w.r.t. every weight equal torch autograd's, compared in
+    HF's layout (the gradient tree saved as a checkpoint): Phi-3's fused qkv_proj/gate_up_proj
+    and partial LongRoPE, Gemma 2's soft-capped scores and logits."""
+    import jax
+    import torch
+    from flax import nnx
+    from safetensors.numpy import load_file
+
+    ref = hf_causal(family)
+    ids, right, _ = padded_batch()
+    ref.model.zero_grad()
+    out = ref.model(input_ids=torch.from_numpy(ids).long())
+    (out.logits.float() ** 2).mean().backward()
+    want = {name: p.grad.numpy() for name, p in ref.model.named_parameters()}
+
+    model = from_pretrained(ref.path)
+    graphdef, params = nnx.split(model)
+
+    def loss(params):
+        return jnp.mean(nnx.merge(graphdef, params)(jnp.asarray(ids)).astype(jnp.float32) ** 2)
+
+    nnx.update(model, jax.grad(loss)(params))
+    save_pretrained(model, tmp_path)
+    got = load_file(tmp_path / "model.safetensors")
+    assert set(got) == set(want)
+    for name, grad in want.items():
+        scale = max(np.abs(grad).max(), 1e-6)
+        np.testing.assert_allclose(got[name] / scale, grad / scale, atol=2e-5, err_msg=name)

@@ -114,3 +114,18 @@ def test_unrolled_from_config_is_the_scanned_model_cut_into_layers():
     kernel = unrolled.model.layers[1].mlp.gate_proj.kernel[...]
     assert kernel.sharding.spec == P("fsdp", "tensor")
     assert kernel.addressable_shards[0].data.shape == (16, 64)
+
+
+def test_fused_projections_on_a_tensor_mesh(hf_causal):
+    """Phi-3's fused qkv_proj keeps its q/k/v axis whole (a tensor split would cut across q, k
+    and v) and gate_up_proj splits its `mlp` axis; logits equal one device's on a
+    2 x 2 x 2 mesh, scanned."""
+    path = hf_causal("phi3").path
+    ids, right, _ = padded_batch()
+    want = _jit_logits(from_pretrained(path), jnp.asarray(ids), jnp.asarray(right))
+    model = from_pretrained(path, mesh=make_mesh(2, 2, 2), scan_layers=True)
+    layer = model.model.layers
+    assert layer.self_attn.qkv_proj.kernel[...].sharding.spec == P(None, "fsdp", None, None)
+    assert layer.mlp.gate_up_proj.kernel[...].sharding.spec == P(None, "fsdp", None, "tensor")
+    got = _jit_logits(model, jnp.asarray(ids), jnp.asarray(right))
+    np.testing.assert_allclose(got, want, atol=1e-5)
