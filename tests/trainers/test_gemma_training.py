@@ -1,5 +1,6 @@
 """Training a Gemma 3 text model (sandwich norms, qk-norm, the embedding multiplier, a sliding
-layer next to a full one) equals TRL 1.16's own trainers step for step: SFT and DPO."""
+layer next to a full one) equals TRL 1.16's own trainers step for step: SFT and DPO; and Gemma
+2 (tanh soft-capping of attention scores and logits) with SFT, through jaxrl's fused LM head."""
 
 import pytest
 from test_dpo_trl_options import METRICS as DPO_METRICS
@@ -44,6 +45,40 @@ def gemma_dir(tmp_path_factory, tokenizer):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory, tokenizer):
+    """A tiny Gemma 2 whose caps bend what they cap: raw attention scores and logits of a few
+    units against caps of 1.0 and 2.0."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        query_pre_attn_scalar=16,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        attn_logit_softcapping=1.0,
+        final_logit_softcapping=2.0,
+        initializer_range=0.2,
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=2,
+    )
+    config._attn_implementation = "eager"
+    path = tmp_path_factory.mktemp("tiny_gemma2")
+    Gemma2ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 def _ours_and_theirs(trainer_cls, config_cls, trl_cls, trl_config_cls, data, tmp_path, tokenizer,
                      model_dir, **common):  # fmt: skip
     _, theirs = trl_train_logs(
@@ -78,3 +113,14 @@ def test_dpo_matches_trl(tmp_path, tokenizer, gemma_dir):
         max_length=64,
     )  # fmt: skip
     assert_logs_match(ours, theirs, DPO_METRICS, steps=2)
+
+
+def test_gemma2_sft_matches_trl(tmp_path, tokenizer, gemma2_dir):
+    import trl
+
+    ours, theirs = _ours_and_theirs(
+        SFTTrainer, SFTConfig, trl.SFTTrainer, trl.SFTConfig, _prompt_completion(), tmp_path,
+        tokenizer, gemma2_dir, per_device_train_batch_size=8, max_steps=2, learning_rate=1e-3,
+        max_length=64,
+    )  # fmt: skip
+    assert_logs_match(ours, theirs, SFT_METRICS, steps=2)
