@@ -103,8 +103,8 @@ class ModelConfig(PeftArguments):
                 "bnb_4bit_quant_storage is a bitsandbytes storage dtype (for FSDP of packed 4-bit "
                 "weights); jaxrl's NF4 base stores packed uint8 codes whatever the mesh. Remove it."
             )
-        # PEFT/quantization options jaxrl does not implement (DoRA, MoE target parameters, fp4,
-        # nested quantization) fail here, at parse time, with the fix in the message.
+        # PEFT/quantization options jaxrl does not implement (DoRA, fp4, nested quantization)
+        # fail here, at parse time, with the fix in the message.
         try:
             get_peft_config(self)
             get_quantization_config(self)

@@ -10,7 +10,8 @@ the result equals HF's loop over experts, with no capacity factor.
 
 Expert weights are stacked on an `experts` axis, `[E, in, out]`; checkpoints keep HF's
 per-expert keys (`mlp.experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.{e}.w1`),
-split and stacked on load and save by `hf.py`.
+split and stacked on load and save by `hf.py`. LoRA on the experts (`jaxrl.lora.LoraExperts`)
+adds each expert's low-rank update inside the same grouped matmuls.
 
 The load-balancing loss (Switch Transformer, transformers' `load_balancing_loss_func`) needs
 per-layer routing statistics; forwards traced inside `collect_router_stats` hand them out (see
@@ -143,8 +144,9 @@ def load_balancing_loss(
 
 class Router(nnx.Module):
     """HF's `XTopKRouter` (`gate.weight [E, D]`): logits in the compute dtype (F.linear under
-    autocast). A module of its own, not a `Dense`, as in transformers: PEFT's `all-linear` and
-    bitsandbytes skip it, and so do jaxrl's LoRA and `quantize_base`."""
+    autocast). A module of its own, not a `Dense`, as in transformers: bitsandbytes and
+    `quantize_base` skip it; LoRA reaches it as PEFT's `target_parameters` do (`mlp.gate.weight`,
+    `jaxrl.lora.LoraRouter`)."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.dtype = config.dtype
@@ -157,11 +159,13 @@ class Router(nnx.Module):
             n_in=1,
         )
 
+    def weight(self) -> jax.Array:
+        """The `[D, E]` kernel in the compute dtype (`jaxrl.lora`'s router folds its update in)."""
+        return param_value(self.kernel, self.dtype)
+
     def __call__(self, x_MD: jax.Array) -> jax.Array:
         return jnp.matmul(
-            x_MD.astype(self.dtype),
-            param_value(self.kernel, self.dtype),
-            preferred_element_type=jnp.float32,
+            x_MD.astype(self.dtype), self.weight(), preferred_element_type=jnp.float32
         ).astype(self.dtype)
 
 
@@ -188,31 +192,42 @@ class Experts(nnx.Module):
     def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         return tuple(param_value(getattr(self, n), self.dtype) for n in self.names)
 
+    def low_rank(self) -> dict[str, tuple[jax.Array, jax.Array, float]]:
+        """Per-expert low-rank updates `(A, B, scaling)` added inside the dispatch: "gate_up"
+        (`A [E, D, r]`, `B [E, r, 2, F]`, gate then up) and/or "down" (`A [E, F, r]`,
+        `B [E, r, D]`). No updates here; `jaxrl.lora.LoraExperts` supplies its adapters."""
+        return {}
+
     def __call__(self, x_MD: jax.Array, experts_MK: jax.Array) -> jax.Array:
         """Each token's output from each of its K experts, `[M, K, D]` in the compute dtype.
 
         Under a mesh whose batch axes split the tokens, each device sorts and runs its own
-        tokens (`shard_map`; the expert weights are gathered whole, as FSDP gathers a layer),
-        so no device ever sorts, gathers or multiplies another device's tokens."""
+        tokens (`shard_map`; the expert weights and adapters are gathered whole, as FSDP gathers
+        a layer), so no device ever sorts, gathers or multiplies another device's tokens."""
         weights = self.weights()
-        dispatch = functools.partial(_dispatch, self.act, self.dtype)
+        low_rank = self.low_rank()
+        factors = {k: (a, b) for k, (a, b, _) in low_rank.items()}
+        scalings = {k: s for k, (_, _, s) in low_rank.items()}
+        dispatch = functools.partial(_dispatch, self.act, self.dtype, scalings)
         if self.mesh is None or self.mesh.size == 1:
-            return dispatch(x_MD, experts_MK, *weights)
+            return dispatch(x_MD, experts_MK, weights, factors)
         (batch,) = logical_to_spec(("batch",), self.rules, x_MD.shape[:1], self.mesh)
         if batch is None:  # the tokens do not split over the batch axes
-            return dispatch(x_MD, experts_MK, *weights)
+            return dispatch(x_MD, experts_MK, weights, factors)
         rows = PartitionSpec(batch, None)
         return jax.shard_map(
             dispatch,
             mesh=self.mesh,
-            in_specs=(rows, rows, PartitionSpec(), PartitionSpec(), PartitionSpec()),
+            in_specs=(rows, rows, PartitionSpec(), PartitionSpec()),
             out_specs=PartitionSpec(batch, None, None),
-        )(x_MD, experts_MK, *weights)
+        )(x_MD, experts_MK, weights, factors)
 
 
-def _dispatch(act, dtype, x_MD, experts_MK, w_gate, w_up, w_down) -> jax.Array:
-    """`Experts.__call__` on one device's tokens: rows sorted by expert, three grouped matmuls,
-    rows put back in token order."""
+def _dispatch(act, dtype, scalings, x_MD, experts_MK, weights, factors) -> jax.Array:
+    """`Experts.__call__` on one device's tokens: rows sorted by expert, three grouped matmuls
+    (each plus its expert's low-rank update `scaling * (rows A_e) B_e`, two thin grouped
+    matmuls, where `factors` has one), rows put back in token order."""
+    w_gate, w_up, w_down = weights
     num_tokens, top_k = experts_MK.shape
     num_experts = w_gate.shape[0]
     flat_N = experts_MK.reshape(-1)
@@ -220,14 +235,24 @@ def _dispatch(act, dtype, x_MD, experts_MK, w_gate, w_up, w_down) -> jax.Array:
     group_sizes_E = jnp.bincount(flat_N, length=num_experts).astype(jnp.int32)
     x_ND = x_MD.astype(dtype)[order_N // top_k]
 
-    def grouped(lhs, rhs):
-        out = jax.lax.ragged_dot(lhs, rhs, group_sizes_E, preferred_element_type=jnp.float32)
-        return out.astype(dtype)
+    def grouped(lhs, rhs):  # f32: the low-rank updates are added before the cast
+        return jax.lax.ragged_dot(
+            lhs, rhs.astype(dtype), group_sizes_E, preferred_element_type=jnp.float32
+        )
 
-    h_NF = gated(act, grouped(x_ND, w_gate), grouped(x_ND, w_up))
+    gate_NF, up_NF = grouped(x_ND, w_gate), grouped(x_ND, w_up)
+    if "gate_up" in factors:
+        a, b = factors["gate_up"]
+        u_NR = grouped(x_ND, a).astype(dtype)
+        gate_NF = gate_NF + scalings["gate_up"] * grouped(u_NR, b[..., 0, :])
+        up_NF = up_NF + scalings["gate_up"] * grouped(u_NR, b[..., 1, :])
+    h_NF = gated(act, gate_NF.astype(dtype), up_NF.astype(dtype))
     y_ND = grouped(h_NF, w_down)
+    if "down" in factors:
+        a, b = factors["down"]
+        y_ND = y_ND + scalings["down"] * grouped(grouped(h_NF, a).astype(dtype), b)
     inverse_N = jnp.zeros_like(order_N).at[order_N].set(jnp.arange(order_N.shape[0]))
-    return y_ND[inverse_N].reshape(num_tokens, top_k, -1)
+    return y_ND.astype(dtype)[inverse_N].reshape(num_tokens, top_k, -1)
 
 
 class SparseMoeBlock(nnx.Module):

@@ -2,7 +2,8 @@
 equals TRL 1.16's own trainers step for step, with the load-balancing loss
 (`router_aux_loss_coef`) in the loss and the `aux_loss` metric: SFT with gradient accumulation
 (TRL divides each micro-batch's aux loss by the accumulation steps), DPO in TRL's two-row layout
-and with prefix sharing (the prompt counted for both rows, as TRL's two forwards count it)."""
+and with prefix sharing (the prompt counted for both rows, as TRL's two forwards count it); SFT
+with LoRA on the routers and experts (PEFT's `target_parameters` adapters) from one adapter file."""
 
 import pytest
 from test_dpo_trl_options import METRICS as DPO_METRICS
@@ -16,7 +17,8 @@ from trainer_utils import (
     trl_train_logs,
 )
 
-from jaxrl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+from jaxrl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer, lora
+from jaxrl.models import from_pretrained
 
 COEF = 0.5  # large, so that the aux loss moves the loss and the gradients visibly
 
@@ -99,3 +101,46 @@ def test_coefficient_follows_trl(tmp_path, tokenizer, moe_dir):
     tokenizer.save_pretrained(dense)
     with pytest.raises(ValueError, match="not a Mixture-of-Experts model"):
         make(str(dense), router_aux_loss_coef=0.01)
+
+
+def test_lora_sft_on_experts_matches_trl_and_peft(tmp_path, tokenizer, moe_dir):
+    """`target_modules="all-linear"`: PEFT adapts attention, and (as ParamWrappers) the routers
+    and the fused experts. The same (non-zero) adapter, loaded by both, trains the same, the
+    aux loss included; `lora_dropout` is 0 (PEFT refuses dropout on expert adapters)."""
+    import peft
+    import torch
+    import trl
+    from transformers import AutoModelForCausalLM
+
+    def hf_model():
+        return AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+
+    torch.manual_seed(0)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False
+    )
+    peft.get_peft_model(hf_model(), config).save_pretrained(tmp_path / "adapter")
+    common = dict(
+        per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        train_sampling_strategy="sequential", max_steps=2, learning_rate=1e-3, max_length=64,
+        router_aux_loss_coef=COEF,
+    )  # fmt: skip
+    theirs = trl.SFTTrainer(
+        model=peft.PeftModel.from_pretrained(hf_model(), tmp_path / "adapter", is_trainable=True),
+        args=trl.SFTConfig(
+            output_dir=str(tmp_path / "trl"), use_cpu=True, logging_steps=1,
+            lr_scheduler_type="constant", seed=0, report_to="none", bf16=False,
+            gradient_checkpointing=False, **common,
+        ),
+        train_dataset=_prompt_completion(),
+        processing_class=tokenizer,
+    )  # fmt: skip
+    theirs.train()
+    model = lora.load_peft_adapter(from_pretrained(moe_dir), tmp_path / "adapter")
+    ours = jaxrl_trainer(
+        SFTTrainer, SFTConfig, model, tokenizer, _prompt_completion(), tmp_path / "ours", **common
+    )
+    ours.train()
+    assert_logs_match(
+        train_logs(ours), train_logs(theirs), ("loss", "num_tokens", "aux_loss"), steps=2
+    )
