@@ -59,10 +59,15 @@ class CausalLM(nnx.Module):
         return self.backbone.cached(input_ids_BT, positions_BT, cache, view)
 
     def unembed_weight(self) -> jax.Array:
-        """W [D, V] in the compute dtype with logits == hidden_states @ W."""
+        """W [D, V] in the compute dtype with logits == hidden_states @ W (Granite's division by
+        `logits_scaling` folded in, so every head that forms logits from it divides too)."""
         if self.lm_head is None:
-            return self.backbone.input_embedding().T.astype(self.config.dtype)
-        return param_value(self.lm_head.kernel, self.config.dtype)
+            w = self.backbone.input_embedding().T
+        else:
+            w = param_value(self.lm_head.kernel)
+        if self.config.logits_scaling != 1.0:
+            w = w / jnp.asarray(self.config.logits_scaling, w.dtype)
+        return w.astype(self.config.dtype)
 
     def __call__(
         self,

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from jaxrl.parallel import merge_rules
 
 LLAMA_FAMILY = (
-    "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "smollm3",
-    "olmo2", "olmo3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe",
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text",
+    "smollm3", "olmo2", "olmo3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe",
 )  # fmt: skip
 MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -91,6 +91,13 @@ class ModelConfig:
     # LM head's logits before temperature and softmax (`final_logit_softcapping`); None: off.
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    # Granite: attention scores scaled by `attention_multiplier` (instead of head_dim ** -0.5),
+    # each block's attention and MLP outputs by `residual_multiplier` before the residual add,
+    # logits divided by `logits_scaling` (folded into the unembedding, see `CausalLM`); its
+    # `embedding_multiplier` is `embed_multiplier`.
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     sliding_window: int | None = None
     # One flag per layer: does that layer use `sliding_window`?
     sliding_layers: tuple[bool, ...] = ()
@@ -154,6 +161,8 @@ class ModelConfig:
     def attention_scale(self) -> float | None:
         """What attention scores are multiplied by when not head_dim ** -0.5 (Gemma's
         query_pre_attn_scalar ** -0.5); None for the default."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         scalar = self.query_pre_attn_scalar
         return None if scalar in (None, self.head_dim) else scalar**-0.5
 
@@ -403,6 +412,13 @@ def _llama_family(c: Any) -> dict[str, Any]:
         fields["local_rope_theta"] = None if same else local
     if model_type in MOE_TYPES:
         fields.update(_moe_fields(c))
+    if model_type == "granite":
+        fields.update(
+            embed_multiplier=float(c.embedding_multiplier),
+            attention_multiplier=float(c.attention_multiplier),
+            residual_multiplier=float(c.residual_multiplier),
+            logits_scaling=float(c.logits_scaling),
+        )
     if model_type == "phi3":
         fields["fused_projections"] = True
         for name in ("resid_pdrop", "embd_pdrop", "attention_dropout"):

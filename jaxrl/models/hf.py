@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl import parallel
-from jaxrl.models.config import ModelConfig, config_from_hf
+from jaxrl.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, config_from_hf
 from jaxrl.models.gpt2 import GPT2ForCausalLM
 from jaxrl.models.heads import CausalLMWithValueHead, SequenceClassificationModel, value_head_init
 from jaxrl.models.llama import LlamaForCausalLM
@@ -43,6 +43,7 @@ HF_CAUSAL_ARCH = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
@@ -132,6 +133,13 @@ def _shardings(abstract_state: Any, mesh: Mesh | None, rules: parallel.Rules | N
 def _prepare_hf_config(hf_config: Any, task: str, num_labels: int) -> Any:
     hf_config = copy.deepcopy(hf_config)
     if task == "sequence_classification":
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type in SUPPORTED_MODEL_TYPES and model_type not in HF_SEQ_CLS_ARCH:
+            raise ValueError(
+                f"task='sequence_classification' is not supported for {model_type}: transformers "
+                "has no sequence-classification class for it, so the model could not be saved "
+                f"as one. Families with one: {', '.join(HF_SEQ_CLS_ARCH)}."
+            )
         hf_config.num_labels = num_labels
     return hf_config
 

@@ -1,11 +1,12 @@
-"""Llama-family decoder (Llama 1-3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma, Gemma 2, Gemma 3
-text, SmolLM3, OLMo 2/3, MoE families): one implementation, config switches.
+"""Llama-family decoder (Llama 1-3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Granite, Gemma, Gemma 2,
+Gemma 3 text, SmolLM3, OLMo 2/3, MoE families): one implementation, config switches.
 
 Switches (from `ModelConfig`): `qkv_bias`/`o_bias` (Qwen2 has q/k/v biases), `qk_norm` (Qwen3's
 and Gemma 3's per-head RMSNorm on q and k before rope), `sliding_window` + `sliding_layers`
 (Mistral, Gemma 3), `tie_word_embeddings` (Qwen2.5 small models, Gemma), rope type default /
 linear / llama3 / yarn / longrope (on the first `rotary_dim` features: Phi-4-mini);
-`fused_projections` (Phi-3's `qkv_proj` and `gate_up_proj`); `norm_offset` (Gemma's and OLMo
+`fused_projections` (Phi-3's `qkv_proj` and `gate_up_proj`); Granite's multipliers
+(`attention_multiplier`, `residual_multiplier`, `logits_scaling`); `norm_offset` (Gemma's and OLMo
 2's RMSNorm numerics) and `norm_placement` (Gemma 3's sandwich norms, OLMo 2's post-norms, with
 its q/k norms over all heads); Gemma's `embed_multiplier`, `query_pre_attn_scalar`, Gemma 2's
 soft-caps (`attn_logit_softcap` in the attention kernels, `final_logit_softcap` wherever logits
@@ -151,6 +152,7 @@ class LlamaDecoderLayer(nnx.Module):
             return RMSNorm(d, eps, config) if present else None
 
         self.placement = placement
+        self.residual_multiplier = config.residual_multiplier
         self.input_layernorm = norm(placement != "post")
         self.self_attn = LlamaAttention(config, rngs)
         self.post_attention_layernorm = norm(True)
@@ -180,6 +182,10 @@ class LlamaDecoderLayer(nnx.Module):
 
     def _add_attention_and_mlp(self, h_BTD, attn_BTD) -> jax.Array:
         if self.placement == "pre":
+            scale = self.residual_multiplier  # Granite's; 1 elsewhere
+            if scale != 1.0:
+                h_BTD = h_BTD + attn_BTD * scale
+                return h_BTD + self._ffn(self.post_attention_layernorm(h_BTD)) * scale
             h_BTD = h_BTD + attn_BTD
             return h_BTD + self._ffn(self.post_attention_layernorm(h_BTD))
         h_BTD = h_BTD + self.post_attention_layernorm(attn_BTD)

@@ -108,6 +108,19 @@ FAMILIES: dict[str, tuple[Any, dict[str, Any]]] = {
         ),
         {},
     ),
+    # Granite: embedding, attention, residual multipliers and logits scaling (granite-3.1-2b's
+    # values), tied embeddings.
+    "granite": (
+        lambda: transformers.GraniteConfig(
+            **TINY,
+            embedding_multiplier=12.0,
+            attention_multiplier=0.015625,
+            residual_multiplier=0.22,
+            logits_scaling=8.0,
+            tie_word_embeddings=True,
+        ),
+        {},
+    ),
     # SmolLM3: layer 1 is a NoPE layer (no rotary embedding).
     "smollm3": (lambda: transformers.SmolLM3Config(**TINY, no_rope_layers=[1, 0]), {}),
     "olmo2": (lambda: transformers.Olmo2Config(**TINY), {"safe_serialization": False}),

@@ -27,8 +27,8 @@ def test_unsupported_model_type_lists_supported():
     with pytest.raises(
         ValueError,
         match=(
-            r"model_type='bert'.*llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text,"
-            r"\s+smollm3, olmo2, olmo3, qwen2_moe, qwen3_moe, mixtral, olmoe, gpt2"
+            r"model_type='bert'.*llama, mistral, qwen2, qwen3, phi3, granite, gemma, gemma2,"
+            r"\s+gemma3_text, smollm3, olmo2, olmo3, qwen2_moe, qwen3_moe, mixtral, olmoe, gpt2"
         ),
     ):
         from_config(transformers.BertConfig())
@@ -79,6 +79,17 @@ def test_partial_rotary_and_dropout_refusals():
         from_config(llama)
     with pytest.raises(ValueError, match=r"resid_pdrop=0\.1 .*set it to 0\.0"):
         from_config(transformers.Phi3Config(**small, resid_pdrop=0.1))
+
+
+def test_sequence_classification_needs_a_transformers_class():
+    """Granite and OLMoE have no `*ForSequenceClassification` in transformers: a reward model
+    of them could not be saved, so it is refused when loaded, naming the families that can."""
+    config = transformers.GraniteConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"sequence_classification.*granite.*llama, mistral"):
+        from_config(config, task="sequence_classification")
 
 
 def test_missing_weight_names_the_key(llama_copy):
