@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -258,11 +259,10 @@ def is_exportable(callback: Any) -> bool:
     """jaxrl's `ExportableState`, or transformers' (a callback written for HF's Trainer)."""
     if isinstance(callback, ExportableState):
         return True
-    try:
-        from transformers.trainer_callback import ExportableState as HFExportableState
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return False
-    return isinstance(callback, HFExportableState)
+    # Importing `transformers.trainer_callback` pulls in torch and peft (seconds): if nobody has
+    # imported it, no object can be an instance of its classes.
+    hf_module = sys.modules.get("transformers.trainer_callback")
+    return hf_module is not None and isinstance(callback, hf_module.ExportableState)
 
 
 class EarlyStoppingCallback(TrainerCallback, ExportableState):

@@ -28,7 +28,6 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from transformers import PretrainedConfig
 
 from jaxrl import parallel, run_dir
 from jaxrl.callbacks.base import (
@@ -192,6 +191,8 @@ class Trainer(TrainLoop):
         )
         if isinstance(model, str):
             return models.from_pretrained(model, task=task, **kw)
+        from transformers import PretrainedConfig
+
         if isinstance(model, PretrainedConfig):  # random init from a config (from scratch)
             return models.from_config(model, seed=a.seed, task=task, **kw)
         if isinstance(model, nnx.Module):
