@@ -465,8 +465,8 @@ def hf_module_names(path: tuple, config: ModelConfig) -> list[str]:
     parts: list[str] = []
     stacked = False
     for i, name in enumerate(path):
-        if i == 0 and name == "backbone":  # SequenceClassificationModel's HF base prefix
-            name = hf.BASE_PREFIX.get(config.model_type, "model")
+        if i == 0 and (name == "backbone" or (name == "model" and config.language_model_prefix)):
+            name = hf._base_prefix(config)  # the HF base prefix (image-text: its language model)
         if name == moe.MOE_ATTRIBUTE.get(config.model_type):
             name = "mlp"  # Mixtral's `block_sparse_moe` is `mlp` in transformers v5
         parts.append(str(name))
@@ -845,7 +845,7 @@ def apply_lora(model: nnx.Module, config: LoraConfig, rngs: nnx.Rngs) -> nnx.Mod
     if getattr(model, "lora_config", None) is not None:
         raise ValueError("The model already has LoRA adapters; merge_lora() it first.")
     config = peft_v5_config(config, model)
-    targets = _resolve_targets(config, model_config.model_type)
+    targets = _resolve_targets(config, hf.checkpoint_model_type(model_config))
     parameters = config.target_parameters or ()
     saved = _modules_to_save(config)
     chosen: list[tuple[tuple, Dense]] = []
@@ -1326,8 +1326,33 @@ def load_peft_adapter(model: nnx.Module, path: str | Path) -> nnx.Module:
         ]
         saved_var = _node(model, entry.path)
         assign(saved_var, layers)
+    unused -= _inert_vision_adapters(reader, unused, model_config, path)
     if unused:
         raise ValueError(
             f"{path / ADAPTER_WEIGHTS} has tensors this model does not use: {sorted(unused)[:10]}"
         )
     return model
+
+
+def _inert_vision_adapters(
+    reader: SafetensorsFile, keys: set[str], config: ModelConfig, path: Path
+) -> set[str]:
+    """An image-text model's adapter tensors outside its language model (PEFT's `all-linear`
+    or `q_proj` also adapt the vision tower's layers): jaxrl trains the language model on text and
+    never runs the vision tower, so such adapters may only be PEFT's untrained ones (lora_B
+    zero), which change nothing; they are not written back."""
+    if not config.language_model_prefix:
+        return set()
+    own = PEFT_PREFIX + config.language_model_prefix + "."
+    outside = {k for k in keys if not k.startswith(own) and ".lora_" in k}
+    trained = sorted(
+        k for k in outside if ".lora_B." in k and np.any(np.asarray(reader.get(k), np.float32))
+    )
+    if trained:
+        raise ValueError(
+            f"{path / ADAPTER_WEIGHTS} has trained adapters outside the language model (e.g. "
+            f"{trained[0]}): jaxrl trains {hf.checkpoint_model_type(config)}'s language model on "
+            "text only and does not run its vision tower. Merge that adapter with PEFT first "
+            "(merge_and_unload) and train a new one on the merged model."
+        )
+    return outside

@@ -20,7 +20,10 @@ LLAMA_FAMILY = (
 )  # fmt: skip
 MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
-SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
+# Image-text checkpoints whose language model jaxrl trains on text (their vision weights are
+# carried through unchanged on save): model_type -> where the language model's weights live.
+LANGUAGE_MODEL_PREFIX = {"gemma3": "model.language_model"}
+SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2", *LANGUAGE_MODEL_PREFIX)
 ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 ATTENTION_IMPLS = (None, "blockwise", "xla", "cudnn", "splash")
@@ -134,6 +137,15 @@ class ModelConfig:
     mesh: Any = None
     rules: tuple = ()
     hf_config: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+    # An image-text checkpoint's language model (Gemma 3's `Gemma3ForConditionalGeneration`):
+    # its weights' key prefix ("model.language_model"; None for a plain causal LM), and the
+    # checkpoint directory whose other weights (vision tower, projector) `save_pretrained` copies
+    # through unchanged. `model_type` is the language model's (e.g. "gemma3_text"); `hf_config`
+    # is the whole image-text config, written back as is.
+    language_model_prefix: str | None = None
+    passthrough_dir: str | None = dataclasses.field(
+        default=None, compare=False, hash=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         if self.remat_policy not in REMAT_POLICIES:
@@ -433,6 +445,22 @@ def _llama_family(c: Any) -> dict[str, Any]:
     return fields
 
 
+def _language_model_fields(c: Any) -> dict[str, Any]:
+    """The fields of an image-text config's language model (trained on text; the vision tower
+    is not run). transformers ties the LM head to the embeddings by the outer config's
+    `tie_word_embeddings`."""
+    text = c.get_text_config()
+    if text.model_type not in LLAMA_FAMILY:
+        raise ValueError(
+            f"{c.model_type}'s language model has model_type={text.model_type!r}, which jaxrl "
+            "does not support."
+        )
+    fields = _llama_family(text)
+    fields["tie_word_embeddings"] = bool(getattr(c, "tie_word_embeddings", True))
+    fields["language_model_prefix"] = LANGUAGE_MODEL_PREFIX[c.model_type]
+    return fields
+
+
 def _gpt2(c: Any) -> dict[str, Any]:
     if getattr(c, "scale_attn_by_inverse_layer_idx", False):
         raise ValueError(
@@ -479,17 +507,14 @@ def config_from_hf(
     not what PyTorch/TRL compute)."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        hint = (
-            " Gemma 3's image-text checkpoints (Gemma3ForConditionalGeneration) are not; its "
-            "text-only ones (model_type 'gemma3_text', e.g. gemma-3-1b / 270m) are."
-            if model_type == "gemma3"
-            else ""
-        )
         raise ValueError(
             f"model_type={model_type!r} is not supported by jaxrl.models; supported model types: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}.{hint}"
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}."
         )
-    fields = _gpt2(hf_config) if model_type == "gpt2" else _llama_family(hf_config)
+    if model_type in LANGUAGE_MODEL_PREFIX:
+        fields = _language_model_fields(hf_config)
+    else:
+        fields = _gpt2(hf_config) if model_type == "gpt2" else _llama_family(hf_config)
     param_dtype = jnp.dtype(param_dtype or jnp.float32)
     dtype = jnp.dtype(dtype or param_dtype)
     return ModelConfig(

@@ -125,7 +125,9 @@ class SequenceClassificationModel(nnx.Module):
         (`score_mask`; `pad_token_id` defaults to the HF config's, as transformers reads it)."""
         h_BTD = self.hidden_states(input_ids_BT, attention_mask, positions, segment_ids)
         if pad_token_id is None:
-            pad_token_id = getattr(self.config.hf_config, "pad_token_id", None)
+            hf_config = self.config.hf_config
+            text = hf_config.get_text_config() if hf_config is not None else None
+            pad_token_id = getattr(text, "pad_token_id", None)
         return self.last_token_scores(h_BTD, score_mask(input_ids_BT, attention_mask, pad_token_id))
 
     def last_token_scores(self, h_BTD: jax.Array, attention_mask: jax.Array | None) -> jax.Array:

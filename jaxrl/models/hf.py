@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import json
 import math
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ HF_CAUSAL_ARCH = {
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
@@ -68,6 +70,7 @@ HF_SEQ_CLS_ARCH = {
     "gemma": "GemmaForSequenceClassification",
     "gemma2": "Gemma2ForSequenceClassification",
     "gemma3_text": "Gemma3TextForSequenceClassification",
+    "gemma3": "Gemma3ForSequenceClassification",
     "smollm3": "SmolLM3ForSequenceClassification",
     "olmo2": "Olmo2ForSequenceClassification",
     "olmo3": "Olmo3ForSequenceClassification",
@@ -83,7 +86,13 @@ Model = LlamaForCausalLM | GPT2ForCausalLM | SequenceClassificationModel | Causa
 
 
 def _base_prefix(config: ModelConfig) -> str:
-    return BASE_PREFIX.get(config.model_type, "model")
+    return config.language_model_prefix or BASE_PREFIX.get(config.model_type, "model")
+
+
+def checkpoint_model_type(config: ModelConfig) -> str:
+    """The checkpoint's own model_type: the language model's, or that of the image-text model
+    around it (Gemma 3's "gemma3")."""
+    return getattr(config.hf_config, "model_type", None) or config.model_type
 
 
 def build_model(
@@ -261,7 +270,8 @@ def _hf_key_template(path: tuple, config: ModelConfig, per_expert: bool = False)
     if path[0] == "pretrained_model":  # value-head wrapper: the LM keeps its own HF keys
         path = path[1:]
     for i, name in enumerate(path):
-        name = _base_prefix(config) if (i == 0 and name == "backbone") else name
+        if i == 0 and (name == "backbone" or (name == "model" and config.language_model_prefix)):
+            name = _base_prefix(config)
         parts.append(str(name))
         if _is_layer_stack(name) and config.scan_layers and i + 1 < len(path):
             parts.append("{}")
@@ -370,9 +380,24 @@ class MissingWeightError(KeyError, ValueError):
         return str(self.args[0])
 
 
+def _disk_key(key: str, config: ModelConfig) -> str:
+    """The checkpoint key of a module-named key. transformers keeps image-text checkpoints in
+    their original layout (its conversion mapping renames `language_model.model.*` to
+    `model.language_model.*` and `language_model.lm_head` to `lm_head` on load, and back on
+    save); jaxrl writes that layout too and reads either."""
+    prefix = config.language_model_prefix
+    if prefix and key.startswith(prefix + "."):
+        return "language_model.model." + key[len(prefix) + 1 :]
+    if prefix and key.startswith("lm_head."):
+        return "language_model." + key
+    return key
+
+
 def _lookup_key(key: str, reader: CheckpointReader, config: ModelConfig) -> str | None:
     if key in reader:
         return key
+    if _disk_key(key, config) in reader:
+        return _disk_key(key, config)
     prefix = _base_prefix(config) + "."
     if key.startswith(prefix) and key[len(prefix) :] in reader:  # base-model checkpoints
         return key[len(prefix) :]
@@ -464,6 +489,8 @@ def from_pretrained(
         rules=rules,
     )
     reader = CheckpointReader(directory)
+    if config.language_model_prefix:
+        config = dataclasses.replace(config, passthrough_dir=str(directory))
 
     head_kwargs = dict(value_head_kwargs or {})
     head_seed = head_kwargs.pop("seed", 0)
@@ -508,8 +535,19 @@ def from_pretrained(
             value = _place(_read_param(entry, reader, config, directory), sharding)
             used.update(_lookup_key(k, reader, config) for k in entry.keys())
         loaded.append((entry.path, entry.variable.replace(value=value)))
-    _warn_unused(set(reader.keys()) - used, config, task, directory)
+    _warn_unused(
+        set(reader.keys()) - used - set(_passthrough_keys(config, reader)), config, task, directory
+    )
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def _passthrough_keys(config: ModelConfig, reader: CheckpointReader) -> list[str]:
+    """An image-text checkpoint's weights outside its language model and heads (vision tower,
+    projector): jaxrl does not run them and `save_pretrained` writes them back unchanged."""
+    if not config.language_model_prefix:
+        return []
+    own = ("language_model.", config.language_model_prefix + ".", "lm_head.", "score.", "v_head.")
+    return sorted(k for k in reader.keys() if not k.startswith(own))
 
 
 def _warn_unused(unused: set[str], config: ModelConfig, task: str, directory: Path) -> None:
@@ -543,12 +581,23 @@ def save_pretrained(model: Model, path: str | Path, *, max_shard_size: int | str
     key_to_entry: dict[str, tuple[_ParamEntry, tuple[int, ...]]] = {}
     for entry in entries:
         for index, key in zip(entry.indices(), entry.keys(), strict=True):
+            key = _disk_key(key, config)
             specs[key] = (tuple(entry.hf_shape), dtype)
             key_to_entry[key] = (entry, index)
+
+    passthrough = _passthrough_reader(config)
+    for key in _passthrough_keys(config, passthrough) if passthrough else ():
+        specs[key] = passthrough.spec(key)
+    if passthrough and path.resolve() == Path(config.passthrough_dir).resolve():
+        # Saving over the checkpoint it came from: read the copied weights before overwriting.
+        kept = {k: passthrough.get(k) for k in _passthrough_keys(config, passthrough)}
+        passthrough = types.SimpleNamespace(get=kept.__getitem__)
 
     cache: dict[tuple, np.ndarray] = {}
 
     def fetch(key: str) -> np.ndarray:
+        if key not in key_to_entry:  # an image-text model's vision weight, copied through
+            return passthrough.get(key)
         entry, index = key_to_entry[key]
         if entry.path not in cache:  # a stacked param is gathered once, kept for its layers
             cache.clear()
@@ -581,10 +630,32 @@ def save_pretrained(model: Model, path: str | Path, *, max_shard_size: int | str
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+def _passthrough_reader(config: ModelConfig) -> CheckpointReader | None:
+    """The checkpoint an image-text model was loaded from, to copy its vision weights from."""
+    if not config.language_model_prefix:
+        return None
+    if config.passthrough_dir is None:
+        warnings.warn(
+            f"This {checkpoint_model_type(config)} model was not loaded from a checkpoint, so "
+            "there are no vision-tower weights to save with it: transformers will initialise "
+            "them randomly when it loads the saved model.",
+            stacklevel=3,
+        )
+        return None
+    directory = Path(config.passthrough_dir)
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"Cannot save this {checkpoint_model_type(config)} model: its vision-tower weights are "
+            f"copied from the checkpoint it was loaded from, {directory}, which no longer exists. "
+            "Restore that directory (or load the model again from a copy) before saving."
+        )
+    return CheckpointReader(directory)
+
+
 def _write_config(config: ModelConfig, task: str, model: Model, path: Path) -> None:
     hf_config = copy.deepcopy(config.hf_config)
     archs = HF_SEQ_CLS_ARCH if task == "sequence_classification" else HF_CAUSAL_ARCH
-    hf_config.architectures = [archs[config.model_type]]
+    hf_config.architectures = [archs[checkpoint_model_type(config)]]
     if task == "sequence_classification":
         hf_config.num_labels = model.num_labels
     hf_config.dtype = str(jnp.dtype(config.param_dtype))

@@ -180,6 +180,15 @@ class CheckpointReader:
     def get(self, key: str) -> np.ndarray:
         return self.key_to_file[key].get(key)
 
+    def spec(self, key: str) -> tuple[tuple[int, ...], np.dtype]:
+        """A weight's shape and dtype (from the safetensors header: nothing is read)."""
+        file = self.key_to_file[key]
+        if isinstance(file, SafetensorsFile):
+            entry = file.entries[key]
+            return tuple(entry["shape"]), np.dtype(SAFE_TO_NP[entry["dtype"]])
+        x = file.get(key)
+        return tuple(x.shape), x.dtype
+
 
 def parse_size(size: int | str) -> int:
     """Bytes from an int or a string such as "5GB", "500MB", "10KiB"."""

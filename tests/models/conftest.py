@@ -72,6 +72,25 @@ FAMILIES: dict[str, tuple[Any, dict[str, Any]]] = {
         ),
         {"max_shard_size": "40KB"},
     ),
+    # Gemma 3's image-text checkpoints (gemma-3-4b/12b/27b): the same language model under
+    # `model.language_model`, a tied LM head, and a vision tower + projector that text-only
+    # training never runs and `save_pretrained` copies through.
+    "gemma3_vlm": (
+        lambda: transformers.Gemma3Config(
+            text_config=FAMILIES["gemma3"][0]().to_dict(),
+            vision_config=transformers.SiglipVisionConfig(
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=28,
+                patch_size=14,
+            ).to_dict(),
+            mm_tokens_per_image=4,
+            tie_word_embeddings=True,
+        ),
+        {"max_shard_size": "40KB"},
+    ),
     # Gemma 2: sandwich norms, no qk-norm, one rope for a sliding and a full layer, tanh
     # soft-capping of attention scores and logits. Caps and init scale are chosen so that both
     # caps bend what they cap (raw scores reach ~1.6 against a cap of 1.5).

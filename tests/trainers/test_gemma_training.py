@@ -2,6 +2,9 @@
 layer next to a full one) equals TRL 1.16's own trainers step for step: SFT and DPO; and Gemma
 2 (tanh soft-capping of attention scores and logits) with SFT, through jaxrl's fused LM head."""
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 from test_dpo_trl_options import METRICS as DPO_METRICS
 from test_dpo_trl_options import _pairs
@@ -40,6 +43,36 @@ def gemma_dir(tmp_path_factory, tokenizer):
             if "norm" in name:
                 p.add_(0.2 * torch.randn_like(p))
     path = tmp_path_factory.mktemp("tiny_gemma3")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def gemma3_vlm_dir(tmp_path_factory, tokenizer, gemma_dir):
+    """gemma_dir's language model inside an image-text Gemma 3 (`Gemma3ForConditionalGeneration`,
+    as gemma-3-4b) with a tiny SigLIP vision tower."""
+    import torch
+    from transformers import (
+        AutoConfig,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        SiglipVisionConfig,
+    )
+
+    text = AutoConfig.from_pretrained(gemma_dir).to_dict()
+    vision = SiglipVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    config = Gemma3Config(text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("tiny_gemma3_vlm")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
@@ -124,3 +157,37 @@ def test_gemma2_sft_matches_trl(tmp_path, tokenizer, gemma2_dir):
         max_length=64,
     )  # fmt: skip
     assert_logs_match(ours, theirs, SFT_METRICS, steps=2)
+
+
+def test_image_text_sft_matches_trl(tmp_path, tokenizer, gemma3_vlm_dir):
+    """SFT of an image-text Gemma 3 on text equals TRL's (which trains the whole
+    `Gemma3ForConditionalGeneration`; the vision tower gets no gradient), and the saved models
+    agree: the same trained language model, the vision weights unchanged."""
+    import trl
+    from safetensors.numpy import load_file
+
+    common = dict(per_device_train_batch_size=8, max_steps=2, learning_rate=1e-3, max_length=64)
+    theirs, their_logs = trl_train_logs(
+        trl.SFTTrainer, trl.SFTConfig, gemma3_vlm_dir, tokenizer, _prompt_completion(),
+        tmp_path / "trl", save_strategy="no", **common,
+    )  # fmt: skip
+    ours = jaxrl_trainer(
+        SFTTrainer, SFTConfig, gemma3_vlm_dir, tokenizer, _prompt_completion(), tmp_path / "ours",
+        **common,
+    )  # fmt: skip
+    ours.train()
+    assert_logs_match(train_logs(ours), their_logs, SFT_METRICS, steps=2)
+
+    theirs.save_model(str(tmp_path / "trl_final"))
+    ours.save_model(str(tmp_path / "ours_final"))
+    want = load_file(tmp_path / "trl_final" / "model.safetensors")
+    got = load_file(tmp_path / "ours_final" / "model.safetensors")
+    assert set(got) == set(want)
+    source = load_file(Path(gemma3_vlm_dir) / "model.safetensors")
+    for key, value in want.items():
+        if key.startswith("language_model."):
+            assert not np.array_equal(value, source[key]), key  # trained
+            np.testing.assert_allclose(got[key], value, atol=1e-5, err_msg=key)
+        else:
+            np.testing.assert_array_equal(got[key], source[key], err_msg=key)
+            np.testing.assert_array_equal(value, source[key], err_msg=key)
