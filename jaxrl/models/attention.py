@@ -22,6 +22,11 @@ before the mask) runs in the blockwise kernel (its backward chains through the t
 (the kernel's `attn_logits_soft_cap`) and in `grouped_attention` (the reference for
 `attention_impl="xla"`); cuDNN's kernel has none, so the default picks blockwise on GPU then.
 
+Attention dropout (training forwards, `jaxrl.models.dropout`: torch's dropout on the normalised
+probabilities) runs in the blockwise kernel (each block's mask regenerated in the backward from
+global indices) and in `grouped_attention`; splash and cuDNN cannot take those masks, so naming
+them is an error while dropping, and the default picks blockwise then.
+
 GQA is computed with query heads grouped per K/V head, so K and V are never repeated. Masks are
 the model's `[B, 1, T, S]` key-visibility masks (padding, packed segments, DPO prefix trees) plus
 causality and an optional static sliding window, as in `layers.dot_product_attention`.
