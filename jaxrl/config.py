@@ -155,14 +155,6 @@ def _check_steps(name: str, value: float) -> float | int:
     return value
 
 
-def _check_no_dropout(disable_dropout: bool) -> None:
-    _check(
-        disable_dropout,
-        "`disable_dropout=False` is not supported: jaxrl models have no dropout layers, so "
-        "training is always dropout-free; remove the setting.",
-    )
-
-
 def check_mesh_fields(config: Any) -> None:
     """Check a config's `mesh_data`/`mesh_fsdp`/`mesh_tensor` and normalise its
     `logical_axis_rules` to [name, axis | [axes] | None] lists (shared by every trainer config)."""
@@ -913,7 +905,9 @@ class RewardConfig(_with_foreign("_RewardForeign", config_fields.REWARD)):
     learning_rate: float = 1e-4
     # TRL: pairs whose chosen or rejected sequence exceeds max_length are filtered out.
     max_length: int | None = 1024
-    disable_dropout: bool = True  # only True: our models have no dropout
+    # TRL default True. False: the policy's training forwards apply the model config's dropout
+    # (GPT-2's and Phi-3's, any family's attention_dropout; `jaxrl.trainers.model_dropout`).
+    disable_dropout: bool = True
     dataset_num_proc: int | None = None
     # Eq. 2 of https://huggingface.co/papers/2312.09244: coef * mean((r_chosen + r_rejected)^2).
     center_rewards_coefficient: float | None = None
@@ -926,7 +920,6 @@ class RewardConfig(_with_foreign("_RewardForeign", config_fields.REWARD)):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_no_dropout(self.disable_dropout)
         _check(
             self.max_length is None or self.max_length >= 1,
             f"`max_length` must be None or >= 1; got {self.max_length}.",
@@ -963,7 +956,9 @@ class DPOConfig(_with_foreign("_DPOForeign", config_fields.DPO)):
     truncation_mode: str = "keep_start"
     padding_value: int | None = None  # None -> tokenizer.pad_token_id
     label_pad_token_id: int = -100  # only -100: padding is masked, never scored
-    disable_dropout: bool = True  # only True: our models have no dropout
+    # TRL default True. False: the policy's training forwards apply the model config's dropout
+    # (GPT-2's and Phi-3's, any family's attention_dropout; `jaxrl.trainers.model_dropout`).
+    disable_dropout: bool = True
     reference_free: bool = False
     precompute_ref_log_probs: bool = False
     precompute_ref_batch_size: int | None = None
@@ -1004,7 +999,6 @@ class DPOConfig(_with_foreign("_DPOForeign", config_fields.DPO)):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_no_dropout(self.disable_dropout)
         _check(
             self.label_pad_token_id == -100,
             "`label_pad_token_id` other than -100 is not supported: jaxrl marks padded completion "

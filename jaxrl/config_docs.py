@@ -62,6 +62,9 @@ MAPPED = {
 NOTES = {
     "neftune_noise_alpha": "SFT/reward/DPO: the policy's training forwards only (never the "
     "reference), magnitude from TRL's per-device padded length; GRPO/RLOO reject it",
+    "disable_dropout": "the model config's dropout (GPT-2, Phi-3, any attention_dropout) in the "
+    "policy's training forwards only: never references, evaluation, generation or GRPO/RLOO's "
+    "old-log-prob pass (TRL runs the last two in train mode)",
     "eval_delay": "as HF, all trainers",
     "data_seed": "SFT/reward/DPO training order; GRPO/RLOO reject it (TRL's sampler uses `seed`)",
     "train_sampling_strategy": "random, sequential, group_by_length (HF's megabatches; eval "

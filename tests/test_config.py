@@ -189,10 +189,10 @@ def test_dpo_validation_like_trl():
 
 
 def test_unsupported_trl_values_are_rejected():
-    with pytest.raises(ConfigError, match="models have no dropout"):
-        RewardConfig(disable_dropout=False)
-    with pytest.raises(ConfigError, match="models have no dropout"):
-        DPOConfig(disable_dropout=False)
+    # The models' dropout is implemented: TRL's default True and False are both accepted.
+    assert RewardConfig().disable_dropout and DPOConfig().disable_dropout
+    assert not RewardConfig(disable_dropout=False).disable_dropout
+    assert not DPOConfig(disable_dropout=False).disable_dropout
     with pytest.raises(ConfigError, match="label_pad_token_id"):
         DPOConfig(label_pad_token_id=0)
 

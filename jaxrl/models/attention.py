@@ -22,6 +22,11 @@ before the mask) runs in the blockwise kernel (its backward chains through the t
 (the kernel's `attn_logits_soft_cap`) and in `grouped_attention` (the reference for
 `attention_impl="xla"`); cuDNN's kernel has none, so the default picks blockwise on GPU then.
 
+Attention dropout (training forwards, `jaxrl.models.dropout`: torch's dropout on the normalised
+probabilities) runs in the blockwise kernel (each block's mask regenerated in the backward from
+global indices) and in `grouped_attention`; splash and cuDNN cannot take those masks, so naming
+them is an error while dropping, and the default picks blockwise then.
+
 GQA is computed with query heads grouped per K/V head, so K and V are never repeated. Masks are
 the model's `[B, 1, T, S]` key-visibility masks (padding, packed segments, DPO prefix trees) plus
 causality and an optional static sliding window, as in `layers.dot_product_attention`.
@@ -39,6 +44,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
+
+from jaxrl.models import dropout as model_dropout
 
 IMPLS = ("blockwise", "cudnn", "splash", "xla")
 
@@ -71,17 +78,29 @@ def resolve_impl(
     q_BTNH: jax.Array,
     segments_known: bool = True,
     softcap: float | None = None,
+    dropout: float | None = None,
 ) -> str:
     """The kernel for `ModelConfig.attention_impl`: None picks splash on TPU when the mask is
     segment ids (`segments_known`), cuDNN on GPU where it applies (bf16/fp16, head_dim a multiple
-    of 8 up to 128, no soft-capping), blockwise elsewhere."""
+    of 8 up to 128, no soft-capping), blockwise elsewhere, and blockwise whenever the attention
+    probabilities drop (`dropout`, a training forward's rate: splash and cuDNN cannot take
+    jaxrl's dropout masks)."""
     if requested is not None:
         if requested == "cudnn" and softcap is not None:
             raise ValueError(
                 f"attention_impl='cudnn' has no score soft-capping (attn_logit_softcapping="
                 f"{softcap}); use 'blockwise' or leave attention_impl unset."
             )
+        if requested in ("cudnn", "splash") and dropout:
+            raise ValueError(
+                f"attention_impl={requested!r} cannot apply attention dropout (attention_dropout="
+                f"{dropout} in a training forward): use 'blockwise' or 'xla', leave "
+                "attention_impl unset (blockwise while dropout is on), or turn the model's "
+                "attention dropout off (disable_dropout=True, or 0.0 in config.json)."
+            )
         return requested
+    if dropout:
+        return "blockwise"
     if jax.default_backend() == "tpu" and segments_known:
         return "splash"
     head_dim = q_BTNH.shape[-1]
@@ -107,19 +126,26 @@ def attend(
     rules: Any = None,
     scale: float | None = None,
     softcap: float | None = None,
+    dropout: tuple[jax.Array, float] | None = None,
 ) -> jax.Array:
     """Causal GQA self-attention with the kernel `impl` (see `resolve_impl`); `mask` is a dense
     `[B, 1, T, S]` visibility mask or an `AttentionMask`; `window` is a static sliding window (HF
     semantics: key j is kept for query i when j > i - window) or None. `mesh`/`rules` let the
     splash kernel run per shard (batch and heads as the model shards them). Scores are scaled by
     `scale` (default head_dim ** -0.5) in f32, after the matmul, as torch's SDPA does, then
-    soft-capped to `softcap * tanh(scores / softcap)` when `softcap` is set (Gemma 2)."""
+    soft-capped to `softcap * tanh(scores / softcap)` when `softcap` is set (Gemma 2). `dropout`
+    (key, rate): torch's dropout on the normalised probabilities before the value matmul, with
+    the mask `jaxrl.models.dropout.attention_dropout_mask` (blockwise and xla only)."""
     if isinstance(mask, AttentionMask):
         mask_B1TS, segments_BT = mask.dense_B1TS, mask.segments_BT
     else:
         mask_B1TS, segments_BT = mask, None
     impl = resolve_impl(
-        impl, q_BTNH, segments_known=mask_B1TS is None or segments_BT is not None, softcap=softcap
+        impl,
+        q_BTNH,
+        segments_known=mask_B1TS is None or segments_BT is not None,
+        softcap=softcap,
+        dropout=None if dropout is None else dropout[1],
     )
     if impl == "splash":
         if mask_B1TS is not None and segments_BT is None:
@@ -134,9 +160,11 @@ def attend(
         )  # fmt: skip
     if impl == "blockwise":
         return blockwise_attention(
-            q_BTNH, k_BSKH, v_BSKH, mask_B1TS, window=window, scale=scale, softcap=softcap
-        )
-    if softcap is not None:  # XLA's reference has no soft-capping: the same math, written out
+            q_BTNH, k_BSKH, v_BSKH, mask_B1TS, window=window, scale=scale, softcap=softcap,
+            dropout=dropout,
+        )  # fmt: skip
+    if softcap is not None or dropout is not None:
+        # XLA's reference has no soft-capping or dropout: the same math, written out
         T = q_BTNH.shape[1]
         idx = jnp.arange(T)
         visible_TS = idx[None, :] <= idx[:, None]
@@ -146,8 +174,9 @@ def attend(
         if mask_B1TS is not None:
             visible = visible & mask_B1TS.astype(bool)[:, :, None]
         return grouped_attention(
-            q_BTNH, k_BSKH.swapaxes(1, 2), v_BSKH.swapaxes(1, 2), visible, scale, softcap
-        )
+            q_BTNH, k_BSKH.swapaxes(1, 2), v_BSKH.swapaxes(1, 2), visible, scale, softcap,
+            dropout=dropout,
+        )  # fmt: skip
     return jax.nn.dot_product_attention(
         q_BTNH,
         k_BSKH,
@@ -168,12 +197,16 @@ def grouped_attention(
     visible: jax.Array,
     scale: float | None = None,
     softcap: float | None = None,
+    dropout: tuple[jax.Array, float] | None = None,
 ) -> jax.Array:
     """Materialised GQA attention (K/V heads not repeated: query head n = kv head n // G, HF's
     order): f32 scores scaled by `scale` (default: divided by sqrt(head_dim)), soft-capped when
     `softcap` is set, masked to -inf where `visible` (bool, broadcastable to `[B, K, G, T, S]`)
     is False, softmax in f32, probabilities cast to v's dtype. Every row must see a key. The
-    KV-cache decode path and the soft-capped `attention_impl="xla"` use it."""
+    KV-cache decode path and the soft-capped or dropping `attention_impl="xla"` use it.
+    `dropout` (key, rate): self-attention only (query i at position i), the probabilities
+    (b, n, i, j) kept by `jaxrl.models.dropout.attention_dropout_mask` and scaled by
+    1 / (1 - rate)."""
     B, T, N, H = q_BTNH.shape
     K = k_BKSH.shape[1]
     q_BKGTH = q_BTNH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
@@ -185,7 +218,18 @@ def grouped_attention(
     if softcap is not None:
         scores = jnp.tanh(scores / softcap) * softcap
     scores = jnp.where(visible, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BKSH.dtype)
+    probs = jax.nn.softmax(scores, axis=-1)
+    if dropout is not None:
+        key, rate = dropout
+        S = k_BKSH.shape[2]
+        b = jnp.arange(B, dtype=jnp.uint32)[:, None, None, None, None]
+        kv, g = jnp.arange(K, dtype=jnp.uint32), jnp.arange(N // K, dtype=jnp.uint32)
+        head = (kv[:, None] * (N // K) + g[None, :])[None, :, :, None, None]
+        k0, k1 = model_dropout.attention_row_keys(key, b, head)
+        q_pos, k_pos = jnp.arange(T, dtype=jnp.uint32), jnp.arange(S, dtype=jnp.uint32)
+        keep = model_dropout.attention_keep(k0, k1, q_pos[:, None], k_pos[None, :], rate)
+        probs = model_dropout.apply_keep(probs, keep, rate)
+    probs = probs.astype(v_BKSH.dtype)
     out_BKGTH = jnp.einsum("bkgts,bksh->bkgth", probs, v_BKSH)
     return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
@@ -320,6 +364,7 @@ def blockwise_attention(
     max_block: int = MAX_BLOCK,
     scale: float | None = None,
     softcap: float | None = None,
+    dropout: tuple[jax.Array, float] | None = None,
 ) -> jax.Array:
     """Causal attention `softmax(cap(q k^T * scale) + mask) v` (`scale` default 1 / sqrt(H);
     `cap(s) = softcap * tanh(s / softcap)` when `softcap` is set, else the identity) computed
@@ -329,6 +374,12 @@ def blockwise_attention(
     B or 1) says which keys each query may see, on top of causality; `window` keeps key j for query
     i only when j > i - window (HF's sliding window). Scores and softmax statistics are f32; the
     probabilities are cast to v's dtype before the value matmul (as XLA's reference does).
+
+    `dropout` (key, rate): torch's dropout on the normalised probabilities, `(P * M / (1 - p)) v`
+    with the softmax normaliser unchanged; each block's part of the keep mask M is computed from
+    the global (row, head, query, key) indices (`jaxrl.models.dropout.attention_keep`), in the
+    forward and again in the backward, so no `[B, N, T, S]` array exists and the mask is the
+    same for every block size.
     """
     B, T, N, H = q_BTNH.shape
     S, K = k_BSKH.shape[1], k_BSKH.shape[2]
@@ -341,7 +392,19 @@ def blockwise_attention(
     size = block_size(T, max_block)
     scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
     softcap = None if softcap is None else float(softcap)
-    return _attention(q_BTNH, k_BSKH, v_BSKH, mask_B1TS, size, window, scale, softcap)
+    row_keys, rate = None, 0.0
+    if dropout is not None and dropout[1]:
+        key, rate = dropout[0], float(dropout[1])
+        # Per-row key words in the query-block row order [B, K, G * b]: row g * b + t is query
+        # head k * G + g (the same for every block).
+        G = N // K
+        b = jnp.arange(B, dtype=jnp.uint32)[:, None, None]
+        head = jnp.arange(N, dtype=jnp.uint32).reshape(1, K, G)
+        k0, k1 = model_dropout.attention_row_keys(key, b, head)
+        row_keys = tuple(jnp.repeat(w, size, axis=-1) for w in (k0, k1))
+    return _attention(
+        q_BTNH, k_BSKH, v_BSKH, mask_B1TS, row_keys, size, window, scale, softcap, rate
+    )
 
 
 # ---------------------------------------------------------------- layout helpers
@@ -416,6 +479,21 @@ def _scores(q_BKRH, k_BKbH, scale, softcap):
     return s if softcap is None else jnp.tanh(s / softcap) * softcap
 
 
+def _block_keep(row_keys, rate, i, j, size, groups, transposed=False):
+    """The dropout keep mask of query block i x key block j: [B, K, G * b, b] (`transposed`:
+    [B, K, b, G * b], the backward's layout)."""
+    k0, k1 = row_keys
+    q_pos = (i * size + jnp.tile(jnp.arange(size), groups)).astype(jnp.uint32)
+    k_pos = (j * size + jnp.arange(size)).astype(jnp.uint32)
+    if transposed:
+        return model_dropout.attention_keep(
+            k0[..., None, :], k1[..., None, :], q_pos[None, :], k_pos[:, None], rate
+        )
+    return model_dropout.attention_keep(
+        k0[..., None], k1[..., None], q_pos[:, None], k_pos[None, :], rate
+    )
+
+
 def _pad_mask(mask_B1TS, size):
     if mask_B1TS is None:
         return None
@@ -428,12 +506,12 @@ def _pad_mask(mask_B1TS, size):
 # ---------------------------------------------------------------- forward and backward
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _attention(q, k, v, mask, size, window, scale, softcap):
-    return _forward(q, k, v, mask, size, window, scale, softcap)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _attention(q, k, v, mask, row_keys, size, window, scale, softcap, rate):
+    return _forward(q, k, v, mask, row_keys, size, window, scale, softcap, rate)[0]
 
 
-def _forward(q, k, v, mask, size, window, scale, softcap):
+def _forward(q, k, v, mask, row_keys, size, window, scale, softcap, rate):
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
@@ -454,9 +532,13 @@ def _forward(q, k, v, mask, size, window, scale, softcap):
             shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             p = jnp.exp(s - shift[..., None])
             alpha = jnp.exp(m_BKR - shift)
+            # Dropout scales what meets V; the normaliser sums the undropped probabilities.
+            p_v = p
+            if row_keys is not None:
+                p_v = model_dropout.apply_keep(p, _block_keep(row_keys, rate, i, j, size, G), rate)
             pv = jnp.einsum(
                 "bkrs,bksh->bkrh",
-                p.astype(v.dtype),
+                p_v.astype(v.dtype),
                 v_blocks[j],
                 preferred_element_type=jnp.float32,
             )
@@ -478,11 +560,11 @@ def _forward(q, k, v, mask, size, window, scale, softcap):
 
     _, (out_blocks, lse_blocks) = jax.lax.scan(query_block, None, (jnp.arange(nb), q_blocks))
     out = _from_q_blocks(out_blocks, T, N)
-    return out, (q, k, v, mask, out, lse_blocks)
+    return out, (q, k, v, mask, row_keys, out, lse_blocks)
 
 
-def _backward(size, window, scale, softcap, res, dout):
-    q, k, v, mask, out, lse_blocks = res
+def _backward(size, window, scale, softcap, rate, res, dout):
+    q, k, v, mask, row_keys, out, lse_blocks = res
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
@@ -490,7 +572,8 @@ def _backward(size, window, scale, softcap, res, dout):
     q_blocks = _to_q_blocks(q, K, size)
     k_blocks, v_blocks = _to_kv_blocks(k, size), _to_kv_blocks(v, size)
     do_blocks = _to_q_blocks(dout, K, size)
-    # delta_i = sum_h dO_ih O_ih = sum_j P_ij dP_ij (the softmax backward's row term).
+    # delta_i = sum_h dO_ih O_ih = sum_j P_ij dP_ij (the softmax backward's row term; with
+    # dropout O = (P * D) V, D = M / (1 - p), and dP = D * (dO V^T), so it still holds).
     delta_BNT = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
     delta_blocks = _row_stat_blocks(delta_BNT, K, size)
     mask_pad = _pad_mask(mask, size)
@@ -518,10 +601,16 @@ def _backward(size, window, scale, softcap, res, dout):
                 capped_T = jnp.tanh(sT / softcap)
                 sT = capped_T * softcap
             pT = jnp.where(visible, jnp.exp(sT - finite_lse[..., None, :]), 0.0)
+            pT_v = pT
+            if row_keys is not None:  # the forward's mask, regenerated from the same indices
+                keepT = _block_keep(row_keys, rate, i, j, size, G, transposed=True)
+                pT_v = model_dropout.apply_keep(pT, keepT, rate)
             dv_j = jnp.einsum(
-                "bksr,bkrh->bksh", pT.astype(v.dtype), do_BKRH, preferred_element_type=jnp.float32
+                "bksr,bkrh->bksh", pT_v.astype(v.dtype), do_BKRH, preferred_element_type=jnp.float32
             )
             dpT = jnp.einsum("bksh,bkrh->bksr", v_j, do_BKRH, preferred_element_type=jnp.float32)
+            if row_keys is not None:
+                dpT = model_dropout.apply_keep(dpT, keepT, rate)
             dsT = pT * (dpT - delta_BKR[..., None, :]) * scale
             if softcap is not None:  # d(cap * tanh(s / cap)) / ds = 1 - tanh(s / cap) ** 2
                 dsT = dsT * (1.0 - jnp.square(capped_T))
@@ -548,7 +637,7 @@ def _backward(size, window, scale, softcap, res, dout):
     dq = _from_q_blocks(dq_blocks, T, N).astype(q.dtype)
     dk = _from_kv_blocks(dk_blocks, T).astype(k.dtype)
     dv = _from_kv_blocks(dv_blocks, T).astype(v.dtype)
-    return dq, dk, dv, None
+    return dq, dk, dv, None, None
 
 
 _attention.defvjp(_forward, _backward)

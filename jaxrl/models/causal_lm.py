@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.dropout import model_dropout
 from jaxrl.models.layers import Dense, param_value
 
 if TYPE_CHECKING:
@@ -55,8 +56,10 @@ class CausalLM(nnx.Module):
     def cached_hidden_states(
         self, input_ids_BT: jax.Array, positions_BT: jax.Array, cache: Cache, view: CacheView
     ) -> tuple[jax.Array, Cache]:
-        """`hidden_states` of new tokens with a KV cache (what `jaxrl.generation` calls)."""
-        return self.backbone.cached(input_ids_BT, positions_BT, cache, view)
+        """`hidden_states` of new tokens with a KV cache (what `jaxrl.generation` calls).
+        Generation never drops, even inside a training forward's `model_dropout`."""
+        with model_dropout(None):
+            return self.backbone.cached(input_ids_BT, positions_BT, cache, view)
 
     def unembed_weight(self) -> jax.Array:
         """W [D, V] in the compute dtype with logits == hidden_states @ W (Granite's division by

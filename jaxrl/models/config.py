@@ -119,6 +119,14 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
+    # Dropout rates (torch's inverted dropout), applied only in a policy's training forward
+    # (`jaxrl.models.dropout`): on the attention probabilities (Llama family
+    # `attention_dropout`, GPT-2 `attn_pdrop`), on each block's attention and MLP outputs before
+    # the residual adds (GPT-2 and Phi-3 `resid_pdrop`), on the input embeddings (GPT-2
+    # `embd_pdrop`).
+    attention_dropout: float = 0.0
+    residual_dropout: float = 0.0
+    embedding_dropout: float = 0.0
     # Mixed precision follows torch autocast: `dtype` is the matmul dtype (Dense inputs and
     # outputs, attention, logits), `residual_dtype` that of the embeddings, the residual stream
     # and the norms. Under autocast (f32 params, bf16 matmuls) HF models keep the residual
@@ -163,6 +171,10 @@ class ModelConfig:
                 "MoE and dense-MLP layers (mlp_only_layers / decoder_sparse_step); load it with "
                 "scan_layers=False."
             )
+        for name in ("attention_dropout", "residual_dropout", "embedding_dropout"):
+            rate = getattr(self, name)
+            if not 0.0 <= rate < 1.0:
+                raise ValueError(f"{name}={rate} must be in [0, 1).")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_heads} must be a multiple of "
@@ -408,6 +420,7 @@ def _llama_family(c: Any) -> dict[str, Any]:
         mlp_bias=bool(getattr(c, "mlp_bias", False)),
         qk_norm=model_type == "qwen3",
         pad_token_id=_padding_idx(c),
+        attention_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0),
         sliding_window=window if any(sliding_layers) else None,
         sliding_layers=sliding_layers,
         **_rope_fields(c),
@@ -433,12 +446,9 @@ def _llama_family(c: Any) -> dict[str, Any]:
         )
     if model_type == "phi3":
         fields["fused_projections"] = True
-        for name in ("resid_pdrop", "embd_pdrop", "attention_dropout"):
-            if getattr(c, name, 0.0):
-                raise ValueError(
-                    f"{name}={getattr(c, name)} is not supported: jaxrl's models have no dropout "
-                    "layers; set it to 0.0 in config.json."
-                )
+        # transformers' Phi-3 drops both branch outputs with resid_pdrop; its embd_pdrop is read
+        # by no module there, so it drops nothing here either.
+        fields["residual_dropout"] = float(getattr(c, "resid_pdrop", 0.0) or 0.0)
     if model_type == "smollm3":
         rope_layers = tuple(bool(x) for x in c.no_rope_layers)
         fields["rope_layers"] = () if all(rope_layers) else rope_layers
@@ -483,6 +493,9 @@ def _gpt2(c: Any) -> dict[str, Any]:
         tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
         initializer_range=c.initializer_range,
         sliding_layers=(False,) * c.n_layer,
+        attention_dropout=float(c.attn_pdrop or 0.0),
+        residual_dropout=float(c.resid_pdrop or 0.0),
+        embedding_dropout=float(c.embd_pdrop or 0.0),
     )
 
 

@@ -12,6 +12,7 @@ import math
 import jax
 from flax import nnx
 
+from jaxrl.models import dropout as model_dropout
 from jaxrl.models.causal_lm import CausalLM
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.kv_cache import Cache, CacheView, KVCache, apply_layers_cached, cached_attention
@@ -60,7 +61,8 @@ class GPT2Attention(nnx.Module):
         out_BTNH = dot_product_attention(
             q_BTNH, k_BTNH, v_BTNH, mask_B1TS, layer.sliding, self.config
         )
-        return self.c_proj(out_BTNH)
+        out_BTD = self.c_proj(out_BTNH)  # resid_dropout (training forwards only)
+        return model_dropout.drop(out_BTD, model_dropout.RESID_ATTN, self.config.residual_dropout)
 
     def cached(
         self, x_BTD, layer: LayerFlags, cache: KVCache, view: CacheView
@@ -89,9 +91,11 @@ class GPT2MLP(nnx.Module):
             init_std=residual_init_std(config),
         )
         self.act = activation(config.hidden_act)
+        self.residual_dropout = config.residual_dropout
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        return self.c_proj(self.act(self.c_fc(x_BTD)))
+        out_BTD = self.c_proj(self.act(self.c_fc(x_BTD)))  # then dropout (training forwards)
+        return model_dropout.drop(out_BTD, model_dropout.RESID_MLP, self.residual_dropout)
 
 
 class GPT2Block(nnx.Module):
@@ -135,6 +139,8 @@ class GPT2Model(nnx.Module):
         if positions is None:
             positions = default_positions(attention_mask, segment_ids, input_ids_BT.shape[1])
         h_BTD = self.wte(input_ids_BT) + self.wpe(positions)
+        # embd_pdrop (training forwards only; the forward's key, before any layer's)
+        h_BTD = model_dropout.drop(h_BTD, model_dropout.EMBEDDING, self.config.embedding_dropout)
         mask_B1TS = attention_masks(attention_mask, segment_ids)
         h_BTD = apply_layers(self.h, h_BTD, (mask_B1TS,), self.config)
         return self.ln_f(h_BTD)

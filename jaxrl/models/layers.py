@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 
 from jaxrl.core.matmul import weight_grad
 from jaxrl.core.quant import QuantizedArray
+from jaxrl.models import dropout as model_dropout
 from jaxrl.models.attention import AttentionMask, attend
 from jaxrl.models.config import ModelConfig
 from jaxrl.parallel import logical_to_spec
@@ -630,10 +631,15 @@ def dot_product_attention(
         if isinstance(mask_B1TS, AttentionMask):  # a traced window is not a segment mask
             mask_B1TS = mask_B1TS.dense_B1TS
         mask_B1TS = window_TS[None, None] if mask_B1TS is None else mask_B1TS & window_TS
+    key = model_dropout.active_key()  # the layer's, in a training forward
+    rate = config.attention_dropout
+    dropout = None
+    if key is not None and rate:
+        dropout = (model_dropout.site_key(key, model_dropout.ATTENTION), rate)
     return attend(
         q_BTNH, k_BSKH, v_BSKH, mask_B1TS, static_window, config.attention_impl,
         mesh=config.mesh, rules=config.rules, scale=config.attention_scale,
-        softcap=config.attn_logit_softcap,
+        softcap=config.attn_logit_softcap, dropout=dropout,
     )  # fmt: skip
 
 
@@ -683,7 +689,9 @@ def apply_layers(
     """Run the block stack: `block(h, *context, layer_flags) -> h` for every layer.
 
     Scanned stacks run under `jax.lax.scan`, so compile time does not grow with depth. Each
-    `LayerFlags` field is static when all layers agree, scanned otherwise.
+    `LayerFlags` field is static when all layers agree, scanned otherwise. In a training
+    forward (`jaxrl.models.dropout.model_dropout`) layer i runs with its own dropout key
+    `layer_key(key, i)`, scanned or not.
     """
 
     from jaxrl.models import moe  # noqa: PLC0415 (moe builds on this module)
@@ -691,24 +699,28 @@ def apply_layers(
     collect = moe.collecting_router_stats()
 
     def block_fn(graphdef: nnx.GraphDef, static: LayerFlags) -> Callable:
-        def fn(h, block_state, ctx, scanned):
+        def fn(h, block_state, ctx, scanned, key):
             block = nnx.merge(graphdef, block_state)
-            if not collect:
-                return constrain_batch(block(h, *ctx, merge_flags(static, scanned)), config), None
-            # MoE routing statistics leave as outputs (of the scan body, of the checkpointed
-            # function), never as tracers of an inner trace.
-            with moe.layer_router_stats() as stats:
-                h = block(h, *ctx, merge_flags(static, scanned))
+            with model_dropout.model_dropout(key):  # the layer's key, or None: no dropout
+                if not collect:
+                    h = block(h, *ctx, merge_flags(static, scanned))
+                    return constrain_batch(h, config), None
+                # MoE routing statistics leave as outputs (of the scan body, of the checkpointed
+                # function), never as tracers of an inner trace.
+                with moe.layer_router_stats() as stats:
+                    h = block(h, *ctx, merge_flags(static, scanned))
             return constrain_batch(h, config), (stats[0] if stats else None)
 
         return remat_wrap(fn, config.remat_policy)
 
+    forward_key = model_dropout.active_key()
     h_BTD = constrain_batch(h_BTD, config)
     if not config.scan_layers:
-        for block, flags in zip(layers, per_layer_flags(config), strict=True):
+        for i, (block, flags) in enumerate(zip(layers, per_layer_flags(config), strict=True)):
             graphdef, block_state = nnx.split(block)
+            key = None if forward_key is None else model_dropout.layer_key(forward_key, i)
             h_BTD, stats = block_fn(graphdef, flags)(
-                h_BTD, block_state, context, LayerFlags(None, None)
+                h_BTD, block_state, context, LayerFlags(None, None), key
             )
             if stats is not None:
                 moe.add_router_stats(stats)
@@ -717,12 +729,17 @@ def apply_layers(
     graphdef, stacked_state = nnx.split(layers)
     static, scanned = stack_flags(config)
     fn = block_fn(graphdef, static)
+    keys = None
+    if forward_key is not None:
+        keys = jax.vmap(lambda i: model_dropout.layer_key(forward_key, i))(
+            jnp.arange(config.num_layers)
+        )
 
     def body(h, xs):
-        block_state, flags = xs
-        return fn(h, block_state, context, flags)
+        block_state, flags, key = xs
+        return fn(h, block_state, context, flags, key)
 
-    h_BTD, stats = jax.lax.scan(body, h_BTD, (stacked_state, scanned))
+    h_BTD, stats = jax.lax.scan(body, h_BTD, (stacked_state, scanned, keys))
     if stats is not None:
         moe.add_router_stats(stats)
     return h_BTD

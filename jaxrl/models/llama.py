@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from jaxrl.models import dropout as model_dropout
 from jaxrl.models import moe
 from jaxrl.models.causal_lm import CausalLM
 from jaxrl.models.config import ModelConfig
@@ -153,6 +154,7 @@ class LlamaDecoderLayer(nnx.Module):
 
         self.placement = placement
         self.residual_multiplier = config.residual_multiplier
+        self.residual_dropout = config.residual_dropout  # Phi-3's resid_pdrop
         self.input_layernorm = norm(placement != "post")
         self.self_attn = LlamaAttention(config, rngs)
         self.post_attention_layernorm = norm(True)
@@ -183,6 +185,11 @@ class LlamaDecoderLayer(nnx.Module):
     def _add_attention_and_mlp(self, h_BTD, attn_BTD) -> jax.Array:
         if self.placement == "pre":
             scale = self.residual_multiplier  # Granite's; 1 elsewhere
+            if self.residual_dropout:  # Phi-3: resid_attn_dropout, resid_mlp_dropout
+                rate, drop = self.residual_dropout, model_dropout.drop
+                h_BTD = h_BTD + drop(attn_BTD, model_dropout.RESID_ATTN, rate) * scale
+                ffn_BTD = self._ffn(self.post_attention_layernorm(h_BTD))
+                return h_BTD + drop(ffn_BTD, model_dropout.RESID_MLP, rate) * scale
             if scale != 1.0:
                 h_BTD = h_BTD + attn_BTD * scale
                 return h_BTD + self._ffn(self.post_attention_layernorm(h_BTD)) * scale

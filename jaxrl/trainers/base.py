@@ -40,7 +40,7 @@ from jaxrl.core.state import TrainState
 from jaxrl.core.step import make_eval_step, make_train_step
 from jaxrl.data.batching import BatchIterator
 from jaxrl.data.formats import read_chat_template
-from jaxrl.trainers import neftune, router_aux
+from jaxrl.trainers import model_dropout, neftune, router_aux
 from jaxrl.trainers.evaluation import (
     EvalPrediction,
     PredictionGatherer,
@@ -396,7 +396,9 @@ class Trainer(TrainLoop):
             model = nnx.merge(self.graphdef, params, state.frozen["base"])
         else:
             model = nnx.merge(self.graphdef, params)
-        # In a training step with `neftune_noise_alpha`: the trained params' forwards get noise.
+        # In a training step: the trained params' forwards drop (the model's dropout rates) and
+        # get NEFTune noise (`neftune_noise_alpha`).
+        model = model_dropout.dropping_policy(model, params)
         return neftune.noisy_policy(model, params)
 
     def _build_state(self) -> TrainState:
@@ -636,7 +638,7 @@ class Trainer(TrainLoop):
         repl = NamedSharding(self.mesh, P())
         loss_fn = self._loss_fn()
         step = make_train_step(
-            self._with_neftune(self._with_lora_dropout(loss_fn)),
+            self._with_neftune(self._with_model_dropout(self._with_lora_dropout(loss_fn))),
             self.tx,
             self.schedule,
             self._state_updates(),
@@ -665,6 +667,27 @@ class Trainer(TrainLoop):
 
         def train_loss(params, state, mb, rng, extras):
             with lora.dropout_rng(jax.random.fold_in(rng, 0x10A)):
+                return loss_fn(params, state, mb, rng, extras)
+
+        return train_loss
+
+    def _model_dropout_active(self) -> bool:
+        """Whether the policy's training forwards apply the model's dropout: a nonzero rate in
+        its config and no `disable_dropout=True` (SFT has no such option: always)."""
+        if getattr(self.args, "disable_dropout", False):
+            return False
+        return model_dropout.has_dropout(getattr(self.model, "config", None))
+
+    def _with_model_dropout(self, loss_fn: Callable) -> Callable:
+        """The training loss with the model's own dropout (attention / residual / embedding
+        rates of its config) in the policy's forwards, drawn from the micro-batch's key (eval,
+        references and generation have none); see `trainers.model_dropout`."""
+        if not self._model_dropout_active():
+            return loss_fn
+
+        def train_loss(params, state, mb, rng, extras):
+            key = jax.random.fold_in(rng, model_dropout.DROPOUT_STREAM)
+            with model_dropout.training_dropout(params, key):
                 return loss_fn(params, state, mb, rng, extras)
 
         return train_loss

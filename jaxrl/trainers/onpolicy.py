@@ -551,7 +551,7 @@ class OnPolicyTrainer(Trainer):
         state_sh = self._state_shardings(state)
         repl = NamedSharding(self.mesh, P())
         step = make_train_step(
-            self._with_lora_dropout(self._loss_fn()),
+            self._with_model_dropout(self._with_lora_dropout(self._loss_fn())),
             self.tx,
             self.schedule,
             self._state_updates(),
@@ -580,7 +580,7 @@ class OnPolicyTrainer(Trainer):
 
         self._jit_logps = jax.jit(logps)
         self._jit_ref_logps = jax.jit(self.reference_logps)
-        # The training loss, forward only and without LoRA dropout (TRL evaluates in eval mode):
+        # The training loss, forward only and without dropout (TRL evaluates in eval mode):
         # `evaluate()`'s per-batch `eval_loss`.
         self._jit_eval_step = jax.jit(make_eval_step(self._loss_fn()), out_shardings=repl)
         self.rollout_sampler = Sampler(

@@ -74,7 +74,9 @@ class OnPolicyConfig(TrainingConfig):
     """
 
     learning_rate: float = 1e-6
-    # Accepted either way: jaxrl models have no dropout layers, so training is dropout-free.
+    # TRL default False: the policy's loss forward applies the model config's dropout (GPT-2's
+    # and Phi-3's, any family's attention_dropout); True turns it off. Sampling and the old /
+    # reference log-prob passes never drop (`jaxrl.trainers.model_dropout`).
     disable_dropout: bool = False
     # TRL's default "auto" pads to 128 on Neuron devices and not at all elsewhere, so it is None
     # here (resolved by `TrainingConfig`); an int buckets the sampler's prompt lengths to its

@@ -25,7 +25,8 @@ Without `ref_model` the reference is the policy's LM with the adapter disabled (
 `optional_peft_ctx`), so there is no second copy of the weights; `generate` samples through the
 adapter forward. `save_pretrained` writes TRL's PEFT layout: the adapter in PEFT's format plus
 the value head alone in `model.safetensors`; `merged=True` writes the full value-head model. LoRA
-dropout never fires, as in TRL v0.7.2 (its PPO forwards run in eval mode).
+dropout never fires, as in TRL v0.7.2 (its PPO forwards run in eval mode); nor does the model's
+own dropout (GPT-2's pdrop rates, `jaxrl.models.dropout`) or the value head's summary dropout.
 
 jaxrl addition: `train()` runs the common PPO loop (TRL's examples: for each batch of prompts,
 generate, score, `step()`) on `TrainLoop`, so it logs to `output_dir/metrics.jsonl` with TRL's

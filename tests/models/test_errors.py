@@ -64,9 +64,10 @@ def test_unsupported_rope_type():
         from_config(config)
 
 
-def test_partial_rotary_and_dropout_refusals():
+def test_partial_rotary_refusal_and_dropout_rates():
     """A partial rotary factor is honoured where transformers honours it (Phi-3) and refused
-    elsewhere; Phi-3's dropout probabilities must be 0 (jaxrl's models have no dropout)."""
+    elsewhere; Phi-3's dropout probabilities are read (embd_pdrop drops nothing in transformers'
+    Phi-3, so it is not), and a rate outside [0, 1) is refused."""
     small = dict(
         vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1,
@@ -76,8 +77,12 @@ def test_partial_rotary_and_dropout_refusals():
     )
     with pytest.raises(ValueError, match="partial_rotary_factor=0.5.*phi3 only"):
         from_config(llama)
-    with pytest.raises(ValueError, match=r"resid_pdrop=0\.1 .*set it to 0\.0"):
-        from_config(transformers.Phi3Config(**small, resid_pdrop=0.1))
+    phi3 = transformers.Phi3Config(**small, resid_pdrop=0.1, embd_pdrop=0.2, attention_dropout=0.3)
+    config = from_config(phi3).config
+    assert (config.residual_dropout, config.attention_dropout) == (0.1, 0.3)
+    assert config.embedding_dropout == 0.0
+    with pytest.raises(ValueError, match=r"attention_dropout=1\.0 must be in \[0, 1\)"):
+        from_config(transformers.LlamaConfig(**small, attention_dropout=1.0))
 
 
 def test_sequence_classification_needs_a_transformers_class():
