@@ -78,6 +78,14 @@ PARITY_CASES = [
         {"target_modules": "all-linear", "target_parameters": ["mlp.gate.weight"]},
         ("gate",),
     ),
+    # GPT-OSS: rank-r adapters on the native [E, D, 2F] gate_up_proj (gate/up interleaved in
+    # B's columns) and [E, F, D] down_proj, next to attention projections with biases.
+    (
+        "gpt_oss",
+        True,
+        {"target_modules": ["q_proj", "o_proj"], "target_parameters": EXPERTS},
+        ("experts", "experts.base_layer"),
+    ),
 ]
 
 

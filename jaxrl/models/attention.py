@@ -71,10 +71,19 @@ def resolve_impl(
     q_BTNH: jax.Array,
     segments_known: bool = True,
     softcap: float | None = None,
+    sinks: bool = False,
 ) -> str:
     """The kernel for `ModelConfig.attention_impl`: None picks splash on TPU when the mask is
     segment ids (`segments_known`), cuDNN on GPU where it applies (bf16/fp16, head_dim a multiple
-    of 8 up to 128, no soft-capping), blockwise elsewhere."""
+    of 8 up to 128, no soft-capping), blockwise elsewhere. Attention sinks (GPT-OSS) run only in
+    the XLA path (`grouped_attention`) for now."""
+    if sinks:
+        if requested not in (None, "xla"):
+            raise ValueError(
+                f"attention_impl={requested!r} has no attention sinks (GPT-OSS's per-head "
+                "`self_attn.sinks`); use 'xla' or leave attention_impl unset."
+            )
+        return "xla"
     if requested is not None:
         if requested == "cudnn" and softcap is not None:
             raise ValueError(
@@ -107,20 +116,23 @@ def attend(
     rules: Any = None,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal GQA self-attention with the kernel `impl` (see `resolve_impl`); `mask` is a dense
     `[B, 1, T, S]` visibility mask or an `AttentionMask`; `window` is a static sliding window (HF
     semantics: key j is kept for query i when j > i - window) or None. `mesh`/`rules` let the
     splash kernel run per shard (batch and heads as the model shards them). Scores are scaled by
     `scale` (default head_dim ** -0.5) in f32, after the matmul, as torch's SDPA does, then
-    soft-capped to `softcap * tanh(scores / softcap)` when `softcap` is set (Gemma 2)."""
+    soft-capped to `softcap * tanh(scores / softcap)` when `softcap` is set (Gemma 2). `sinks`
+    ([N], GPT-OSS): per-head logits that join each row's softmax denominator (no value)."""
     if isinstance(mask, AttentionMask):
         mask_B1TS, segments_BT = mask.dense_B1TS, mask.segments_BT
     else:
         mask_B1TS, segments_BT = mask, None
     impl = resolve_impl(
-        impl, q_BTNH, segments_known=mask_B1TS is None or segments_BT is not None, softcap=softcap
-    )
+        impl, q_BTNH, segments_known=mask_B1TS is None or segments_BT is not None, softcap=softcap,
+        sinks=sinks is not None,
+    )  # fmt: skip
     if impl == "splash":
         if mask_B1TS is not None and segments_BT is None:
             raise ValueError(
@@ -136,7 +148,8 @@ def attend(
         return blockwise_attention(
             q_BTNH, k_BSKH, v_BSKH, mask_B1TS, window=window, scale=scale, softcap=softcap
         )
-    if softcap is not None:  # XLA's reference has no soft-capping: the same math, written out
+    if softcap is not None or sinks is not None:
+        # XLA's reference has no soft-capping and no sinks: the same math, written out
         T = q_BTNH.shape[1]
         idx = jnp.arange(T)
         visible_TS = idx[None, :] <= idx[:, None]
@@ -146,7 +159,7 @@ def attend(
         if mask_B1TS is not None:
             visible = visible & mask_B1TS.astype(bool)[:, :, None]
         return grouped_attention(
-            q_BTNH, k_BSKH.swapaxes(1, 2), v_BSKH.swapaxes(1, 2), visible, scale, softcap
+            q_BTNH, k_BSKH.swapaxes(1, 2), v_BSKH.swapaxes(1, 2), visible, scale, softcap, sinks
         )
     return jax.nn.dot_product_attention(
         q_BTNH,
@@ -168,12 +181,17 @@ def grouped_attention(
     visible: jax.Array,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Materialised GQA attention (K/V heads not repeated: query head n = kv head n // G, HF's
     order): f32 scores scaled by `scale` (default: divided by sqrt(head_dim)), soft-capped when
     `softcap` is set, masked to -inf where `visible` (bool, broadcastable to `[B, K, G, T, S]`)
     is False, softmax in f32, probabilities cast to v's dtype. Every row must see a key. The
-    KV-cache decode path and the soft-capped `attention_impl="xla"` use it."""
+    KV-cache decode path, the soft-capped `attention_impl="xla"` and attention sinks use it.
+
+    `sinks` ([N], GPT-OSS): one extra logit per query head in every row's softmax, with no
+    value: probabilities `exp(s_j) / (sum_j exp(s_j) + exp(sink))` (transformers'
+    `eager_attention_forward` for gpt_oss: the sink column joins the max subtraction)."""
     B, T, N, H = q_BTNH.shape
     K = k_BKSH.shape[1]
     q_BKGTH = q_BTNH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
@@ -185,7 +203,14 @@ def grouped_attention(
     if softcap is not None:
         scores = jnp.tanh(scores / softcap) * softcap
     scores = jnp.where(visible, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BKSH.dtype)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_BKSH.dtype)
+    else:
+        sink_BKGT1 = jnp.broadcast_to(
+            sinks.astype(jnp.float32).reshape(1, K, N // K, 1, 1), (*scores.shape[:-1], 1)
+        )
+        combined = jnp.concatenate([scores, sink_BKGT1], axis=-1)
+        probs = jax.nn.softmax(combined, axis=-1)[..., :-1].astype(v_BKSH.dtype)
     out_BKGTH = jnp.einsum("bkgts,bksh->bkgth", probs, v_BKSH)
     return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
