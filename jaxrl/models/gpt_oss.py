@@ -148,7 +148,8 @@ class GptOssRouter(nnx.Module):
             param_value(self.kernel, self.dtype),
             preferred_element_type=jnp.float32,
         )
-        return (logits + param_value(self.bias, jnp.float32)).astype(self.dtype)
+        # As `Dense`: the bias in the compute dtype, added to the f32 product, rounded once.
+        return (logits + param_value(self.bias, self.dtype)).astype(self.dtype)
 
 
 def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
