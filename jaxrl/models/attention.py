@@ -22,6 +22,11 @@ before the mask) runs in the blockwise kernel (its backward chains through the t
 (the kernel's `attn_logits_soft_cap`) and in `grouped_attention` (the reference for
 `attention_impl="xla"`); cuDNN's kernel has none, so the default picks blockwise on GPU then.
 
+GPT-OSS's attention sinks (a learned per-head logit in every row's softmax denominator, with no
+value) run only in `grouped_attention` for now: `resolve_impl` picks "xla" for a model with sinks
+and refuses an explicit blockwise / cuDNN / splash kernel. (The blockwise kernel could take them
+from its log-sum-exp: `O_sink = O * sigmoid(lse - sink)`.)
+
 GQA is computed with query heads grouped per K/V head, so K and V are never repeated. Masks are
 the model's `[B, 1, T, S]` key-visibility masks (padding, packed segments, DPO prefix trees) plus
 causality and an optional static sliding window, as in `layers.dot_product_attention`.
