@@ -23,6 +23,8 @@ FP4_VALUES = np.array(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
     np.float32,
 )
+# Both values of every byte: [256, 2] (low nibble, high nibble), one gather per byte.
+BYTE_VALUES = np.stack([FP4_VALUES[np.arange(256) & 0x0F], FP4_VALUES[np.arange(256) >> 4]], -1)
 SUFFIXES = ("_blocks", "_scales")
 
 
@@ -42,9 +44,7 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray, dtype: Any = np.float32) 
     experts, rows, groups, width = blocks.shape
     out = np.empty((experts, groups * 2 * width, rows), dtype)
     for e in range(experts):
-        values = np.empty((rows, groups, width, 2), np.float32)
-        values[..., 0] = FP4_VALUES[blocks[e] & 0x0F]
-        values[..., 1] = FP4_VALUES[blocks[e] >> 4]
+        values = BYTE_VALUES[blocks[e]]  # [rows, G, B, 2]: the low nibble first
         # torch.ldexp(x, e) = x * 2.0 ** e, the power in f32 (2 ** 128 is inf there too).
         with np.errstate(over="ignore"):
             factor = np.exp2((scales[e].astype(np.int32) - 127).astype(np.float32))
