@@ -20,7 +20,9 @@ folded into the `D x E` kernel as PEFT's `ParamWrapper` folds it) and on the exp
 on the low-rank factors inside the expert dispatch, no full-size delta). On Qwen3-MoE, OLMoE and
 Mixtral, `target_modules` naming the router or expert projections (and "all-linear") are
 rewritten into `target_parameters` first, exactly as PEFT does (`peft_v5_config`); PEFT refuses
-dropout on those adapters, and so does jaxrl.
+dropout on those adapters, and so does jaxrl. GPT-OSS's experts (`LoraGptOssExperts`) take
+`target_parameters` on their native `gate_up_proj [E, D, 2F]` (gate/up interleaved in B's
+columns in the file) and `down_proj [E, F, D]`, rank r; its router (with a bias) is refused.
 
 Why not qwix (measured with qwix 0.1.8 on jaxrl's tiny Llama, `qwix.LoraProvider(module_path=
 ".*(q_proj|v_proj)", rank=4, alpha=8)` + `apply_lora_to_model(model, provider, ids, rngs=...)`):
@@ -55,7 +57,7 @@ from jax.sharding import NamedSharding
 
 from jaxrl import parallel
 from jaxrl.core import quant
-from jaxrl.models import hf, moe
+from jaxrl.models import gpt_oss, hf, moe
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.layers import Dense, param_value
 from jaxrl.models.weights_io import SafetensorsFile, write_safetensors
@@ -446,6 +448,37 @@ class LoraExperts(moe.Experts):
         return {kind: (a[...], b[...], s) for kind, (a, b, s) in self.adapters().items()}
 
 
+class LoraGptOssExperts(gpt_oss.GptOssExperts):
+    """GPT-OSS's experts with PEFT's `target_parameters` LoRA on `gate_up_proj` (`[E, D, 2F]`,
+    gate/up interleaved; one rank-r adapter whose `B` columns follow that interleaving in PEFT's
+    file, `[E, r, 2, F]` here) and/or `down_proj` (`[E, F, D]`), applied inside the dispatch as
+    `LoraExperts` does. Same adapter layout as `LoraExperts` otherwise."""
+
+    def __init__(
+        self,
+        base: gpt_oss.GptOssExperts,
+        adapters: Mapping[str, tuple[nnx.LoRAParam, nnx.LoRAParam, float]],
+    ):
+        # No GptOssExperts.__init__: the base experts' variables are reused.
+        self.dtype, self.alpha, self.limit = base.dtype, base.alpha, base.limit
+        self.mesh, self.rules = base.mesh, base.rules
+        for name in GPT_OSS_EXPERT_PARAMS:
+            setattr(self, name, getattr(base, name))
+        for kind in EXPERT_ADAPTERS:
+            a, b, scaling = adapters.get(kind, (None, None, None))
+            setattr(self, f"{kind}_lora_a", a)
+            setattr(self, f"{kind}_lora_b", b)
+            setattr(self, f"{kind}_scaling", scaling)
+
+    adapters = LoraExperts.adapters
+    low_rank = LoraExperts.low_rank
+
+
+GPT_OSS_EXPERT_PARAMS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+EXPERT_CLASSES = (moe.Experts, gpt_oss.GptOssExperts)
+LORA_EXPERT_CLASSES = (LoraExperts, LoraGptOssExperts)
+
+
 def _folded(kernel: nnx.Variable, a: jax.Array, b: jax.Array, scaling: float) -> jax.Array:
     """`W + scaling * A B` in f32 (batched over any leading axes: layers, experts)."""
     delta = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
@@ -796,22 +829,25 @@ def _make_lora_router(
 
 
 def _make_lora_experts(
-    experts: moe.Experts,
+    experts: moe.Experts | gpt_oss.GptOssExperts,
     config: LoraConfig,
     ranks: Mapping[str, tuple[int, float]],
     key: jax.Array,
     model_config: ModelConfig,
-) -> LoraExperts:
+) -> LoraExperts | LoraGptOssExperts:
     # ParamWrapper on a 3-D expert parameter: lora_A [E * r, in], lora_B [out, r * E], i.e. per
-    # expert A_e [r, in] and B_e [out, r]; the fused gate_up's out is 2F (gate rows first).
-    gate, _, down = experts.names
+    # expert A_e [r, in] and B_e [out, r]; the fused gate_up's out is 2F (gate rows first;
+    # GPT-OSS: gate and up interleaved, kept as (2, F) here and re-interleaved in the file).
+    is_gpt_oss = isinstance(experts, gpt_oss.GptOssExperts)
+    gate, _, down = ("gate_up_proj", None, "down_proj") if is_gpt_oss else experts.names
     adapters = {}
     for kind, (r, alpha) in ranks.items():
         lead, shape, axes = _layout(getattr(experts, gate if kind == "gate_up" else down))
-        (*lead_shape, e, n_in, n_out), (*lead_axes, e_axis, in_axis, out_axis) = shape, axes
-        out_shape, out_axes = (
-            ((2, n_out), (None, out_axis)) if kind == "gate_up" else ((n_out,), (out_axis,))
-        )
+        e, n_in, e_axis, in_axis = shape[lead], shape[lead + 1], axes[lead], axes[lead + 1]
+        lead_shape, lead_axes = shape[:lead], axes[:lead]
+        out_shape, out_axes = shape[lead + 2 :], axes[lead + 2 :]
+        if kind == "gate_up" and not is_gpt_oss:
+            out_shape, out_axes = (2, *out_shape), (None, *out_axes)
         key, sub = jax.random.split(key)
         a, b = _lora_init(
             config,
@@ -827,7 +863,7 @@ def _make_lora_experts(
             _lora_param(b, (*lead_axes, e_axis, None, *out_axes), model_config),
             config.scaling_for(r, alpha),
         )
-    return LoraExperts(experts, adapters)
+    return (LoraGptOssExperts if is_gpt_oss else LoraExperts)(experts, adapters)
 
 
 def apply_lora(model: nnx.Module, config: LoraConfig, rngs: nnx.Rngs) -> nnx.Module:
@@ -847,6 +883,14 @@ def apply_lora(model: nnx.Module, config: LoraConfig, rngs: nnx.Rngs) -> nnx.Mod
     config = peft_v5_config(config, model)
     targets = _resolve_targets(config, hf.checkpoint_model_type(model_config))
     parameters = config.target_parameters or ()
+    router_targets = [t for t in parameters if "router." in t or t.startswith("router")]
+    if router_targets and model_config.model_type == "gpt_oss":
+        raise ValueError(
+            f"target_parameters {router_targets}: LoRA on GPT-OSS's router (a linear layer with a "
+            "bias) is not supported by jaxrl yet. Adapt the experts "
+            "(['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']) and/or the attention "
+            "projections (target_modules), or train the router in full."
+        )
     saved = _modules_to_save(config)
     chosen: list[tuple[tuple, Dense]] = []
     chosen_moe: list[tuple[tuple, nnx.Module, tuple[str, ...]]] = []
@@ -861,7 +905,7 @@ def apply_lora(model: nnx.Module, config: LoraConfig, rngs: nnx.Rngs) -> nnx.Mod
             saved_modules.append((path, module))
             found_saved.update(t for t in saved if any(_matches(n, (t,)) for n in names))
             continue
-        if isinstance(module, (moe.Router, moe.Experts)):
+        if isinstance(module, (moe.Router, *EXPERT_CLASSES)):
             if targets != ALL_LINEAR and _all_or_none(path, names, targets, "target_modules"):
                 what = "router" if isinstance(module, moe.Router) else "experts"
                 raise ValueError(
@@ -958,8 +1002,8 @@ def _lora_layers(model: nnx.Module) -> list[tuple[tuple, LoraDense]]:
     return [(p, m) for p, m in _modules(model) if isinstance(m, LoraDense)]
 
 
-def _moe_layers(model: nnx.Module) -> list[tuple[tuple, LoraRouter | LoraExperts]]:
-    return [(p, m) for p, m in _modules(model) if isinstance(m, (LoraRouter, LoraExperts))]
+def _moe_layers(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
+    return [(p, m) for p, m in _modules(model) if isinstance(m, (LoraRouter, *LORA_EXPERT_CLASSES))]
 
 
 class _Adapter(NamedTuple):
@@ -976,6 +1020,8 @@ class _Adapter(NamedTuple):
     # fused gate_up), as PEFT still loads them.
     v4_prefixes: list[str] = []
     halves: tuple[str, ...] = ()
+    # GPT-OSS's gate_up: B's output columns interleave gate and up in PEFT's file.
+    interleaved: bool = False
 
 
 def _v4_name(name: str, model_config: ModelConfig) -> str:
@@ -988,7 +1034,7 @@ def _adapters(model: nnx.Module) -> list[_Adapter]:
     model_config: ModelConfig = model.config
     out = []
     for path, layer in _modules(model):
-        if not isinstance(layer, (LoraDense, LoraRouter, LoraExperts)):
+        if not isinstance(layer, (LoraDense, LoraRouter, *LORA_EXPERT_CLASSES)):
             continue
         names = hf_module_names(path, model_config)
         if isinstance(layer, LoraDense):
@@ -1002,15 +1048,22 @@ def _adapters(model: nnx.Module) -> list[_Adapter]:
         else:
             keys = _parameter_names(layer, names)
             adapters = layer.adapters()
-            lead = _lead(getattr(layer, layer.names[0]))
+            is_gpt_oss = isinstance(layer, LoraGptOssExperts)
+            lead = _lead(layer.gate_up_proj if is_gpt_oss else getattr(layer, layer.names[0]))
             v4 = [_v4_name(n, model_config) for n in names]
             for i, (kind, (a, b, _)) in enumerate(adapters.items()):
                 # PEFT nests one ParamWrapper per parameter, the first parameter innermost:
                 # `experts.base_layer.lora_A` (gate_up) inside `experts.lora_A` (down).
                 nest = ".base_layer" * (len(adapters) - 1 - i)
-                halves = layer.names[:2] if kind == "gate_up" else layer.names[2:]
+                if is_gpt_oss:  # no per-expert (v4) layout: the parameter's own name
+                    halves = (EXPERT_PARAMETERS[kind],)
+                else:
+                    halves = layer.names[:2] if kind == "gate_up" else layer.names[2:]
                 prefixes = [n + nest for n in names]
-                out.append(_Adapter(prefixes, keys[kind], True, a, b, lead, v4, halves))
+                interleaved = is_gpt_oss and kind == "gate_up"
+                out.append(
+                    _Adapter(prefixes, keys[kind], True, a, b, lead, v4, halves, interleaved)
+                )
     return out
 
 
@@ -1070,6 +1123,8 @@ def _merged_moe(layer: LoraRouter | LoraExperts, model_config: ModelConfig) -> n
             layer.kernel, layer.lora_a[...], layer.lora_b[...], layer.scaling
         )
         return router
+    if isinstance(layer, LoraGptOssExperts):
+        return _merged_gpt_oss_experts(layer, model_config)
     experts = nnx.eval_shape(lambda: moe.Experts(model_config, 1, nnx.Rngs(0)))
     experts.dtype, experts.mesh, experts.rules = layer.dtype, layer.mesh, layer.rules
     experts.act, experts.names = layer.act, layer.names
@@ -1083,6 +1138,28 @@ def _merged_moe(layer: LoraRouter | LoraExperts, model_config: ModelConfig) -> n
     if "down" in adapters:
         a, b, scaling = adapters["down"]
         merged[down] = _merged_param(merged[down], a[...], b[...], scaling)
+    for name, variable in merged.items():
+        setattr(experts, name, variable)
+    return experts
+
+
+def _merged_gpt_oss_experts(
+    layer: LoraGptOssExperts, model_config: ModelConfig
+) -> gpt_oss.GptOssExperts:
+    """PEFT's `ParamWrapper.merge` on GPT-OSS's experts: `W_e += scaling * A_e B_e`."""
+    experts = nnx.eval_shape(lambda: gpt_oss.GptOssExperts(model_config, nnx.Rngs(0)))
+    experts.dtype, experts.alpha, experts.limit = layer.dtype, layer.alpha, layer.limit
+    experts.mesh, experts.rules = layer.mesh, layer.rules
+    merged = {name: getattr(layer, name) for name in GPT_OSS_EXPERT_PARAMS}
+    for kind, (a, b, scaling) in layer.adapters().items():
+        name = EXPERT_PARAMETERS[kind]
+        variable = merged[name]
+        b_flat = b[...].reshape(*b.shape[:-2], -1) if kind == "gate_up" else b[...]
+        delta = jnp.matmul(a[...], b_flat, precision=jax.lax.Precision.HIGHEST)
+        value = param_value(variable, jnp.float32) + scaling * delta.reshape(variable.shape)
+        merged[name] = nnx.Param(
+            value.astype(variable.get_value().dtype), **variable.get_metadata()
+        )
     for name, variable in merged.items():
         setattr(experts, name, variable)
     return experts
@@ -1230,6 +1307,8 @@ def save_peft_adapter(
         a_layers = _layer_slices(parallel.to_host(adapter.lora_a.get_value()), adapter.lead)
         b_layers = _layer_slices(parallel.to_host(adapter.lora_b.get_value()), adapter.lead)
         for prefix, a, b in zip(adapter.prefixes, a_layers, b_layers, strict=True):
+            if adapter.interleaved:  # [E, r, 2, F] -> [E, r, F, 2]: gate/up alternate
+                b = np.swapaxes(b, -1, -2)
             lora_a, lora_b = _peft_factors(a, b, bool(adapter.halves))
             tensors[f"{PEFT_PREFIX}{prefix}.lora_A.weight"] = lora_a
             tensors[f"{PEFT_PREFIX}{prefix}.lora_B.weight"] = lora_b
@@ -1237,7 +1316,9 @@ def save_peft_adapter(
     for entry in hf._entries(saved_state, model_config):
         value = parallel.to_host(entry.variable.get_value())
         for key, x in zip(entry.keys(), _layer_slices(value, entry.split), strict=True):
-            tensors[PEFT_PREFIX + key] = hf._ours_to_hf(x, entry.path, entry.hf_shape, model_config)
+            tensors[PEFT_PREFIX + key] = hf._ours_to_hf(
+                x, entry.path, entry.hf_shape, model_config, entry.layout
+            )
     if jax.process_index() != 0:
         return
     path = Path(path)
@@ -1312,7 +1393,12 @@ def load_peft_adapter(model: nnx.Module, path: str | Path) -> nnx.Module:
                 key = f"{PEFT_PREFIX}{prefix if v5 else v4}"
                 lora_a = read(f"{key}.lora_A.weight", (num_experts * r, in_size))
                 lora_b = read(f"{key}.lora_B.weight", (out_size, r * num_experts))
-                a, b = _our_factors(lora_a, lora_b, a_shape, b_shape, experts)
+                if adapter.interleaved:  # PEFT's [.., F, 2] (gate/up alternating) -> [.., 2, F]
+                    swapped = (*b_shape[:-2], b_shape[-1], b_shape[-2])
+                    a, b = _our_factors(lora_a, lora_b, a_shape, swapped, experts)
+                    b = np.swapaxes(b, -1, -2)
+                else:
+                    a, b = _our_factors(lora_a, lora_b, a_shape, b_shape, experts)
             a_layers.append(a)
             b_layers.append(b)
         assign(adapter.lora_a, a_layers)
@@ -1320,7 +1406,11 @@ def load_peft_adapter(model: nnx.Module, path: str | Path) -> nnx.Module:
     for entry in hf._entries(nnx.state(model, SavedParam), model_config):
         layers = [
             hf._hf_to_ours(
-                read(PEFT_PREFIX + k, entry.hf_shape), entry.path, entry.layer_shape, model_config
+                read(PEFT_PREFIX + k, entry.hf_shape),
+                entry.path,
+                entry.layer_shape,
+                model_config,
+                entry.layout,
             )
             for k in entry.keys()
         ]

@@ -78,6 +78,8 @@ PARITY_CASES = [
     # MoE: attention and the shared expert's gate (LoRA on routers and experts:
     # tests/test_lora_moe.py).
     ("qwen2_moe", False, {"target_modules": r".*\.(q_proj|o_proj|shared_expert_gate)"}),
+    # GPT-OSS: biased attention projections next to the sinks (routers and experts refused).
+    ("gpt_oss", True, {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}),
 ]
 # The fast tier keeps one case; the others are slow.
 PARITY_CASES = [

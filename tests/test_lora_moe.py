@@ -78,6 +78,14 @@ PARITY_CASES = [
         {"target_modules": "all-linear", "target_parameters": ["mlp.gate.weight"]},
         ("gate",),
     ),
+    # GPT-OSS: rank-r adapters on the native [E, D, 2F] gate_up_proj (gate/up interleaved in
+    # B's columns) and [E, F, D] down_proj, next to attention projections with biases.
+    (
+        "gpt_oss",
+        True,
+        {"target_modules": ["q_proj", "o_proj"], "target_parameters": EXPERTS},
+        ("experts", "experts.base_layer"),
+    ),
 ]
 
 
@@ -280,13 +288,24 @@ def torch_loss_and_grads(policy, ids, mask) -> tuple[float, dict[str, np.ndarray
     return float(loss), grads
 
 
-def test_logits_and_gradients_equal_peft(hf_dir, tmp_path):
-    """The loss and the gradients of every adapter (attention, routers, fused gate_up, down)
-    equal torch autograd's through PEFT's ParamWrappers, unrolled on one device; scanned on an
-    8-device mesh (each device dispatches its own tokens, `shard_map`, the adapters gathered)
-    they equal one device's."""
-    path = hf_dir("qwen3_moe")
-    policy = peft_model(path, target_modules="all-linear")
+@pytest.mark.parametrize(
+    ("family", "options"),
+    [
+        ("qwen3_moe", {"target_modules": "all-linear"}),
+        pytest.param(
+            "gpt_oss",
+            {"target_modules": ["q_proj", "o_proj"], "target_parameters": EXPERTS},
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_logits_and_gradients_equal_peft(hf_dir, tmp_path, family, options):
+    """The loss and the gradients of every adapter (attention, routers, fused gate_up, down;
+    GPT-OSS: its interleaved gate_up) equal torch autograd's through PEFT's ParamWrappers,
+    unrolled on one device; scanned on an 8-device mesh (each device dispatches its own tokens,
+    `shard_map`, the adapters gathered) they equal one device's."""
+    path = hf_dir(family)
+    policy = peft_model(path, **options)
     policy.save_pretrained(tmp_path / "peft")
     ids, mask, _ = padded_batch()
     ids, mask = np.tile(ids, (3, 1))[:8], np.tile(mask, (3, 1))[:8]

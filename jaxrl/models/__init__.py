@@ -1,5 +1,5 @@
 """Flax NNX decoder-only LMs (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma, Gemma 3 text, SmolLM3,
-OLMo 2, GPT-2) with HF checkpoint I/O.
+OLMo 2, GPT-OSS, GPT-2) with HF checkpoint I/O.
 
 Every model holds only `nnx.Param` state carrying logical axis names, so
 `graphdef, params = nnx.split(model)` / `nnx.merge(graphdef, params)` is the functional API.
@@ -8,6 +8,7 @@ Every model holds only `nnx.Param` state carrying logical axis names, so
 from jaxrl.models.causal_lm import CausalLM
 from jaxrl.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, config_from_hf
 from jaxrl.models.gpt2 import GPT2ForCausalLM, GPT2Model
+from jaxrl.models.gpt_oss import GptOssForCausalLM, GptOssModel
 from jaxrl.models.heads import (
     CausalLMWithValueHead,
     ScoreHead,
@@ -31,6 +32,8 @@ __all__ = [
     "CausalLMWithValueHead",
     "GPT2ForCausalLM",
     "GPT2Model",
+    "GptOssForCausalLM",
+    "GptOssModel",
     "LlamaForCausalLM",
     "LlamaModel",
     "ModelConfig",

@@ -27,6 +27,11 @@ probabilities) runs in the blockwise kernel (each block's mask regenerated in th
 global indices) and in `grouped_attention`; splash and cuDNN cannot take those masks, so naming
 them is an error while dropping, and the default picks blockwise then.
 
+GPT-OSS's attention sinks (a learned per-head logit in every row's softmax denominator, with no
+value) run only in `grouped_attention` for now: `resolve_impl` picks "xla" for a model with sinks
+and refuses an explicit blockwise / cuDNN / splash kernel. (The blockwise kernel could take them
+from its log-sum-exp: `O_sink = O * sigmoid(lse - sink)`.)
+
 GQA is computed with query heads grouped per K/V head, so K and V are never repeated. Masks are
 the model's `[B, 1, T, S]` key-visibility masks (padding, packed segments, DPO prefix trees) plus
 causality and an optional static sliding window, as in `layers.dot_product_attention`.
@@ -79,12 +84,21 @@ def resolve_impl(
     segments_known: bool = True,
     softcap: float | None = None,
     dropout: float | None = None,
+    sinks: bool = False,
 ) -> str:
     """The kernel for `ModelConfig.attention_impl`: None picks splash on TPU when the mask is
     segment ids (`segments_known`), cuDNN on GPU where it applies (bf16/fp16, head_dim a multiple
     of 8 up to 128, no soft-capping), blockwise elsewhere, and blockwise whenever the attention
     probabilities drop (`dropout`, a training forward's rate: splash and cuDNN cannot take
-    jaxrl's dropout masks)."""
+    jaxrl's dropout masks). Attention sinks (GPT-OSS) run only in the XLA path
+    (`grouped_attention`) for now."""
+    if sinks:
+        if requested not in (None, "xla"):
+            raise ValueError(
+                f"attention_impl={requested!r} has no attention sinks (GPT-OSS's per-head "
+                "`self_attn.sinks`); use 'xla' or leave attention_impl unset."
+            )
+        return "xla"
     if requested is not None:
         if requested == "cudnn" and softcap is not None:
             raise ValueError(
@@ -127,6 +141,7 @@ def attend(
     scale: float | None = None,
     softcap: float | None = None,
     dropout: tuple[jax.Array, float] | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal GQA self-attention with the kernel `impl` (see `resolve_impl`); `mask` is a dense
     `[B, 1, T, S]` visibility mask or an `AttentionMask`; `window` is a static sliding window (HF
@@ -135,7 +150,8 @@ def attend(
     `scale` (default head_dim ** -0.5) in f32, after the matmul, as torch's SDPA does, then
     soft-capped to `softcap * tanh(scores / softcap)` when `softcap` is set (Gemma 2). `dropout`
     (key, rate): torch's dropout on the normalised probabilities before the value matmul, with
-    the mask `jaxrl.models.dropout.attention_dropout_mask` (blockwise and xla only)."""
+    the mask `jaxrl.models.dropout.attention_dropout_mask` (blockwise and xla only). `sinks`
+    ([N], GPT-OSS): per-head logits that join each row's softmax denominator (no value)."""
     if isinstance(mask, AttentionMask):
         mask_B1TS, segments_BT = mask.dense_B1TS, mask.segments_BT
     else:
@@ -146,6 +162,7 @@ def attend(
         segments_known=mask_B1TS is None or segments_BT is not None,
         softcap=softcap,
         dropout=None if dropout is None else dropout[1],
+        sinks=sinks is not None,
     )
     if impl == "splash":
         if mask_B1TS is not None and segments_BT is None:
@@ -163,8 +180,8 @@ def attend(
             q_BTNH, k_BSKH, v_BSKH, mask_B1TS, window=window, scale=scale, softcap=softcap,
             dropout=dropout,
         )  # fmt: skip
-    if softcap is not None or dropout is not None:
-        # XLA's reference has no soft-capping or dropout: the same math, written out
+    if softcap is not None or dropout is not None or sinks is not None:
+        # XLA's reference has no soft-capping, dropout or sinks: the same math, written out
         T = q_BTNH.shape[1]
         idx = jnp.arange(T)
         visible_TS = idx[None, :] <= idx[:, None]
@@ -175,7 +192,7 @@ def attend(
             visible = visible & mask_B1TS.astype(bool)[:, :, None]
         return grouped_attention(
             q_BTNH, k_BSKH.swapaxes(1, 2), v_BSKH.swapaxes(1, 2), visible, scale, softcap,
-            dropout=dropout,
+            dropout=dropout, sinks=sinks,
         )  # fmt: skip
     return jax.nn.dot_product_attention(
         q_BTNH,
@@ -198,15 +215,19 @@ def grouped_attention(
     scale: float | None = None,
     softcap: float | None = None,
     dropout: tuple[jax.Array, float] | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Materialised GQA attention (K/V heads not repeated: query head n = kv head n // G, HF's
     order): f32 scores scaled by `scale` (default: divided by sqrt(head_dim)), soft-capped when
     `softcap` is set, masked to -inf where `visible` (bool, broadcastable to `[B, K, G, T, S]`)
     is False, softmax in f32, probabilities cast to v's dtype. Every row must see a key. The
-    KV-cache decode path and the soft-capped or dropping `attention_impl="xla"` use it.
-    `dropout` (key, rate): self-attention only (query i at position i), the probabilities
+    KV-cache decode path and the soft-capped, dropping or sink-using `attention_impl="xla"` use
+    it. `dropout` (key, rate): self-attention only (query i at position i), the probabilities
     (b, n, i, j) kept by `jaxrl.models.dropout.attention_dropout_mask` and scaled by
-    1 / (1 - rate)."""
+    1 / (1 - rate). `sinks` ([N], GPT-OSS): one extra logit per query head in every row's
+    softmax, with no value: probabilities `exp(s_j) / (sum_j exp(s_j) + exp(sink))`
+    (transformers' `eager_attention_forward` for gpt_oss: the sink column joins the max
+    subtraction; dropout, as there, acts on the probabilities after the sink column is removed)."""
     B, T, N, H = q_BTNH.shape
     K = k_BKSH.shape[1]
     q_BKGTH = q_BTNH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
@@ -218,7 +239,14 @@ def grouped_attention(
     if softcap is not None:
         scores = jnp.tanh(scores / softcap) * softcap
     scores = jnp.where(visible, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink_BKGT1 = jnp.broadcast_to(
+            sinks.astype(jnp.float32).reshape(1, K, N // K, 1, 1), (*scores.shape[:-1], 1)
+        )
+        combined = jnp.concatenate([scores, sink_BKGT1], axis=-1)
+        probs = jax.nn.softmax(combined, axis=-1)[..., :-1]
     if dropout is not None:
         key, rate = dropout
         S = k_BKSH.shape[2]

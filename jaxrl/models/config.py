@@ -16,9 +16,9 @@ from jaxrl.parallel import merge_rules
 
 LLAMA_FAMILY = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text",
-    "smollm3", "olmo2", "olmo3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe",
+    "smollm3", "olmo2", "olmo3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss",
 )  # fmt: skip
-MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 # Image-text checkpoints whose language model jaxrl trains on text (their vision weights are
 # carried through unchanged on save): model_type -> where the language model's weights live.
@@ -127,6 +127,12 @@ class ModelConfig:
     attention_dropout: float = 0.0
     residual_dropout: float = 0.0
     embedding_dropout: float = 0.0
+    # GPT-OSS (see `gpt_oss.py`): a learned per-head attention-sink logit joining each row's
+    # softmax denominator (`attention_sinks`), and the experts' clamped SwiGLU
+    # `(clip(up, +-limit) + 1) * g * sigmoid(alpha * g)`, g = min(gate, limit).
+    attention_sinks: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # Mixed precision follows torch autocast: `dtype` is the matmul dtype (Dense inputs and
     # outputs, attention, logits), `residual_dtype` that of the embeddings, the residual stream
     # and the norms. Under autocast (f32 params, bf16 matmuls) HF models keep the residual
@@ -351,8 +357,8 @@ def _moe_fields(c: Any) -> dict[str, Any]:
             f"clip_qkv={c.clip_qkv} (OLMoE) is not supported: jaxrl does not clamp q/k/v; set it "
             "to null in config.json."
         )
-    mixtral = c.model_type == "mixtral"
-    experts = c.num_local_experts if mixtral else c.num_experts
+    mixtral, gpt_oss = c.model_type == "mixtral", c.model_type == "gpt_oss"
+    experts = c.num_local_experts if mixtral or gpt_oss else c.num_experts
     fields: dict[str, Any] = {
         "moe_layers": moe_layer_flags(c, c.num_hidden_layers),
         "num_experts": experts,
@@ -364,7 +370,8 @@ def _moe_fields(c: Any) -> dict[str, Any]:
             if c.model_type in ("qwen2_moe", "qwen3_moe")
             else c.intermediate_size
         ),
-        "norm_topk_prob": True if mixtral else bool(c.norm_topk_prob),
+        # GPT-OSS: a softmax over the top-k logits, i.e. the renormalised top-k probabilities.
+        "norm_topk_prob": True if mixtral or gpt_oss else bool(c.norm_topk_prob),
     }
     if c.num_experts_per_tok > experts:
         raise ValueError(
@@ -377,6 +384,10 @@ def _moe_fields(c: Any) -> dict[str, Any]:
         fields.update(qk_norm=True, qk_norm_over_heads=True)
     if c.model_type == "qwen3_moe":
         fields["qk_norm"] = True
+    if gpt_oss:
+        from jaxrl.models.gpt_oss import gpt_oss_fields
+
+        fields.update(gpt_oss_fields(c))
     return fields
 
 

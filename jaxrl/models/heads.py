@@ -16,6 +16,7 @@ from flax import nnx
 from jaxrl.core.logprobs import token_logprobs, unembed_logits
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.gpt2 import GPT2ForCausalLM, GPT2Model
+from jaxrl.models.gpt_oss import GptOssForCausalLM, GptOssModel
 from jaxrl.models.layers import Dense, param_value
 from jaxrl.models.llama import LlamaForCausalLM, LlamaModel
 
@@ -24,6 +25,8 @@ V_HEAD_INIT_STRATEGIES = (None, "normal")
 
 def make_backbone(config: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
     """The decoder backbone (no LM head) for the config's family."""
+    if config.model_type == "gpt_oss":
+        return GptOssModel(config, rngs)
     return GPT2Model(config, rngs) if config.model_type == "gpt2" else LlamaModel(config, rngs)
 
 
@@ -213,11 +216,10 @@ class CausalLMWithValueHead(nnx.Module):
         v_head_initializer_range: float = 0.2,
     ):
         self.config = config
-        self.pretrained_model = (
-            GPT2ForCausalLM(config, rngs)
-            if config.model_type == "gpt2"
-            else LlamaForCausalLM(config, rngs)
+        lm_cls = {"gpt2": GPT2ForCausalLM, "gpt_oss": GptOssForCausalLM}.get(
+            config.model_type, LlamaForCausalLM
         )
+        self.pretrained_model = lm_cls(config, rngs)
         self.v_head = SummaryValueHead(
             config,
             rngs,

@@ -28,8 +28,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl import parallel
+from jaxrl.models import gpt_oss, mxfp4
 from jaxrl.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, config_from_hf
 from jaxrl.models.gpt2 import GPT2ForCausalLM
+from jaxrl.models.gpt_oss import GptOssForCausalLM
 from jaxrl.models.heads import CausalLMWithValueHead, SequenceClassificationModel, value_head_init
 from jaxrl.models.llama import LlamaForCausalLM
 from jaxrl.models.weights_io import CheckpointReader, parse_size, plan_shards, write_safetensors
@@ -56,6 +58,7 @@ HF_CAUSAL_ARCH = {
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "gpt2": "GPT2LMHeadModel",
 }
 HF_SEQ_CLS_ARCH = {
@@ -74,12 +77,19 @@ HF_SEQ_CLS_ARCH = {
     "smollm3": "SmolLM3ForSequenceClassification",
     "olmo2": "Olmo2ForSequenceClassification",
     "olmo3": "Olmo3ForSequenceClassification",
+    "gpt_oss": "GptOssForSequenceClassification",
     "gpt2": "GPT2ForSequenceClassification",
 }
 # Checkpoint entries that are buffers or derived values, never parameters.
 IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 CONV1D_MODULES = ("c_attn", "c_proj", "c_fc")
-Model = LlamaForCausalLM | GPT2ForCausalLM | SequenceClassificationModel | CausalLMWithValueHead
+Model = (
+    LlamaForCausalLM
+    | GPT2ForCausalLM
+    | GptOssForCausalLM
+    | SequenceClassificationModel
+    | CausalLMWithValueHead
+)
 
 
 # ---------------------------------------------------------------- building
@@ -112,6 +122,8 @@ def build_model(
         return SequenceClassificationModel(config, rngs, num_labels=num_labels)
     if config.model_type == "gpt2":
         return GPT2ForCausalLM(config, rngs)
+    if config.model_type == "gpt_oss":
+        return GptOssForCausalLM(config, rngs)
     return LlamaForCausalLM(config, rngs)
 
 
@@ -288,14 +300,22 @@ def _is_conv1d(path: tuple, config: ModelConfig) -> bool:
 
 def _is_linear(path: tuple, config: ModelConfig) -> bool:
     """A torch `nn.Linear`-layout weight ([out, in]): our kernels [in..., out...] and the MoE
-    expert weights [in, out] per expert."""
+    expert weights [in, out] per expert (a param with an `hf_layout` is never asked)."""
     return (path[-1] == "kernel" and not _is_conv1d(path, config)) or (
         len(path) > 1 and path[-2] == "experts"
     )
 
 
-def _hf_shape(path: tuple, shape: tuple[int, ...], n_in: int | None, config: ModelConfig) -> tuple:
+def _hf_shape(
+    path: tuple,
+    shape: tuple[int, ...],
+    n_in: int | None,
+    config: ModelConfig,
+    layout: str | None = None,
+) -> tuple:
     """Shape of the HF tensor for one (unstacked) param of ours."""
+    if layout is not None:
+        return gpt_oss.hf_shape(layout, shape)
     if path[-1] == "kernel" or _is_linear(path, config):
         fan_in, fan_out = math.prod(shape[:n_in]), math.prod(shape[n_in:])
         return (fan_in, fan_out) if _is_conv1d(path, config) else (fan_out, fan_in)
@@ -305,14 +325,24 @@ def _hf_shape(path: tuple, shape: tuple[int, ...], n_in: int | None, config: Mod
 
 
 def _hf_to_ours(
-    x: np.ndarray, path: tuple, shape: tuple[int, ...], config: ModelConfig
+    x: np.ndarray,
+    path: tuple,
+    shape: tuple[int, ...],
+    config: ModelConfig,
+    layout: str | None = None,
 ) -> np.ndarray:
+    if layout is not None:
+        return gpt_oss.from_hf(layout, x, shape)
     if _is_linear(path, config):
         x = x.T  # torch nn.Linear stores [out, in]
     return x.reshape(shape)
 
 
-def _ours_to_hf(x: np.ndarray, path: tuple, hf_shape: tuple, config: ModelConfig) -> np.ndarray:
+def _ours_to_hf(
+    x: np.ndarray, path: tuple, hf_shape: tuple, config: ModelConfig, layout: str | None = None
+) -> np.ndarray:
+    if layout is not None:
+        return gpt_oss.to_hf(layout, x, hf_shape)
     if _is_linear(path, config):
         return x.reshape(hf_shape[::-1]).T
     return x.reshape(hf_shape)
@@ -331,7 +361,10 @@ class _ParamEntry:
         self.split_shape = shape[: self.split]
         self.layer_shape = shape[self.split :]
         self.n_in = metadata.get("n_in")
-        self.hf_shape = _hf_shape(path, self.layer_shape, self.n_in, config)
+        # How the HF tensor's layout differs from ours when not the usual mapping (GPT-OSS's
+        # interleaved gate/up experts: `gpt_oss.INTERLEAVED`, `gpt_oss.AS_IS`).
+        self.layout = metadata.get("hf_layout")
+        self.hf_shape = _hf_shape(path, self.layer_shape, self.n_in, config, self.layout)
 
     def indices(self) -> list[tuple[int, ...]]:
         return list(np.ndindex(*self.split_shape))
@@ -425,7 +458,7 @@ def _read_param(
             )
         # Filled in place so a scanned stack costs one stacked tensor of host memory.
         target = out[index]
-        target[...] = _hf_to_ours(x, entry.path, entry.layer_shape, config)
+        target[...] = _hf_to_ours(x, entry.path, entry.layer_shape, config, entry.layout)
     return out
 
 
@@ -488,7 +521,8 @@ def from_pretrained(
         mesh=mesh,
         rules=rules,
     )
-    reader = CheckpointReader(directory)
+    # The released GPT-OSS checkpoints' MXFP4 expert weights are read dequantized.
+    reader = mxfp4.dequantizing_reader(CheckpointReader(directory), hf_config, config.param_dtype)
     if config.language_model_prefix:
         config = dataclasses.replace(config, passthrough_dir=str(directory))
 
@@ -603,7 +637,7 @@ def save_pretrained(model: Model, path: str | Path, *, max_shard_size: int | str
             cache.clear()
             cache[entry.path] = parallel.to_host(entry.variable[...])
         x = cache[entry.path][index]
-        return _ours_to_hf(x, entry.path, entry.hf_shape, config)
+        return _ours_to_hf(x, entry.path, entry.hf_shape, config, entry.layout)
 
     shards = list(plan_shards(specs, parse_size(max_shard_size)))
     names = (
@@ -659,6 +693,10 @@ def _write_config(config: ModelConfig, task: str, model: Model, path: Path) -> N
     if task == "sequence_classification":
         hf_config.num_labels = model.num_labels
     hf_config.dtype = str(jnp.dtype(config.param_dtype))
+    # Weights are written dequantized (what transformers writes for an MXFP4 checkpoint loaded
+    # with `Mxfp4Config(dequantize=True)`): no quantization_config.
+    if getattr(hf_config, "quantization_config", None) is not None:
+        del hf_config.quantization_config
     hf_config.save_pretrained(path)
 
 

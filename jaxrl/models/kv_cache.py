@@ -108,9 +108,11 @@ def cached_attention(
     view: CacheView,
     sliding: bool | jax.Array,
     config: ModelConfig,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """Write the new keys/values at `view.index`, then attend (causal, GQA, sliding window).
-    Attention runs in the compute dtype (the cache's), as `dot_product_attention`."""
+    """Write the new keys/values at `view.index`, then attend (causal, GQA, sliding window,
+    GPT-OSS's attention `sinks`). Attention runs in the compute dtype (the cache's), as
+    `dot_product_attention`."""
     q_BTNH = q_BTNH.astype(config.dtype)
     k_BKSH = jax.lax.dynamic_update_slice_in_dim(
         cache.k, k_BTKH.swapaxes(1, 2).astype(cache.k.dtype), view.index, axis=2
@@ -122,7 +124,7 @@ def cached_attention(
     seq_len = q_BTNH.shape[1]
     if view.prefill:  # nothing older in the cache: the training kernel on the prompt alone
         mask_B1TT = attention_mask_BTS(view.key_mask_BS[:, :seq_len], None)
-        out = dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask_B1TT, sliding, config)
+        out = dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask_B1TT, sliding, config, sinks)
         return out, new_cache
     query_slot_T1 = (view.index + jnp.arange(seq_len, dtype=jnp.int32))[:, None]
     key_slot_1S = jnp.arange(k_BKSH.shape[2], dtype=jnp.int32)[None, :]
@@ -136,8 +138,9 @@ def cached_attention(
     # A query always sees itself, so no row is fully masked.
     mask_B11TS = view.key_mask_BS[:, None, None, None, :] & visible_TS[None, None, None]
     out_BTNH = grouped_attention(
-        q_BTNH, k_BKSH, v_BKSH, mask_B11TS, config.attention_scale, config.attn_logit_softcap
-    )
+        q_BTNH, k_BKSH, v_BKSH, mask_B11TS, config.attention_scale, config.attn_logit_softcap,
+        sinks,
+    )  # fmt: skip
     return out_BTNH.astype(q_BTNH.dtype), new_cache
 
 

@@ -609,9 +609,11 @@ def dot_product_attention(
     mask_B1TS: jax.Array | AttentionMask | None,
     sliding: bool | jax.Array,
     config: ModelConfig,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal GQA attention (K/V heads are not repeated) with the kernel chosen by
-    `config.attention_impl` and the backend (`jaxrl.models.attention`).
+    `config.attention_impl` and the backend (`jaxrl.models.attention`); `sinks`: GPT-OSS's
+    per-head attention-sink logits.
 
     `sliding` is a Python bool (static window) or a traced bool (scanned stacks whose layers
     mix full and sliding attention): then the window is folded into the mask. q, k and v are
@@ -639,7 +641,7 @@ def dot_product_attention(
     return attend(
         q_BTNH, k_BSKH, v_BSKH, mask_B1TS, static_window, config.attention_impl,
         mesh=config.mesh, rules=config.rules, scale=config.attention_scale,
-        softcap=config.attn_logit_softcap, dropout=dropout,
+        softcap=config.attn_logit_softcap, dropout=dropout, sinks=sinks,
     )  # fmt: skip
 
 

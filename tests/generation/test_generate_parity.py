@@ -19,7 +19,7 @@ N_NEW = 10
 FAST = {("gpt2", False), ("mistral", True), ("gemma3", True)}
 SCANNED = [
     ("mistral", True), ("gemma3", True), ("smollm3", True), ("olmo3", True), ("qwen3_moe", True),
-    ("gemma2", True), ("phi3", True),
+    ("gemma2", True), ("phi3", True), ("gpt_oss", True),
 ]  # fmt: skip
 CASES = [
     pytest.param(*c, marks=() if c in FAST else pytest.mark.slow)

@@ -195,6 +195,31 @@ FAMILIES: dict[str, tuple[Any, dict[str, Any]]] = {
         lambda: transformers.OlmoeConfig(**TINY, num_experts=4, num_experts_per_tok=2),
         {"max_shard_size": "40KB"},
     ),
+    # GPT-OSS: attention sinks (drawn with std 1 in `_build`, so they matter), q/k/v/o biases,
+    # a sliding layer then a full one, YaRN without truncation (small original context), 4
+    # experts top-2 with biases, gate/up interleaved in the checkpoint, and a SwiGLU limit low
+    # enough that the clamps bite.
+    "gpt_oss": (
+        lambda: transformers.GptOssConfig(
+            **{**TINY, "intermediate_size": 32},
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=3,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 8,
+            },
+            swiglu_limit=0.15,
+        ),
+        {},
+    ),
     "gpt2": (
         lambda: transformers.GPT2Config(
             vocab_size=VOCAB,
@@ -228,6 +253,8 @@ def _build(factory: Any, save_kwargs: dict, tmp: Path, cls: Any, seed: int) -> R
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name or "ln_" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith(".sinks"):  # GPT-OSS's attention sinks, large enough to matter
+                p.copy_(torch.randn_like(p))
     model.save_pretrained(tmp, **save_kwargs)
     return Reference(model, tmp)
 

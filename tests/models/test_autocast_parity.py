@@ -15,7 +15,8 @@ from tests.models.conftest import padded_batch, torch_logits
 
 def _autocast_logits(path, ids, mask) -> np.ndarray:
     # Gemma 2's soft-capped scores run only in transformers' eager attention.
-    eager = transformers.AutoConfig.from_pretrained(path).model_type == "gemma2"
+    # GPT-OSS's sinks too (transformers has no SDPA path for it).
+    eager = transformers.AutoConfig.from_pretrained(path).model_type in ("gemma2", "gpt_oss")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path, attn_implementation="eager" if eager else "sdpa"
     )

@@ -28,8 +28,8 @@ def test_unsupported_model_type_lists_supported():
         ValueError,
         match=(
             r"model_type='bert'.*llama, mistral, qwen2, qwen3, phi3, granite, gemma, gemma2,"
-            r"\s+gemma3_text, smollm3, olmo2, olmo3, qwen2_moe, qwen3_moe, mixtral, olmoe, gpt2,"
-            r"\s+gemma3"
+            r"\s+gemma3_text, smollm3, olmo2, olmo3, qwen2_moe, qwen3_moe, mixtral, olmoe,"
+            r"\s+gpt_oss, gpt2, gemma3"
         ),
     ):
         from_config(transformers.BertConfig())

@@ -29,7 +29,14 @@ def _torch_scores(model, ids, mask):
 
 @pytest.mark.parametrize(
     "family",
-    [pytest.param("llama", marks=pytest.mark.slow), "qwen2", "gemma2", "gemma3", "qwen2_moe"],
+    [
+        pytest.param("llama", marks=pytest.mark.slow),
+        "qwen2",
+        "gemma2",
+        "gemma3",
+        "qwen2_moe",
+        "gpt_oss",
+    ],
 )
 def test_scores_match_transformers_and_round_trip(family, hf_seq_cls, tmp_path):
     ref = hf_seq_cls(family)

@@ -89,12 +89,13 @@ def test_longrope_switches_at_the_original_context(hf_causal):
         assert _masked_max_diff(got, expected, right) <= 1e-4, seq_len
 
 
-@pytest.mark.parametrize("family", ["phi3", "gemma2", "granite"])
+@pytest.mark.parametrize("family", ["phi3", "gemma2", "granite", "gpt_oss"])
 def test_every_gradient_equals_torch(family, hf_causal, tmp_path):
     """Gradients of mean(logits ** 2) w.r.t. every weight equal torch autograd's, compared in
     HF's layout (the gradient tree saved as a checkpoint): Phi-3's fused qkv_proj/gate_up_proj
     and partial LongRoPE, Gemma 2's soft-capped scores and logits, Granite's multipliers and
-    logits scaling (folded into the tied unembedding)."""
+    logits scaling (folded into the tied unembedding), GPT-OSS's attention sinks, router and
+    expert biases and clamped SwiGLU (gate/up re-interleaved in the saved gradients)."""
     import jax
     import torch
     from flax import nnx

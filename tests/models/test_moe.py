@@ -18,7 +18,7 @@ from jaxrl.models.presets import flops_per_token
 from jaxrl.parallel import make_mesh
 from tests.models.conftest import FAMILIES, padded_batch
 
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
 
 
 def _hf_aux(ref, ids, mask) -> float:

@@ -12,6 +12,7 @@ from test_sft_trl_options import _prompt_completion
 from trainer_utils import (
     assert_logs_match,
     jaxrl_trainer,
+    tiny_gpt_oss,
     tiny_qwen3_moe,
     train_logs,
     trl_train_logs,
@@ -56,6 +57,20 @@ def test_sft_matches_trl_with_aux_loss_and_accumulation(tmp_path, tokenizer, moe
     assert_logs_match(ours, theirs, ("loss", "num_tokens", "aux_loss"), steps=2)
     assert trainer.model.config.hf_config.router_aux_loss_coef == COEF
     assert trainer.model.config.hf_config.output_router_logits is True
+
+
+def test_gpt_oss_sft_matches_trl_with_aux_loss(tmp_path, tokenizer):
+    """GPT-OSS (attention sinks, biased router and experts, clamped SwiGLU) trains as TRL's
+    SFTTrainer does, the aux loss included."""
+    import trl
+
+    model_dir = tiny_gpt_oss(tmp_path / "tiny_gpt_oss", tokenizer)
+    _, ours, theirs = _ours_and_theirs(
+        SFTTrainer, SFTConfig, trl.SFTTrainer, trl.SFTConfig, _prompt_completion(), tmp_path,
+        tokenizer, model_dir, per_device_train_batch_size=4, train_sampling_strategy="sequential",
+        max_steps=2, learning_rate=1e-3, max_length=64, router_aux_loss_coef=COEF,
+    )  # fmt: skip
+    assert_logs_match(ours, theirs, ("loss", "num_tokens", "aux_loss"), steps=2)
 
 
 @pytest.mark.parametrize("prefix_sharing", [False, True])

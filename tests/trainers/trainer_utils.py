@@ -141,3 +141,46 @@ def tiny_qwen3_moe(path, tokenizer) -> str:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def tiny_gpt_oss(path, tokenizer) -> str:
+    """A tiny GPT-OSS (4 experts, 2 per token, attention sinks, a sliding and a full layer,
+    YaRN) saved with `tokenizer` to `path`; router logits spread and sinks drawn with std 1 so
+    that routing and sinks matter."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    config = GptOssConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=4,
+        max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 16,
+        },
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=2,
+    )
+    model = GptOssForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.router.weight.normal_(0.0, 0.5)
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
