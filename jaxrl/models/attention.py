@@ -28,9 +28,9 @@ global indices) and in `grouped_attention`; splash and cuDNN cannot take those m
 them is an error while dropping, and the default picks blockwise then.
 
 GPT-OSS's attention sinks (a learned per-head logit in every row's softmax denominator, with no
-value) run only in `grouped_attention` for now: `resolve_impl` picks "xla" for a model with sinks
-and refuses an explicit blockwise / cuDNN / splash kernel. (The blockwise kernel could take them
-from its log-sum-exp: `O_sink = O * sigmoid(lse - sink)`.)
+value) run in the blockwise kernel (its online softmax starts from the sink) and in
+`grouped_attention`; splash and cuDNN have none, so the default picks blockwise for such models
+and naming those two is an error.
 
 GQA is computed with query heads grouped per K/V head, so K and V are never repeated. Masks are
 the model's `[B, 1, T, S]` key-visibility masks (padding, packed segments, DPO prefix trees) plus
@@ -90,15 +90,15 @@ def resolve_impl(
     segment ids (`segments_known`), cuDNN on GPU where it applies (bf16/fp16, head_dim a multiple
     of 8 up to 128, no soft-capping), blockwise elsewhere, and blockwise whenever the attention
     probabilities drop (`dropout`, a training forward's rate: splash and cuDNN cannot take
-    jaxrl's dropout masks). Attention sinks (GPT-OSS) run only in the XLA path
-    (`grouped_attention`) for now."""
+    jaxrl's dropout masks) or the model has attention sinks (GPT-OSS: splash and cuDNN have
+    none)."""
     if sinks:
-        if requested not in (None, "xla"):
+        if requested in ("cudnn", "splash"):
             raise ValueError(
                 f"attention_impl={requested!r} has no attention sinks (GPT-OSS's per-head "
-                "`self_attn.sinks`); use 'xla' or leave attention_impl unset."
+                "`self_attn.sinks`); use 'blockwise' or 'xla', or leave attention_impl unset."
             )
-        return "xla"
+        return requested or "blockwise"
     if requested is not None:
         if requested == "cudnn" and softcap is not None:
             raise ValueError(
@@ -178,7 +178,7 @@ def attend(
     if impl == "blockwise":
         return blockwise_attention(
             q_BTNH, k_BSKH, v_BSKH, mask_B1TS, window=window, scale=scale, softcap=softcap,
-            dropout=dropout,
+            dropout=dropout, sinks=sinks,
         )  # fmt: skip
     if softcap is not None or dropout is not None or sinks is not None:
         # XLA's reference has no soft-capping, dropout or sinks: the same math, written out
@@ -393,6 +393,7 @@ def blockwise_attention(
     scale: float | None = None,
     softcap: float | None = None,
     dropout: tuple[jax.Array, float] | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention `softmax(cap(q k^T * scale) + mask) v` (`scale` default 1 / sqrt(H);
     `cap(s) = softcap * tanh(s / softcap)` when `softcap` is set, else the identity) computed
@@ -408,6 +409,11 @@ def blockwise_attention(
     the global (row, head, query, key) indices (`jaxrl.models.dropout.attention_keep`), in the
     forward and again in the backward, so no `[B, N, T, S]` array exists and the mask is the
     same for every block size.
+
+    `sinks` ([N], GPT-OSS): a per-head logit in every row's softmax denominator with no value:
+    the online softmax starts from it (running max = sink, running sum = 1), so the log-sum-exp
+    includes it; its gradient is `-sum_rows exp(sink - lse) * delta` (delta the softmax
+    backward's row term). A row that sees no key puts all its weight on the sink (output 0).
     """
     B, T, N, H = q_BTNH.shape
     S, K = k_BSKH.shape[1], k_BSKH.shape[2]
@@ -430,8 +436,10 @@ def blockwise_attention(
         head = jnp.arange(N, dtype=jnp.uint32).reshape(1, K, G)
         k0, k1 = model_dropout.attention_row_keys(key, b, head)
         row_keys = tuple(jnp.repeat(w, size, axis=-1) for w in (k0, k1))
+    if sinks is not None:
+        sinks = sinks.astype(jnp.float32)
     return _attention(
-        q_BTNH, k_BSKH, v_BSKH, mask_B1TS, row_keys, size, window, scale, softcap, rate
+        q_BTNH, k_BSKH, v_BSKH, mask_B1TS, row_keys, sinks, size, window, scale, softcap, rate
     )
 
 
@@ -534,12 +542,18 @@ def _pad_mask(mask_B1TS, size):
 # ---------------------------------------------------------------- forward and backward
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _attention(q, k, v, mask, row_keys, size, window, scale, softcap, rate):
-    return _forward(q, k, v, mask, row_keys, size, window, scale, softcap, rate)[0]
+def _sink_rows(sinks_N, num_kv, size):
+    """[N] per-head sink logits -> [K, G * b] in the query-block row order (row g * b + t is
+    query head k * G + g)."""
+    return jnp.repeat(sinks_N.reshape(num_kv, -1), size, axis=-1)
 
 
-def _forward(q, k, v, mask, row_keys, size, window, scale, softcap, rate):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _attention(q, k, v, mask, row_keys, sinks, size, window, scale, softcap, rate):
+    return _forward(q, k, v, mask, row_keys, sinks, size, window, scale, softcap, rate)[0]
+
+
+def _forward(q, k, v, mask, row_keys, sinks, size, window, scale, softcap, rate):
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
@@ -578,6 +592,9 @@ def _forward(q, k, v, mask, row_keys, size, window, scale, softcap, rate):
             jnp.zeros(rows, jnp.float32),
             jnp.zeros((*rows, H), jnp.float32),
         )
+        if sinks is not None:  # the sink is the first "key": max = sink, sum = exp(0), no value
+            sink_BKR = jnp.broadcast_to(_sink_rows(sinks, K, size), rows)
+            init = (sink_BKR, jnp.ones(rows, jnp.float32), init[2])
         lo, hi = _key_range(i, size, window)
         m_BKR, denom_BKR, acc_BKRH = jax.lax.fori_loop(lo, hi, key_block, init)
         seen_BKR = denom_BKR > 0
@@ -588,11 +605,11 @@ def _forward(q, k, v, mask, row_keys, size, window, scale, softcap, rate):
 
     _, (out_blocks, lse_blocks) = jax.lax.scan(query_block, None, (jnp.arange(nb), q_blocks))
     out = _from_q_blocks(out_blocks, T, N)
-    return out, (q, k, v, mask, row_keys, out, lse_blocks)
+    return out, (q, k, v, mask, row_keys, sinks, out, lse_blocks)
 
 
 def _backward(size, window, scale, softcap, rate, res, dout):
-    q, k, v, mask, row_keys, out, lse_blocks = res
+    q, k, v, mask, row_keys, sinks, out, lse_blocks = res
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
@@ -665,7 +682,11 @@ def _backward(size, window, scale, softcap, rate, res, dout):
     dq = _from_q_blocks(dq_blocks, T, N).astype(q.dtype)
     dk = _from_kv_blocks(dk_blocks, T).astype(k.dtype)
     dv = _from_kv_blocks(dv_blocks, T).astype(v.dtype)
-    return dq, dk, dv, None, None
+    dsinks = None
+    if sinks is not None:  # d lse / d sink = P_sink; rows past T have delta 0
+        p_sink = jnp.exp(_sink_rows(sinks, K, size) - lse_blocks)  # [nb, B, K, G * b]
+        dsinks = -(p_sink * delta_blocks).sum((0, 1)).reshape(K, G, size).sum(-1).reshape(N)
+    return dq, dk, dv, None, None, dsinks
 
 
 _attention.defvjp(_forward, _backward)

@@ -37,10 +37,12 @@ def _torch_sink_attention(q, k, v, mask, sinks):
     return out  # [B, T, N, H]
 
 
-def test_sinks_match_transformers_values_and_gradients():
-    """`attend` with sinks (the XLA path) equals transformers' eager sink attention under a
-    sliding window and left padding (a fully padded query row included), and so do the
-    gradients w.r.t. q, k, v and the sinks; without the sinks the output differs."""
+@pytest.mark.parametrize("impl", [None, "xla"])
+def test_sinks_match_transformers_values_and_gradients(impl):
+    """`attend` with sinks (the default: the blockwise kernel, two query blocks; and the XLA
+    path) equals transformers' eager sink attention under a sliding window and left padding (a
+    fully padded query row included), and so do the gradients w.r.t. q, k, v and the sinks;
+    without the sinks the output differs."""
     rng = np.random.default_rng(0)
     B, T, N, K, H, window = 2, 7, 4, 2, 8, 3
     q, k, v = (rng.standard_normal((B, T, n, H)).astype(np.float32) for n in (N, K, K))
@@ -53,7 +55,11 @@ def test_sinks_match_transformers_values_and_gradients():
     cot = rng.standard_normal((B, T, N, H)).astype(np.float32)
 
     def ours(q, k, v, sinks):
-        return attention.attend(q, k, v, jnp.asarray(dense), window, None, sinks=sinks)
+        if impl is None:  # blocks of 4: the sink and the online softmax meet across blocks
+            return attention.blockwise_attention(
+                q, k, v, jnp.asarray(dense), window=window, max_block=4, sinks=sinks
+            )
+        return attention.attend(q, k, v, jnp.asarray(dense), window, impl, sinks=sinks)
 
     out, vjp = jax.vjp(ours, q, k, v, sinks)
     grads = vjp(jnp.asarray(cot))
@@ -68,10 +74,37 @@ def test_sinks_match_transformers_values_and_gradients():
 
     without = attention.attend(q, k, v, jnp.asarray(dense), window, "xla")
     assert np.abs(np.asarray(without) - np.asarray(out)).max() > 1e-2
-    # The kernels without sinks refuse them (for now) instead of dropping them.
-    for impl in ("blockwise", "cudnn", "splash"):
+    # The kernels without sinks refuse them instead of dropping them; the default is blockwise.
+    for name in ("cudnn", "splash"):
         with pytest.raises(ValueError, match="attention sinks"):
-            attention.attend(q, k, v, jnp.asarray(dense), window, impl, sinks=sinks)
+            attention.attend(q, k, v, jnp.asarray(dense), window, name, sinks=sinks)
+    assert attention.resolve_impl(None, jnp.asarray(q), sinks=True) == "blockwise"
+
+
+def test_blockwise_sinks_with_dropout_equal_the_xla_path():
+    """Sinks and attention dropout together (a GPT-OSS config with attention_dropout): the
+    blockwise kernel equals the XLA path, values and every gradient."""
+    rng = np.random.default_rng(1)
+    B, T, N, K, H = 2, 9, 4, 2, 8
+    q, k, v = (rng.standard_normal((B, T, n, H)).astype(np.float32) for n in (N, K, K))
+    sinks = rng.standard_normal(N).astype(np.float32)
+    pad = np.ones((B, T), bool)
+    pad[0, -3:] = False
+    dense = jnp.asarray(np.broadcast_to(pad[:, None, None, :], (B, 1, T, T)))
+    dropout = (jax.random.key(3), 0.3)
+    cot = jnp.asarray(rng.standard_normal((B, T, N, H)).astype(np.float32))
+
+    def run(impl):
+        def f(q, k, v, sinks):
+            return attention.attend(q, k, v, dense, None, impl, dropout=dropout, sinks=sinks)
+
+        out, vjp = jax.vjp(f, q, k, v, sinks)
+        return out, vjp(cot)
+
+    (want, want_grads), (got, got_grads) = run("xla"), run("blockwise")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5)
 
 
 def _random_packed(rng, experts, rows, cols):
@@ -181,7 +214,7 @@ def test_refusals(hf_causal):
     hf_config.quantization_config = {"quant_method": "bitsandbytes"}
     with pytest.raises(ValueError, match="quant_method='bitsandbytes'"):
         config_from_hf(hf_config)
-    model = from_pretrained(path, attention_impl="blockwise")
+    model = from_pretrained(path, attention_impl="cudnn")
     with pytest.raises(ValueError, match="no attention sinks"):
         model(jnp.ones((1, 4), jnp.int32))
     model = from_pretrained(path)
