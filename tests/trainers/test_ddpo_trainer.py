@@ -377,11 +377,6 @@ def test_mesh_equals_one_device(sd, sd_path, tmp_path):
 def test_cli_reward_rises(sd_path, tmp_path):
     # The tiny pipeline the CLI builds on first use under $JAXRL_CACHE: the module's, built.
     env = {**os.environ, "JAXRL_CACHE": str(sd_path.parent)}
-    # XLA:CPU at -O1 here, not the suite's -O0: the UNet's loops run twice as fast (this run: 34
-    # -> 17 CPU s with its programs in the compilation cache) for more compile time (42 -> 47 s
-    # with an empty cache).
-    flags = [f for f in env["XLA_FLAGS"].split() if "xla_backend_optimization_level" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags, "--xla_backend_optimization_level=1"])
     cmd = [sys.executable, "-m", "jaxrl.train", "--algo", "ddpo", "--logdir", str(tmp_path)]
     cmd += ["--mesh_fsdp", "1"]  # one device: 8 fake CPU devices on 2 cores only slow it down
     cmd += ["--save_freq", "6"]  # one checkpoint, after the 6th and last epoch (not every one)
