@@ -425,6 +425,11 @@ class LoraExperts(moe.Experts):
         self.act, self.names = base.act, base.names
         for name in base.names:
             setattr(self, name, getattr(base, name))
+        self._set_adapters(adapters)
+
+    def _set_adapters(
+        self, adapters: Mapping[str, tuple[nnx.LoRAParam, nnx.LoRAParam, float]]
+    ) -> None:
         for kind in EXPERT_ADAPTERS:
             a, b, scaling = adapters.get(kind, (None, None, None))
             setattr(self, f"{kind}_lora_a", a)
@@ -464,12 +469,9 @@ class LoraGptOssExperts(gpt_oss.GptOssExperts):
         self.mesh, self.rules = base.mesh, base.rules
         for name in GPT_OSS_EXPERT_PARAMS:
             setattr(self, name, getattr(base, name))
-        for kind in EXPERT_ADAPTERS:
-            a, b, scaling = adapters.get(kind, (None, None, None))
-            setattr(self, f"{kind}_lora_a", a)
-            setattr(self, f"{kind}_lora_b", b)
-            setattr(self, f"{kind}_scaling", scaling)
+        self._set_adapters(adapters)
 
+    _set_adapters = LoraExperts._set_adapters
     adapters = LoraExperts.adapters
     low_rank = LoraExperts.low_rank
 

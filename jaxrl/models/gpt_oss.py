@@ -32,24 +32,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec
 
 from jaxrl.models import moe
 from jaxrl.models.causal_lm import CausalLM
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.kv_cache import CacheView, KVCache, cached_attention
+from jaxrl.models.kv_cache import CacheView, KVCache
 from jaxrl.models.layers import (
     Embed,
     LayerFlags,
     RMSNorm,
-    dot_product_attention,
     make_layers,
     make_param,
     normal_init,
     param_value,
 )
 from jaxrl.models.llama import LlamaAttention, LlamaModel
-from jaxrl.parallel import logical_to_spec
 
 # `hf_layout` metadata of the expert params: how the HF tensor maps to ours (see `hf.py`).
 INTERLEAVED = "gate_up_interleaved"  # HF [..., 2F] (gate, up alternating) <-> ours [..., 2, F]
@@ -113,22 +110,8 @@ class GptOssAttention(LlamaAttention):
             config.param_dtype,
         )
 
-    def __call__(self, x_BTD, cos, sin, mask_B1TS, layer: LayerFlags) -> jax.Array:
-        q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, cos, sin, layer)
-        out_BTNH = dot_product_attention(
-            q_BTNH, k_BTKH, v_BTKH, mask_B1TS, layer.sliding, self.config, param_value(self.sinks)
-        )
-        return self.o_proj(out_BTNH)
-
-    def cached(
-        self, x_BTD, cos, sin, layer: LayerFlags, cache: KVCache, view: CacheView
-    ) -> tuple[jax.Array, KVCache]:
-        q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, cos, sin, layer)
-        out_BTNH, cache = cached_attention(
-            q_BTNH, k_BTKH, v_BTKH, cache, view, layer.sliding, self.config,
-            param_value(self.sinks),
-        )  # fmt: skip
-        return self.o_proj(out_BTNH), cache
+    def _sinks(self) -> jax.Array:
+        return param_value(self.sinks)
 
 
 class GptOssRouter(nnx.Module):
@@ -200,18 +183,9 @@ class GptOssExperts(nnx.Module):
         scalings = {k: s for k, (_, _, s) in low_rank.items()}
         dispatch = functools.partial(_dispatch, self.dtype, self.alpha, self.limit, scalings)
         weights = self.weights()
-        if self.mesh is None or self.mesh.size == 1:
-            return dispatch(x_MD, experts_MK, weights, factors)
-        (batch,) = logical_to_spec(("batch",), self.rules, x_MD.shape[:1], self.mesh)
-        if batch is None:
-            return dispatch(x_MD, experts_MK, weights, factors)
-        rows = PartitionSpec(batch, None)
-        return jax.shard_map(
-            dispatch,
-            mesh=self.mesh,
-            in_specs=(rows, rows, PartitionSpec(), PartitionSpec()),
-            out_specs=PartitionSpec(batch, None, None),
-        )(x_MD, experts_MK, weights, factors)
+        return moe.per_device_tokens(
+            dispatch, self.mesh, self.rules, x_MD, experts_MK, weights, factors
+        )
 
 
 def _dispatch(dtype, alpha, limit, scalings, x_MD, experts_MK, weights, factors) -> jax.Array:

@@ -139,7 +139,7 @@ def cached_attention(
     mask_B11TS = view.key_mask_BS[:, None, None, None, :] & visible_TS[None, None, None]
     out_BTNH = grouped_attention(
         q_BTNH, k_BKSH, v_BKSH, mask_B11TS, config.attention_scale, config.attn_logit_softcap,
-        sinks,
+        sinks=sinks,
     )  # fmt: skip
     return out_BTNH.astype(q_BTNH.dtype), new_cache
 

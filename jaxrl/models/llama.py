@@ -92,10 +92,14 @@ class LlamaAttention(nnx.Module):
         q_BTNH, k_BTKH = rotate(q_BTNH, k_BTKH, cos, sin, layer)
         return q_BTNH, k_BTKH, v_BTKH
 
+    def _sinks(self) -> jax.Array | None:
+        """Per-head attention-sink logits (GPT-OSS overrides this); None: no sinks."""
+        return None
+
     def __call__(self, x_BTD, cos, sin, mask_B1TS, layer: LayerFlags) -> jax.Array:
         q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, cos, sin, layer)
         out_BTNH = dot_product_attention(
-            q_BTNH, k_BTKH, v_BTKH, mask_B1TS, layer.sliding, self.config
+            q_BTNH, k_BTKH, v_BTKH, mask_B1TS, layer.sliding, self.config, self._sinks()
         )
         return self.o_proj(out_BTNH)
 
@@ -105,7 +109,7 @@ class LlamaAttention(nnx.Module):
         """Attention over the KV cache (incremental decoding; see `kv_cache.py`)."""
         q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, cos, sin, layer)
         out_BTNH, cache = cached_attention(
-            q_BTNH, k_BTKH, v_BTKH, cache, view, layer.sliding, self.config
+            q_BTNH, k_BTKH, v_BTKH, cache, view, layer.sliding, self.config, self._sinks()
         )
         return self.o_proj(out_BTNH), cache
 

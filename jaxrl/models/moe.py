@@ -209,18 +209,27 @@ class Experts(nnx.Module):
         factors = {k: (a, b) for k, (a, b, _) in low_rank.items()}
         scalings = {k: s for k, (_, _, s) in low_rank.items()}
         dispatch = functools.partial(_dispatch, self.act, self.dtype, scalings)
-        if self.mesh is None or self.mesh.size == 1:
-            return dispatch(x_MD, experts_MK, weights, factors)
-        (batch,) = logical_to_spec(("batch",), self.rules, x_MD.shape[:1], self.mesh)
-        if batch is None:  # the tokens do not split over the batch axes
-            return dispatch(x_MD, experts_MK, weights, factors)
-        rows = PartitionSpec(batch, None)
-        return jax.shard_map(
-            dispatch,
-            mesh=self.mesh,
-            in_specs=(rows, rows, PartitionSpec(), PartitionSpec()),
-            out_specs=PartitionSpec(batch, None, None),
-        )(x_MD, experts_MK, weights, factors)
+        return per_device_tokens(
+            dispatch, self.mesh, self.rules, x_MD, experts_MK, weights, factors
+        )
+
+
+def per_device_tokens(dispatch, mesh, rules, x_MD, experts_MK, weights, factors) -> jax.Array:
+    """`dispatch(x_MD, experts_MK, weights, factors) -> [M, K, D]` run by each device on its own
+    tokens (`shard_map` over the batch axes) with the weights and adapters whole; directly when
+    there is no mesh or the tokens do not split."""
+    if mesh is None or mesh.size == 1:
+        return dispatch(x_MD, experts_MK, weights, factors)
+    (batch,) = logical_to_spec(("batch",), rules, x_MD.shape[:1], mesh)
+    if batch is None:  # the tokens do not split over the batch axes
+        return dispatch(x_MD, experts_MK, weights, factors)
+    rows = PartitionSpec(batch, None)
+    return jax.shard_map(
+        dispatch,
+        mesh=mesh,
+        in_specs=(rows, rows, PartitionSpec(), PartitionSpec()),
+        out_specs=PartitionSpec(batch, None, None),
+    )(x_MD, experts_MK, weights, factors)
 
 
 def _dispatch(act, dtype, scalings, x_MD, experts_MK, weights, factors) -> jax.Array:

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 
 from jaxrl.models.dropout import model_dropout
+from jaxrl.trainers.forward_view import ForwardView, view_for
 
 # Folded into a micro-batch's key for the model's dropout (NEFTune and LoRA dropout use others).
 DROPOUT_STREAM = 0x44524F50
@@ -66,35 +67,12 @@ def training_dropout(params: Any, key: jax.Array) -> Iterator[None]:
 def dropping_policy(model: Any, params: Any) -> Any:
     """`model` (built from `params`), or inside `training_dropout` for these params a view of it
     whose forwards drop."""
-    request = _REQUEST.get()
-    if request is None or request.params is not params:
-        return model
-    return _DroppingForward(model, request)
+    return view_for(model, params, _REQUEST.get(), _DroppingForward)
 
 
-# Model methods that run a forward from token ids; others (e.g. `unembed_weight`) pass through.
-_FORWARDS = ("hidden_states", "token_scores")
-
-
-class _DroppingForward:
+class _DroppingForward(ForwardView):
     """A model whose forwards run inside `model_dropout` (see `dropping_policy`)."""
 
-    def __init__(self, model: Any, request: _Request):
-        self._model = model
-        self._request = request
-
     def _forward(self, method: Any, args: tuple, kwargs: dict) -> Any:
-        r = self._request
-        key = jax.random.fold_in(r.key, r.calls)
-        r.calls += 1
-        with model_dropout(key):
+        with model_dropout(self._next_key()):
             return method(*args, **kwargs)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._forward(self._model, args, kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._model, name)
-        if name not in _FORWARDS:
-            return attr
-        return lambda *args, **kwargs: self._forward(attr, args, kwargs)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from jaxrl.data.collate import trl_padded_lengths
 from jaxrl.models.layers import embedding_noise
+from jaxrl.trainers.forward_view import ForwardView, view_for
 
 # Folded into a micro-batch's key for its noise (LoRA dropout uses another stream).
 NOISE_STREAM = 0x4E4546
@@ -73,23 +74,11 @@ def training_noise(
 def noisy_policy(model: Any, params: Any) -> Any:
     """`model` (built from `params`), or inside `training_noise` for these params a view of it
     whose forwards add NEFTune noise."""
-    request = _REQUEST.get()
-    if request is None or request.params is not params:
-        return model
-    return _NoisyForward(model, request)
+    return view_for(model, params, _REQUEST.get(), _NoisyForward)
 
 
-# Model methods that run a forward from token ids `(input_ids, attention_mask, positions,
-# segment_ids)`; other methods (e.g. `unembed_weight`) pass through unchanged.
-_FORWARDS = ("hidden_states", "token_scores")
-
-
-class _NoisyForward:
+class _NoisyForward(ForwardView):
     """A model whose forwards run inside `embedding_noise` (see `noisy_policy`)."""
-
-    def __init__(self, model: Any, request: _Request):
-        self._model = model
-        self._request = request
 
     def _forward(self, method: Any, args: tuple, kwargs: dict) -> Any:
         names = ("input_ids_BT", "attention_mask", "positions", "segment_ids")
@@ -97,8 +86,7 @@ class _NoisyForward:
         input_ids = bound["input_ids_BT"]
         positions, segment_ids = bound.get("positions"), bound.get("segment_ids")
         r = self._request
-        key = jax.random.fold_in(r.key, r.calls)
-        r.calls += 1
+        key = self._next_key()
         with embedding_noise(key, r.alpha, self._row_lengths(input_ids, positions, segment_ids)):
             return method(*args, **kwargs)
 
@@ -125,12 +113,3 @@ class _NoisyForward:
             padding_free=segment_ids_RT is not None,
         )
         return jnp.tile(lengths_B, k)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._forward(self._model, args, kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._model, name)
-        if name not in _FORWARDS:
-            return attr
-        return lambda *args, **kwargs: self._forward(attr, args, kwargs)

@@ -171,7 +171,11 @@ def test_mxfp4_checkpoint_loads_dequantized_and_saves_plain(hf_causal, tmp_path)
         attn_implementation="eager",
     ).eval()
     want = torch_logits(theirs, ids, right)
-    assert np.max(np.abs(got - want) * right[..., None]) < 1e-4
+    # 3.6e-6 in a fresh process; transformers' dequantizing load can round the experts to bf16
+    # ("We will dequantize the model to bf16", depending on the process's torch state: 1.9e-4
+    # seen in the full suite), hence the bf16-sized bound. Wrong weights move these logits
+    # (~0.5) by far more.
+    assert np.max(np.abs(got - want) * right[..., None]) < 5e-4
 
     save_pretrained(ours, tmp_path / "saved")
     assert "quantization_config" not in json.loads((tmp_path / "saved" / "config.json").read_text())
