@@ -250,13 +250,9 @@ def grouped_attention(
     if dropout is not None:
         key, rate = dropout
         S = k_BKSH.shape[2]
-        b = jnp.arange(B, dtype=jnp.uint32)[:, None, None, None, None]
-        kv, g = jnp.arange(K, dtype=jnp.uint32), jnp.arange(N // K, dtype=jnp.uint32)
-        head = (kv[:, None] * (N // K) + g[None, :])[None, :, :, None, None]
-        k0, k1 = model_dropout.attention_row_keys(key, b, head)
-        q_pos, k_pos = jnp.arange(T, dtype=jnp.uint32), jnp.arange(S, dtype=jnp.uint32)
-        keep = model_dropout.attention_keep(k0, k1, q_pos[:, None], k_pos[None, :], rate)
-        probs = model_dropout.apply_keep(probs, keep, rate)
+        # query head n = k * G + g: HF's head order splits into [K, G] directly
+        keep = model_dropout.attention_dropout_mask(key, rate, B, N, T, S)
+        probs = model_dropout.apply_keep(probs, keep.reshape(B, K, N // K, T, S), rate)
     probs = probs.astype(v_BKSH.dtype)
     out_BKGTH = jnp.einsum("bkgts,bksh->bkgth", probs, v_BKSH)
     return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
