@@ -502,6 +502,8 @@ def hf_module_names(path: tuple, config: ModelConfig) -> list[str]:
     for i, name in enumerate(path):
         if i == 0 and (name == "backbone" or (name == "model" and config.language_model_prefix)):
             name = hf._base_prefix(config)  # the HF base prefix (image-text: its language model)
+        if i == 0 and name in hf.VISION_MODULES:
+            name = f"model.{name}"  # transformers v5: `model.vision_tower...`
         if name == moe.MOE_ATTRIBUTE.get(config.model_type):
             name = "mlp"  # Mixtral's `block_sparse_moe` is `mlp` in transformers v5
         parts.append(str(name))
@@ -1433,7 +1435,7 @@ def _inert_vision_adapters(
     or `q_proj` also adapt the vision tower's layers): jaxrl trains the language model on text and
     never runs the vision tower, so such adapters may only be PEFT's untrained ones (lora_B
     zero), which change nothing; they are not written back."""
-    if not config.language_model_prefix:
+    if not config.language_model_prefix or config.vision is not None:
         return set()
     own = PEFT_PREFIX + config.language_model_prefix + "."
     outside = {k for k in keys if not k.startswith(own) and ".lora_" in k}

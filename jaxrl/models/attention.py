@@ -36,6 +36,12 @@ GQA is computed with query heads grouped per K/V head, so K and V are never repe
 the model's `[B, 1, T, S]` key-visibility masks (padding, packed segments, DPO prefix trees) plus
 causality and an optional static sliding window, as in `layers.dot_product_attention`.
 
+Causality can be widened per query with a key limit (`AttentionMask.key_limit_BT`: query t sees
+keys up to `key_limit_BT[b, t] >= t`): Gemma 3's image tokens see every token of their own image
+(transformers' `token_type_ids` block mask), and SigLIP's encoder (`full_attention`) sees every
+key. The blockwise kernel and XLA's reference take it; splash and cuDNN's causal kernels cannot,
+so the default picks blockwise then and naming them is an error.
+
 Rows with no visible key give zeros here (XLA's reference averages all values instead); the model
 never builds such rows (every query sees itself).
 """
@@ -56,13 +62,16 @@ IMPLS = ("blockwise", "cudnn", "splash", "xla")
 
 
 class AttentionMask(NamedTuple):
-    """Key visibility as the models build it: the dense `[B, 1, T, S]` mask, plus the `[B, T]`
-    segment ids it was made from when visibility is exactly "same segment" (padding = 0, packed
-    documents 1, 2, ...), which a kernel taking segment ids (splash) uses instead; None when an
-    explicit mask (a DPO prefix tree) is part of it."""
+    """Key visibility as the models build it: the dense `[B, 1, T, S]` mask (None: no mask
+    beyond causality), plus the `[B, T]` segment ids it was made from when visibility is exactly
+    "same segment" (padding = 0, packed documents 1, 2, ...), which a kernel taking segment ids
+    (splash) uses instead; None when an explicit mask (a DPO prefix tree) is part of it.
+    `key_limit_BT` (int32 `[B, T]`, None: t) widens causality: query t sees keys up to
+    `key_limit_BT[b, t]` (Gemma 3's image tokens: the last token of their image)."""
 
-    dense_B1TS: jax.Array
+    dense_B1TS: jax.Array | None
     segments_BT: jax.Array | None = None
+    key_limit_BT: jax.Array | None = None
 
 
 # Largest query/key block of the blockwise kernel. Blocks are balanced (`block_size`), so a
@@ -85,13 +94,23 @@ def resolve_impl(
     softcap: float | None = None,
     dropout: float | None = None,
     sinks: bool = False,
+    key_limit: bool = False,
 ) -> str:
     """The kernel for `ModelConfig.attention_impl`: None picks splash on TPU when the mask is
     segment ids (`segments_known`), cuDNN on GPU where it applies (bf16/fp16, head_dim a multiple
     of 8 up to 128, no soft-capping), blockwise elsewhere, and blockwise whenever the attention
     probabilities drop (`dropout`, a training forward's rate: splash and cuDNN cannot take
     jaxrl's dropout masks) or the model has attention sinks (GPT-OSS: splash and cuDNN have
-    none)."""
+    none); and blockwise when causality is widened (`key_limit`: splash and cuDNN run causal
+    kernels)."""
+    if key_limit:
+        if requested in ("cudnn", "splash"):
+            raise ValueError(
+                f"attention_impl={requested!r} runs a causal kernel, but this batch lets tokens "
+                "see later ones (Gemma 3's image tokens attend to their whole image); use "
+                "'blockwise' or 'xla', or leave attention_impl unset."
+            )
+        requested = requested or "blockwise"
     if sinks:
         if requested in ("cudnn", "splash"):
             raise ValueError(
@@ -153,9 +172,9 @@ def attend(
     the mask `jaxrl.models.dropout.attention_dropout_mask` (blockwise and xla only). `sinks`
     ([N], GPT-OSS): per-head logits that join each row's softmax denominator (no value)."""
     if isinstance(mask, AttentionMask):
-        mask_B1TS, segments_BT = mask.dense_B1TS, mask.segments_BT
+        mask_B1TS, segments_BT, limit_BT = mask
     else:
-        mask_B1TS, segments_BT = mask, None
+        mask_B1TS, segments_BT, limit_BT = mask, None, None
     impl = resolve_impl(
         impl,
         q_BTNH,
@@ -163,6 +182,7 @@ def attend(
         softcap=softcap,
         dropout=None if dropout is None else dropout[1],
         sinks=sinks is not None,
+        key_limit=limit_BT is not None,
     )
     if impl == "splash":
         if mask_B1TS is not None and segments_BT is None:
@@ -178,16 +198,19 @@ def attend(
     if impl == "blockwise":
         return blockwise_attention(
             q_BTNH, k_BSKH, v_BSKH, mask_B1TS, window=window, scale=scale, softcap=softcap,
-            dropout=dropout, sinks=sinks,
+            dropout=dropout, sinks=sinks, key_limit_BT=limit_BT,
         )  # fmt: skip
-    if softcap is not None or dropout is not None or sinks is not None:
-        # XLA's reference has no soft-capping, dropout or sinks: the same math, written out
+    if softcap is not None or dropout is not None or sinks is not None or limit_BT is not None:
+        # XLA's reference has no soft-capping, dropout, sinks or widened causality: the same
+        # math, written out
         T = q_BTNH.shape[1]
         idx = jnp.arange(T)
-        visible_TS = idx[None, :] <= idx[:, None]
+        if limit_BT is None:
+            visible = (idx[None, :] <= idx[:, None])[None, None, None]
+        else:
+            visible = (idx[None, None, :] <= limit_BT[:, :, None])[:, None, None]
         if window is not None:
-            visible_TS &= idx[None, :] > idx[:, None] - window
-        visible = visible_TS[None, None, None]
+            visible &= (idx[None, :] > idx[:, None] - window)[None, None, None]
         if mask_B1TS is not None:
             visible = visible & mask_B1TS.astype(bool)[:, :, None]
         return grouped_attention(
@@ -205,6 +228,22 @@ def attend(
         local_window_size=None if window is None else (window - 1, 0),
         implementation=impl,
     )
+
+
+def full_attention(
+    q_BTNH: jax.Array, k_BTNH: jax.Array, v_BTNH: jax.Array, impl: str | None
+) -> jax.Array:
+    """Non-causal, unmasked multi-head attention (SigLIP's vision encoder; scores scaled by
+    head_dim ** -0.5): cuDNN's flash kernel where it applies (GPU, bf16/fp16, head_dim a
+    multiple of 8 up to 128), XLA's reference for `impl="xla"`, else the blockwise kernel with
+    every key visible to every query (splash has no non-causal mask here)."""
+    if impl == "xla" or (impl in (None, "cudnn") and resolve_impl(None, q_BTNH) == "cudnn"):
+        return jax.nn.dot_product_attention(
+            q_BTNH, k_BTNH, v_BTNH, implementation="xla" if impl == "xla" else "cudnn"
+        )
+    B, T = q_BTNH.shape[:2]
+    every_key_BT = jnp.full((B, T), T - 1, jnp.int32)
+    return blockwise_attention(q_BTNH, k_BTNH, v_BTNH, key_limit_BT=every_key_BT)
 
 
 def grouped_attention(
@@ -390,6 +429,7 @@ def blockwise_attention(
     softcap: float | None = None,
     dropout: tuple[jax.Array, float] | None = None,
     sinks: jax.Array | None = None,
+    key_limit_BT: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention `softmax(cap(q k^T * scale) + mask) v` (`scale` default 1 / sqrt(H);
     `cap(s) = softcap * tanh(s / softcap)` when `softcap` is set, else the identity) computed
@@ -410,6 +450,11 @@ def blockwise_attention(
     the online softmax starts from it (running max = sink, running sum = 1), so the log-sum-exp
     includes it; its gradient is `-sum_rows exp(sink - lse) * delta` (delta the softmax
     backward's row term). A row that sees no key puts all its weight on the sink (output 0).
+
+    `key_limit_BT` (int `[B, T]`, each >= its position): query t sees keys up to
+    `key_limit_BT[b, t]` instead of t (Gemma 3's image tokens see their whole image; a limit of
+    T - 1 everywhere is non-causal attention). A query block then visits key blocks up to the
+    largest limit of its rows.
     """
     B, T, N, H = q_BTNH.shape
     S, K = k_BSKH.shape[1], k_BSKH.shape[2]
@@ -434,9 +479,14 @@ def blockwise_attention(
         row_keys = tuple(jnp.repeat(w, size, axis=-1) for w in (k0, k1))
     if sinks is not None:
         sinks = sinks.astype(jnp.float32)
+    limit = None
+    if key_limit_BT is not None:
+        nb = -(-T // size)
+        limit = jnp.pad(key_limit_BT.astype(jnp.int32), ((0, 0), (0, nb * size - T)))
     return _attention(
-        q_BTNH, k_BSKH, v_BSKH, mask_B1TS, row_keys, sinks, size, window, scale, softcap, rate
-    )
+        q_BTNH, k_BSKH, v_BSKH, mask_B1TS, row_keys, sinks, limit, size, window, scale, softcap,
+        rate,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------- layout helpers
@@ -481,24 +531,32 @@ def _row_stat_blocks(x_BNT, num_kv, size):
     return x.reshape(nb, B, num_kv, N // num_kv * size)
 
 
-def _key_range(i, size, window):
-    """Key blocks [lo, hi) that query block i can see: causality ends at the diagonal block;
-    a sliding window starts at the block holding key (first query - window + 1)."""
+def _key_range(i, size, window, limit=None):
+    """Key blocks [lo, hi) that query block i can see: causality ends at the diagonal block (with
+    a key limit: at the block of the largest limit of its rows); a sliding window starts at the
+    block holding key (first query - window + 1)."""
     hi = i + 1
+    if limit is not None:
+        rows = jax.lax.dynamic_slice_in_dim(limit, i * size, size, axis=1)
+        hi = jnp.maximum(hi, jnp.max(rows) // size + 1)
     if window is None:
         return 0, hi
     lo = jnp.maximum(i * size - (window - 1), 0) // size
     return jnp.minimum(lo, hi - 1), hi
 
 
-def _visible(i, j, size, seq_len, window, mask_pad, groups):
+def _visible(i, j, size, seq_len, window, mask_pad, groups, limit=None):
     """[B or 1, 1, G * b, b] bool: which keys of block j the rows of query block i see."""
     q_pos = i * size + jnp.arange(size)
     k_pos = j * size + jnp.arange(size)
-    ok_bb = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
+    ok_bb = k_pos[None, :] < seq_len
     if window is not None:
         ok_bb &= k_pos[None, :] > q_pos[:, None] - window
-    ok = ok_bb[None, None]
+    if limit is None:
+        ok = (ok_bb & (k_pos[None, :] <= q_pos[:, None]))[None, None]
+    else:  # [B, b] limits of the block's rows
+        rows_Bb = jax.lax.dynamic_slice_in_dim(limit, i * size, size, axis=1)
+        ok = (ok_bb[None] & (k_pos[None, None, :] <= rows_Bb[:, :, None]))[:, None]
     if mask_pad is not None:
         m = jax.lax.dynamic_slice_in_dim(mask_pad, i * size, size, axis=2)
         ok = ok & jax.lax.dynamic_slice_in_dim(m, j * size, size, axis=3)
@@ -544,12 +602,12 @@ def _sink_rows(sinks_N, num_kv, size):
     return jnp.repeat(sinks_N.reshape(num_kv, -1), size, axis=-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _attention(q, k, v, mask, row_keys, sinks, size, window, scale, softcap, rate):
-    return _forward(q, k, v, mask, row_keys, sinks, size, window, scale, softcap, rate)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _attention(q, k, v, mask, row_keys, sinks, limit, size, window, scale, softcap, rate):
+    return _forward(q, k, v, mask, row_keys, sinks, limit, size, window, scale, softcap, rate)[0]
 
 
-def _forward(q, k, v, mask, row_keys, sinks, size, window, scale, softcap, rate):
+def _forward(q, k, v, mask, row_keys, sinks, limit, size, window, scale, softcap, rate):
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
@@ -564,7 +622,7 @@ def _forward(q, k, v, mask, row_keys, sinks, size, window, scale, softcap, rate)
         def key_block(j, carry):
             m_BKR, l_BKR, acc_BKRH = carry
             s = _scores(q_BKRH, k_blocks[j], scale, softcap)
-            s = jnp.where(_visible(i, j, size, T, window, mask_pad, G), s, -jnp.inf)
+            s = jnp.where(_visible(i, j, size, T, window, mask_pad, G, limit), s, -jnp.inf)
             m_new = jnp.maximum(m_BKR, s.max(-1))
             # A row that has seen no visible key yet keeps max -inf: shift by 0 instead (no NaN).
             shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -591,7 +649,7 @@ def _forward(q, k, v, mask, row_keys, sinks, size, window, scale, softcap, rate)
         if sinks is not None:  # the sink is the first "key": max = sink, sum = exp(0), no value
             sink_BKR = jnp.broadcast_to(_sink_rows(sinks, K, size), rows)
             init = (sink_BKR, jnp.ones(rows, jnp.float32), init[2])
-        lo, hi = _key_range(i, size, window)
+        lo, hi = _key_range(i, size, window, limit)
         m_BKR, denom_BKR, acc_BKRH = jax.lax.fori_loop(lo, hi, key_block, init)
         seen_BKR = denom_BKR > 0
         safe_BKR = jnp.where(seen_BKR, denom_BKR, 1.0)
@@ -601,11 +659,11 @@ def _forward(q, k, v, mask, row_keys, sinks, size, window, scale, softcap, rate)
 
     _, (out_blocks, lse_blocks) = jax.lax.scan(query_block, None, (jnp.arange(nb), q_blocks))
     out = _from_q_blocks(out_blocks, T, N)
-    return out, (q, k, v, mask, row_keys, sinks, out, lse_blocks)
+    return out, (q, k, v, mask, row_keys, sinks, limit, out, lse_blocks)
 
 
 def _backward(size, window, scale, softcap, rate, res, dout):
-    q, k, v, mask, row_keys, sinks, out, lse_blocks = res
+    q, k, v, mask, row_keys, sinks, limit, out, lse_blocks = res
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
@@ -636,7 +694,7 @@ def _backward(size, window, scale, softcap, rate, res, dout):
             dq_BKRH, dk_acc, dv_acc = inner
             k_j, v_j = k_blocks[j], v_blocks[j]
             sT = jnp.einsum("bksh,bkrh->bksr", k_j, q_BKRH, preferred_element_type=jnp.float32)
-            visible = jnp.swapaxes(_visible(i, j, size, T, window, mask_pad, G), -1, -2)
+            visible = jnp.swapaxes(_visible(i, j, size, T, window, mask_pad, G, limit), -1, -2)
             sT = sT * scale
             if softcap is not None:
                 capped_T = jnp.tanh(sT / softcap)
@@ -664,7 +722,7 @@ def _backward(size, window, scale, softcap, rate, res, dout):
             )
             return dq_BKRH, dk_acc.at[j].add(dk_j), dv_acc.at[j].add(dv_j)
 
-        lo, hi = _key_range(i, size, window)
+        lo, hi = _key_range(i, size, window, limit)
         dq0 = jnp.zeros(jnp.swapaxes(q_BKRH, -1, -2).shape, jnp.float32)
         dqT, dk_acc, dv_acc = jax.lax.fori_loop(lo, hi, key_block, (dq0, dk_acc, dv_acc))
         return (dk_acc, dv_acc), jnp.swapaxes(jax.lax.optimization_barrier(dqT), -1, -2)
@@ -682,7 +740,7 @@ def _backward(size, window, scale, softcap, rate, res, dout):
     if sinks is not None:  # d lse / d sink = P_sink; rows past T have delta 0
         p_sink = jnp.exp(_sink_rows(sinks, K, size) - lse_blocks)  # [nb, B, K, G * b]
         dsinks = -(p_sink * delta_blocks).sum((0, 1)).reshape(K, G, size).sum(-1).reshape(N)
-    return dq, dk, dv, None, None, dsinks
+    return dq, dk, dv, None, None, dsinks, None
 
 
 _attention.defvjp(_forward, _backward)

@@ -49,8 +49,21 @@ class CausalLM(nnx.Module):
         attention_mask: jax.Array | None = None,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        pixel_values: jax.Array | None = None,
+        token_type_ids: jax.Array | None = None,
     ) -> jax.Array:
-        """Final-norm hidden states [B, T, D] (the input of the LM head)."""
+        """Final-norm hidden states [B, T, D] (the input of the LM head). `pixel_values` and
+        `token_type_ids` are for image-text models (`jaxrl.models.vision`)."""
+        if pixel_values is not None or token_type_ids is not None:
+            hint = (
+                " Load the image-text checkpoint with vision=True to run its vision tower."
+                if self.config.language_model_prefix
+                else ""
+            )
+            raise ValueError(
+                f"This {self.config.model_type} model takes text only (no pixel_values or "
+                f"token_type_ids).{hint}"
+            )
         return self.backbone(input_ids_BT, attention_mask, positions, segment_ids)
 
     def cached_hidden_states(
@@ -78,8 +91,12 @@ class CausalLM(nnx.Module):
         attention_mask: jax.Array | None = None,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        pixel_values: jax.Array | None = None,
+        token_type_ids: jax.Array | None = None,
     ) -> jax.Array:
-        h_BTD = self.hidden_states(input_ids_BT, attention_mask, positions, segment_ids)
+        h_BTD = self.hidden_states(
+            input_ids_BT, attention_mask, positions, segment_ids, pixel_values, token_type_ids
+        )
         # The LM head is a compute-dtype matmul (bf16 logits under autocast).
         logits_BTV = jnp.dot(h_BTD.astype(self.config.dtype), self.unembed_weight())
         cap = self.config.final_logit_softcap

@@ -30,6 +30,35 @@ ATTENTION_IMPLS = (None, "blockwise", "xla", "cudnn", "splash")
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """An image-text checkpoint's vision side as jaxrl runs it (Gemma 3: a SigLIP encoder and
+    the multimodal projector): `image_size` square images cut into `patch_size` patches, a
+    `num_layers`-layer pre-LN encoder of width `hidden_size`, its final patch states pooled to
+    `mm_tokens_per_image` tokens and projected to the language model's width; the tokens
+    `image_token_id` of the text are replaced by them."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_channels: int
+    image_size: int
+    patch_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    mm_tokens_per_image: int
+    image_token_id: int
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def tokens_per_side(self) -> int:
+        return math.isqrt(self.mm_tokens_per_image)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture (from the HF config) and compute options of a decoder-only LM."""
 
@@ -157,6 +186,9 @@ class ModelConfig:
     # through unchanged. `model_type` is the language model's (e.g. "gemma3_text"); `hf_config`
     # is the whole image-text config, written back as is.
     language_model_prefix: str | None = None
+    # The vision tower and projector of an image-text checkpoint loaded to run on images
+    # (`from_pretrained(..., vision=True)`); None: the language model alone.
+    vision: VisionConfig | None = None
     passthrough_dir: str | None = dataclasses.field(
         default=None, compare=False, hash=False, repr=False
     )
@@ -482,6 +514,60 @@ def _language_model_fields(c: Any) -> dict[str, Any]:
     return fields
 
 
+def _vision_fields(c: Any) -> VisionConfig:
+    """Gemma 3's vision side from its config (`vision_config`: SigLIP's), with clear errors for
+    what jaxrl does not run."""
+    v = c.vision_config
+    if getattr(v, "model_type", None) != "siglip_vision_model":
+        raise ValueError(
+            f"{c.model_type}'s vision_config has model_type={getattr(v, 'model_type', None)!r}; "
+            "jaxrl runs SigLIP vision towers ('siglip_vision_model') only."
+        )
+    sizes = {
+        name: getattr(v, name) if isinstance(getattr(v, name), int) else tuple(getattr(v, name))
+        for name in ("image_size", "patch_size")
+    }
+    for name, size in sizes.items():
+        if not isinstance(size, int):
+            if len(set(size)) != 1:
+                raise ValueError(
+                    f"vision_config.{name}={list(size)} is not square; jaxrl supports square "
+                    "images and patches only."
+                )
+            sizes[name] = int(size[0])
+    if getattr(v, "attention_dropout", 0.0):
+        raise ValueError(
+            f"vision_config.attention_dropout={v.attention_dropout} is not supported: jaxrl's "
+            "vision tower applies no dropout; set it to 0.0 in config.json."
+        )
+    config = VisionConfig(
+        hidden_size=v.hidden_size,
+        intermediate_size=v.intermediate_size,
+        num_layers=v.num_hidden_layers,
+        num_heads=v.num_attention_heads,
+        num_channels=v.num_channels,
+        image_size=sizes["image_size"],
+        patch_size=sizes["patch_size"],
+        layer_norm_eps=float(v.layer_norm_eps),
+        hidden_act=v.hidden_act,
+        mm_tokens_per_image=int(c.mm_tokens_per_image),
+        image_token_id=int(c.image_token_id),
+    )
+    side, tokens = config.patches_per_side, config.tokens_per_side
+    if tokens * tokens != config.mm_tokens_per_image or side % tokens:
+        raise ValueError(
+            f"mm_tokens_per_image={config.mm_tokens_per_image} must be a square number whose side "
+            f"divides the {side} x {side} patch grid (image_size / patch_size), as Gemma 3's "
+            "average pooling needs."
+        )
+    if v.hidden_size % v.num_attention_heads:
+        raise ValueError(
+            f"vision_config.hidden_size={v.hidden_size} is not a multiple of "
+            f"num_attention_heads={v.num_attention_heads}."
+        )
+    return config
+
+
 def _gpt2(c: Any) -> dict[str, Any]:
     if getattr(c, "scale_attn_by_inverse_layer_idx", False):
         raise ValueError(
@@ -521,8 +607,12 @@ def config_from_hf(
     attention_impl: str | None = None,
     mesh: Any = None,
     rules: Any = None,
+    vision: bool = False,
 ) -> ModelConfig:
     """Our `ModelConfig` from a transformers config; clear error for unsupported families.
+
+    `vision=True` (image-text checkpoints only): the vision tower and projector are part of the
+    model, which then takes images (`ModelConfig.vision`).
 
     `dtype` (default: `param_dtype`) is the matmul dtype. `residual_dtype` defaults to the wider
     of `param_dtype` and `dtype`, torch autocast's semantics: f32 params with bf16 matmuls keep
@@ -535,8 +625,15 @@ def config_from_hf(
             f"model_type={model_type!r} is not supported by jaxrl.models; supported model types: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}."
         )
+    if vision and model_type not in LANGUAGE_MODEL_PREFIX:
+        raise ValueError(
+            f"vision=True needs an image-text checkpoint ({', '.join(LANGUAGE_MODEL_PREFIX)}); "
+            f"model_type={model_type!r} takes text only."
+        )
     if model_type in LANGUAGE_MODEL_PREFIX:
         fields = _language_model_fields(hf_config)
+        if vision:
+            fields["vision"] = _vision_fields(hf_config)
     else:
         fields = _gpt2(hf_config) if model_type == "gpt2" else _llama_family(hf_config)
     param_dtype = jnp.dtype(param_dtype or jnp.float32)

@@ -34,6 +34,7 @@ from jaxrl.models.gpt2 import GPT2ForCausalLM
 from jaxrl.models.gpt_oss import GptOssForCausalLM
 from jaxrl.models.heads import CausalLMWithValueHead, SequenceClassificationModel, value_head_init
 from jaxrl.models.llama import LlamaForCausalLM
+from jaxrl.models.vision import Gemma3ForConditionalGeneration
 from jaxrl.models.weights_io import CheckpointReader, parse_size, plan_shards, write_safetensors
 
 TASKS = ("causal_lm", "sequence_classification", "causal_lm_with_value_head")
@@ -80,6 +81,9 @@ HF_SEQ_CLS_ARCH = {
     "gpt_oss": "GptOssForSequenceClassification",
     "gpt2": "GPT2ForSequenceClassification",
 }
+# Top-level modules of an image-text model outside its language model: transformers v5 names
+# them under `model.` (`model.vision_tower...`), checkpoints keep them at the top.
+VISION_MODULES = ("vision_tower", "multi_modal_projector")
 # Checkpoint entries that are buffers or derived values, never parameters.
 IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 CONV1D_MODULES = ("c_attn", "c_proj", "c_fc")
@@ -116,6 +120,13 @@ def build_model(
 
     `value_head_kwargs` (task "causal_lm_with_value_head"): TRL's `summary_dropout_prob`,
     `v_head_init_strategy`, `v_head_initializer_range`."""
+    if config.vision is not None:
+        if task != "causal_lm":
+            raise ValueError(
+                f"vision=True supports task='causal_lm' only (got {task!r}); load the model "
+                "without vision for other tasks (it then trains on text)."
+            )
+        return Gemma3ForConditionalGeneration(config, rngs)
     if task == "causal_lm_with_value_head":
         return CausalLMWithValueHead(config, rngs, **(value_head_kwargs or {}))
     if task == "sequence_classification":
@@ -180,10 +191,12 @@ def from_config(
     num_labels: int | None = None,
     attention_impl: str | None = None,
     value_head_kwargs: dict[str, Any] | None = None,
+    vision: bool = False,
 ) -> Model:
     """Randomly initialised model (normal(0, initializer_range) weights, as HF), created sharded.
     The weights depend on `seed` only, not on `scan_layers`: an unrolled stack is the scanned one
-    cut into layers."""
+    cut into layers. `vision=True` (image-text configs): with the vision tower and projector
+    (`from_pretrained`)."""
     _check_task(task)
     mesh = None if mesh is None else parallel.normalize_mesh(mesh, rules)
     labels = _num_labels(hf_config, task, num_labels)
@@ -197,6 +210,7 @@ def from_config(
         attention_impl=attention_impl,
         mesh=mesh,
         rules=rules,
+        vision=vision,
     )
 
     def create(config: ModelConfig = config) -> Model:
@@ -236,7 +250,8 @@ def _unstacked_init(
     for path, sharding in nnx.to_flat_state(shardings):
         stack = next(
             (i for i in range(len(path) - 1)
-             if _is_layer_stack(path[i]) and isinstance(path[i + 1], int)),
+             if _is_layer_stack(path[i]) and isinstance(path[i + 1], int)
+             and path[0] not in VISION_MODULES),
             None,
         )  # fmt: skip
         if stack is None:
@@ -284,8 +299,11 @@ def _hf_key_template(path: tuple, config: ModelConfig, per_expert: bool = False)
     for i, name in enumerate(path):
         if i == 0 and (name == "backbone" or (name == "model" and config.language_model_prefix)):
             name = _base_prefix(config)
+        if i == 0 and name in VISION_MODULES:  # module-named as transformers v5 (`_disk_key`)
+            name = f"model.{name}"
         parts.append(str(name))
-        if _is_layer_stack(name) and config.scan_layers and i + 1 < len(path):
+        stacked = i + 1 < len(path) and not isinstance(path[i + 1], int)
+        if _is_layer_stack(name) and config.scan_layers and stacked:
             parts.append("{}")
             split += 1
     if per_expert:  # [..., "experts", "gate_proj"] -> "experts.{}.gate_proj.weight"
@@ -421,6 +439,8 @@ def _disk_key(key: str, config: ModelConfig) -> str:
     prefix = config.language_model_prefix
     if prefix and key.startswith(prefix + "."):
         return "language_model.model." + key[len(prefix) + 1 :]
+    if prefix and key.startswith(tuple(f"model.{m}." for m in VISION_MODULES)):
+        return key[len("model.") :]
     if prefix and key.startswith("lm_head."):
         return "language_model." + key
     return key
@@ -434,6 +454,11 @@ def _lookup_key(key: str, reader: CheckpointReader, config: ModelConfig) -> str 
     prefix = _base_prefix(config) + "."
     if key.startswith(prefix) and key[len(prefix) :] in reader:  # base-model checkpoints
         return key[len(prefix) :]
+    tower = "vision_tower."
+    disk = _disk_key(key, config)
+    if disk.startswith(tower):  # transformers v4's SigLIP layout (the released Gemma 3 files)
+        old = tower + "vision_model." + disk[len(tower) :]
+        return old if old in reader else None
     return None
 
 
@@ -481,8 +506,14 @@ def from_pretrained(
     num_labels: int | None = None,
     attention_impl: str | None = None,
     value_head_kwargs: dict[str, Any] | None = None,
+    vision: bool = False,
 ) -> Model:
     """Load an HF checkpoint directory (or Hub id) into a sharded jaxrl model.
+
+    Image-text checkpoints (Gemma 3's `Gemma3ForConditionalGeneration`): by default the language
+    model alone is loaded (text-only training; the vision weights are copied through unchanged
+    by `save_pretrained`); `vision=True` loads the vision tower and projector as params too, and
+    the model takes `pixel_values` (`jaxrl.models.vision`), trains them and saves them.
 
     `dtype="bfloat16"` over f32 params is torch autocast (bf16 matmuls, f32 residual stream);
     `residual_dtype` overrides the residual dtype (see `config_from_hf`).
@@ -520,6 +551,7 @@ def from_pretrained(
         attention_impl=attention_impl,
         mesh=mesh,
         rules=rules,
+        vision=vision,
     )
     # The released GPT-OSS checkpoints' MXFP4 expert weights are read dequantized.
     reader = mxfp4.dequantizing_reader(CheckpointReader(directory), hf_config, config.param_dtype)
@@ -569,19 +601,29 @@ def from_pretrained(
             value = _place(_read_param(entry, reader, config, directory), sharding)
             used.update(_lookup_key(k, reader, config) for k in entry.keys())
         loaded.append((entry.path, entry.variable.replace(value=value)))
+    own = {_disk_key(k, config) for k in used}
     _warn_unused(
-        set(reader.keys()) - used - set(_passthrough_keys(config, reader)), config, task, directory
+        set(reader.keys()) - used - set(_passthrough_keys(config, reader, own)),
+        config,
+        task,
+        directory,
     )
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 
-def _passthrough_keys(config: ModelConfig, reader: CheckpointReader) -> list[str]:
-    """An image-text checkpoint's weights outside its language model and heads (vision tower,
-    projector): jaxrl does not run them and `save_pretrained` writes them back unchanged."""
+def _passthrough_keys(
+    config: ModelConfig, reader: CheckpointReader, own: set[str] = frozenset()
+) -> list[str]:
+    """An image-text checkpoint's weights outside its language model and heads that the model
+    does not hold (`own`: its params' checkpoint keys): the vision tower and projector of a
+    text-only load, SigLIP's unused pooling head of a `vision=True` one. jaxrl does not run
+    them and `save_pretrained` writes them back unchanged."""
     if not config.language_model_prefix:
         return []
-    own = ("language_model.", config.language_model_prefix + ".", "lm_head.", "score.", "v_head.")
-    return sorted(k for k in reader.keys() if not k.startswith(own))
+    lm = ("language_model.", config.language_model_prefix + ".", "lm_head.", "score.", "v_head.")
+    return sorted(
+        k for k in reader.keys() if not k.startswith(lm) and _disk_key(k, config) not in own
+    )
 
 
 def _warn_unused(unused: set[str], config: ModelConfig, task: str, directory: Path) -> None:
@@ -620,11 +662,12 @@ def save_pretrained(model: Model, path: str | Path, *, max_shard_size: int | str
             key_to_entry[key] = (entry, index)
 
     passthrough = _passthrough_reader(config)
-    for key in _passthrough_keys(config, passthrough) if passthrough else ():
+    copied = _passthrough_keys(config, passthrough, set(specs)) if passthrough else []
+    for key in copied:
         specs[key] = passthrough.spec(key)
     if passthrough and path.resolve() == Path(config.passthrough_dir).resolve():
         # Saving over the checkpoint it came from: read the copied weights before overwriting.
-        kept = {k: passthrough.get(k) for k in _passthrough_keys(config, passthrough)}
+        kept = {k: passthrough.get(k) for k in copied}
         passthrough = types.SimpleNamespace(get=kept.__getitem__)
 
     cache: dict[tuple, np.ndarray] = {}
@@ -669,6 +712,8 @@ def _passthrough_reader(config: ModelConfig) -> CheckpointReader | None:
     if not config.language_model_prefix:
         return None
     if config.passthrough_dir is None:
+        if config.vision is not None:  # the vision weights are the model's own
+            return None
         warnings.warn(
             f"This {checkpoint_model_type(config)} model was not loaded from a checkpoint, so "
             "there are no vision-tower weights to save with it: transformers will initialise "

@@ -602,6 +602,18 @@ def attention_masks(
     return AttentionMask(dense_B1TS, segments_BT.astype(jnp.int32))
 
 
+def with_key_limit(
+    mask: AttentionMask | None, key_limit_BT: jax.Array | None
+) -> AttentionMask | None:
+    """`mask` (from `attention_masks`) with causality widened to `key_limit_BT` (see
+    `AttentionMask`); unchanged when there is no limit."""
+    if key_limit_BT is None:
+        return mask
+    if mask is None:
+        return AttentionMask(None, None, key_limit_BT)
+    return mask._replace(key_limit_BT=key_limit_BT)
+
+
 def dot_product_attention(
     q_BTNH: jax.Array,
     k_BSKH: jax.Array,
@@ -630,9 +642,12 @@ def dot_product_attention(
         idx = jnp.arange(seq_len)
         in_window_TS = idx[None, :] > idx[:, None] - window
         window_TS = in_window_TS | ~sliding
+        limit_BT = None
         if isinstance(mask_B1TS, AttentionMask):  # a traced window is not a segment mask
-            mask_B1TS = mask_B1TS.dense_B1TS
+            mask_B1TS, limit_BT = mask_B1TS.dense_B1TS, mask_B1TS.key_limit_BT
         mask_B1TS = window_TS[None, None] if mask_B1TS is None else mask_B1TS & window_TS
+        if limit_BT is not None:
+            mask_B1TS = AttentionMask(mask_B1TS, None, limit_BT)
     key = model_dropout.active_key()  # the layer's, in a training forward
     rate = config.attention_dropout
     dropout = None

@@ -41,6 +41,7 @@ from jaxrl.models.layers import (
     param_value,
     rope_tables,
     rotate,
+    with_key_limit,
 )
 
 
@@ -237,13 +238,18 @@ class LlamaModel(nnx.Module):
         attention_mask: jax.Array | None = None,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        *,
+        inputs_embeds: jax.Array | None = None,
+        key_limit_BT: jax.Array | None = None,
     ) -> jax.Array:
+        """`inputs_embeds` [B, T, D] replace the token embeddings of `input_ids_BT` (Gemma 3's
+        image features merged in); `key_limit_BT` widens causality (see `AttentionMask`)."""
         seq_len = input_ids_BT.shape[1]
         if positions is None:
             positions = default_positions(attention_mask, segment_ids, seq_len)
         cos, sin = rope_tables(positions, self.config)
-        mask_B1TS = attention_masks(attention_mask, segment_ids)
-        h_BTD = self.embed_tokens(input_ids_BT)
+        mask_B1TS = with_key_limit(attention_masks(attention_mask, segment_ids), key_limit_BT)
+        h_BTD = self.embed_tokens(input_ids_BT) if inputs_embeds is None else inputs_embeds
         h_BTD = apply_layers(self.layers, h_BTD, (cos, sin, mask_B1TS), self.config)
         return self.norm(h_BTD)
 
