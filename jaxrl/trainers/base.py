@@ -74,6 +74,9 @@ class Trainer(TrainLoop):
 
     config_class: type[TrainingConfig] = TrainingConfig
     model_task = "causal_lm"
+    # Whether the trainer runs datasets with images (an `image` / `images` column); the others
+    # refuse them rather than train on their text alone.
+    supports_images = False
     # Positions per row the LM head runs on, from each row's first scored target (None: all);
     # SFT and DPO set it from their data (`_score_span`, `jaxrl.core.logprobs.scored_logprobs`).
     score_span: int | None = None
@@ -139,6 +142,9 @@ class Trainer(TrainLoop):
         self._jit_predict = None
         self.user_tx, self.user_schedule = optimizers
         raw_train = self._load_data(train_dataset, "train") if train_dataset is not None else None
+        if not self.supports_images:
+            for raw in (raw_train, eval_dataset):
+                _refuse_images(raw, type(self).__name__)
         self.train_dataset = (
             self._prepare_dataset(raw_train, "train") if raw_train is not None else None
         )
@@ -189,6 +195,7 @@ class Trainer(TrainLoop):
             scan_layers=self.scan_layers,
             remat_policy=a.remat_policy or ("full" if a.gradient_checkpointing else "none"),
         )
+        kw.update(self._model_load_kwargs())
         if isinstance(model, str):
             return models.from_pretrained(model, task=task, **kw)
         from transformers import PretrainedConfig
@@ -196,6 +203,7 @@ class Trainer(TrainLoop):
         if isinstance(model, PretrainedConfig):  # random init from a config (from scratch)
             return models.from_config(model, seed=a.seed, task=task, **kw)
         if isinstance(model, nnx.Module):
+            self._check_model(model)
             # Place a user-built model's params on this trainer's mesh by the sharding rules.
             params = nnx.state(model)
             shardings = parallel.param_shardings(params, self.mesh, self.rules)
@@ -205,6 +213,13 @@ class Trainer(TrainLoop):
             "model must be a path/hub id, a transformers config (random init) or a jaxrl nnx "
             f"model, got {type(model).__name__}."
         )
+
+    def _model_load_kwargs(self) -> dict[str, Any]:
+        """Extra `from_pretrained` / `from_config` arguments (SFT on images: `vision=True`)."""
+        return {}
+
+    def _check_model(self, model: Any) -> None:
+        """Checks a user-built model must pass (none here)."""
 
     # ----------------------------------------------------------------- LoRA / QLoRA
     def _default_peft_task(self) -> str:
@@ -252,31 +267,41 @@ class Trainer(TrainLoop):
                 100 * trainable / total,
             )
 
+    def _default_processing_class(self) -> Any:
+        """The processing class loaded from the model directory when none is given."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_path)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer of `processing_class` (itself, or a processor's `tokenizer`)."""
+        return _tokenizer_of(self.processing_class)
+
     def _load_tokenizer(self, processing_class):
         if processing_class is None:
             if self.model_path is None:
                 raise ValueError(
                     "processing_class is required when model is an object; pass the tokenizer."
                 )
-            from transformers import AutoTokenizer
-
-            processing_class = AutoTokenizer.from_pretrained(self.model_path)
+            processing_class = self._default_processing_class()
+        tokenizer = _tokenizer_of(processing_class)  # a processor's options apply to its tokenizer
         # TRL's order: `eos_token` first (so a tokenizer without a pad token pads with the new
         # EOS), then `chat_template_path`, then the pad token.
         if getattr(self.args, "eos_token", None) is not None:
-            self._apply_eos_token(processing_class)
+            self._apply_eos_token(tokenizer)
         template_path = getattr(self.args, "chat_template_path", None)
         if template_path is not None:
             processing_class.chat_template = read_chat_template(template_path)
         pad = getattr(self.args, "pad_token", None)
         if pad is not None:  # TRL: the config's pad_token overrides the tokenizer's
-            if pad not in processing_class.get_vocab():
+            if pad not in tokenizer.get_vocab():
                 raise ValueError(
                     f"pad_token={pad!r} is not in the tokenizer vocabulary; use an existing token."
                 )
-            processing_class.pad_token = pad
-        if processing_class.pad_token is None:
-            processing_class.pad_token = processing_class.eos_token
+            tokenizer.pad_token = pad
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
         return processing_class
 
     def _apply_eos_token(self, tokenizer: Any) -> None:
@@ -301,7 +326,7 @@ class Trainer(TrainLoop):
         generation config's (`generation_config()`, the exported generation_config.json)."""
         hf_config = getattr(getattr(self.model, "config", None), "hf_config", None)
         if hf_config is not None:
-            hf_config.get_text_config().pad_token_id = self.processing_class.pad_token_id
+            hf_config.get_text_config().pad_token_id = self.tokenizer.pad_token_id
 
     def _choose_seq_len(self) -> int:
         from jaxrl.data.collate import choose_seq_len
@@ -619,7 +644,7 @@ class Trainer(TrainLoop):
                 {k: v[i] for k, v in host_A.items()},
                 host_A["example_mask"][i],
                 mode=a.include_num_input_tokens_seen,
-                pad_token_id=self.processing_class.pad_token_id,
+                pad_token_id=self.tokenizer.pad_token_id,
                 per_device=a.per_device_train_batch_size,
                 multiple_of=a.pad_to_multiple_of,
             )
@@ -966,7 +991,7 @@ class Trainer(TrainLoop):
         own config always pads with the tokenizer's pad, which TRL mirrors onto it)."""
         from jaxrl.generation import GenerationConfig
 
-        tok = self.processing_class
+        tok = self.tokenizer
         ids = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
         if isinstance(generation_config, GenerationConfig):
             return dataclasses.replace(generation_config, **overrides)
@@ -1017,7 +1042,7 @@ class Trainer(TrainLoop):
         """Decoded completions of text prompts from the current policy (or `params`), batched by
         `per_device_eval_batch_size` x data-parallel devices, special tokens skipped (TRL's
         `_generate_completions`)."""
-        tok = self.processing_class
+        tok = self.tokenizer
         ids = [tok(p)["input_ids"] for p in prompts]
         config = self.generation_config(generation_config)
         return self.sample_texts(ids, config, params=params, batch_size=batch_size)
@@ -1120,7 +1145,7 @@ class Trainer(TrainLoop):
                 pass  # the source has none: derive it below
         if config is None:
             config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(out))
-        config.pad_token_id = self.processing_class.pad_token_id  # TRL mirrors the tokenizer's
+        config.pad_token_id = self.tokenizer.pad_token_id  # TRL mirrors the tokenizer's
         return config
 
     # What the model card says about the trainer (TRL's class attributes of the same names).
@@ -1218,6 +1243,29 @@ class Trainer(TrainLoop):
         """Finish at the end of a script (HF `Trainer.end`): wait for checkpoint writes."""
         if getattr(self, "_ckpt", None) is not None:
             self._ckpt.wait_until_finished()
+
+
+def _tokenizer_of(processing_class: Any) -> Any:
+    """A processor's (`transformers.ProcessorMixin`) tokenizer, or the tokenizer itself."""
+    from transformers import ProcessorMixin
+
+    if isinstance(processing_class, ProcessorMixin):
+        return processing_class.tokenizer
+    return processing_class
+
+
+def _refuse_images(dataset: Any, trainer: str) -> None:
+    """Datasets with images are an error for trainers that would train on their text alone."""
+    columns = getattr(dataset, "column_names", None) or []
+    if isinstance(columns, dict):  # a DatasetDict
+        columns = [c for names in columns.values() for c in names]
+    found = sorted({"image", "images"} & set(columns))
+    if found:
+        raise ValueError(
+            f"The dataset has {found[0]!r} column but {trainer} trains on text only in jaxrl "
+            "(images would be ignored). Drop the column, or use SFTTrainer, which trains "
+            "image-text models (Gemma 3) on images."
+        )
 
 
 def _quantization_scheme(quantization_config: Any) -> str | None:

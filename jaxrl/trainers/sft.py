@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxrl.config import SFTConfig
 from jaxrl.core.logprobs import scored_logprobs, unembed_logits
+from jaxrl.data import vision
 from jaxrl.data.collate import collate_sft, model_masks
 from jaxrl.data.sft import prepare_sft_dataset, rows_as_given
 from jaxrl.losses.sft import entropy, mean_token_accuracy, sft_loss_sum
@@ -25,9 +26,13 @@ from jaxrl.trainers.evaluation import label_ids_from_loss_mask
 
 
 def lm_hidden_states(model, mb: dict) -> jnp.ndarray:
-    """Final hidden states [B, T, D] of a collated LM batch (masked only when packed)."""
+    """Final hidden states [B, T, D] of a collated LM batch (masked only when packed), with its
+    images when it has them (`jaxrl.data.vision`)."""
     attention_mask, segment_ids = model_masks(mb)
-    return model.hidden_states(mb["input_ids"], attention_mask, mb["positions"], segment_ids)
+    images = {k: mb[k] for k in ("pixel_values", "token_type_ids") if k in mb}
+    return model.hidden_states(
+        mb["input_ids"], attention_mask, mb["positions"], segment_ids, **images
+    )
 
 
 def lm_forward(
@@ -119,9 +124,20 @@ class SFTTrainer(Trainer):
     config_class = SFTConfig
     _name = "SFT"
     _tag_names = ("trl", "sft")
+    supports_images = True
 
     def __init__(self, model: Any, args: SFTConfig | None = None, *a, formatting_func=None, **kw):
         self.formatting_func = formatting_func
+        # TRL's vision datasets (an `image` / `images` column): the model runs its vision tower,
+        # the processor runs in the collator (`jaxrl.data.vision`).
+        a, kw = list(a), dict(kw)
+        if a:
+            a[0] = self._load_data(a[0], "train")
+            train = a[0]
+        else:
+            train = kw["train_dataset"] = self._load_data(kw.get("train_dataset"), "train")
+        self.vision = vision.image_column(getattr(train, "column_names", None)) is not None
+        self._vision_collator: vision.VisionCollator | None = None
         # The model generation config's EOS ids once `args.eos_token` has been put first
         # (None: unchanged).
         self._generation_eos_ids: list[int] | None = None
@@ -171,18 +187,71 @@ class SFTTrainer(Trainer):
             config.eos_token_id = list(self._generation_eos_ids)
         return config
 
+    def _load_model(self, model: Any, task: str):
+        try:
+            return super()._load_model(model, task)
+        except ValueError as err:
+            if self.vision and "vision=True needs an image-text checkpoint" in str(err):
+                raise ValueError(
+                    "The dataset has images (an 'image' or 'images' column) but the model is not "
+                    f"an image-text model ({err}). Use an image-text Gemma 3 checkpoint "
+                    "(Gemma3ForConditionalGeneration), or drop the image column."
+                ) from err
+            raise
+
+    def _model_load_kwargs(self) -> dict[str, Any]:
+        return {"vision": True} if self.vision else {}
+
+    def _check_model(self, model: Any) -> None:
+        if self.vision and getattr(getattr(model, "config", None), "vision", None) is None:
+            raise ValueError(
+                "The dataset has images (an 'image' or 'images' column) but the model does not "
+                "take images: jaxrl trains image-text Gemma 3 checkpoints "
+                "(Gemma3ForConditionalGeneration) on images. Use such a model, or drop the "
+                "image column to train on text."
+            )
+
+    def _default_processing_class(self) -> Any:
+        if not self.vision:
+            return super()._default_processing_class()
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(self.model_path)
+
+    def _load_tokenizer(self, processing_class):
+        processing_class = super()._load_tokenizer(processing_class)
+        if self.vision:
+            from transformers import ProcessorMixin
+
+            if not isinstance(processing_class, ProcessorMixin):
+                raise ValueError(
+                    "The dataset has images but processing_class is a tokenizer; image-text SFT "
+                    "needs the model's processor (transformers.AutoProcessor), which turns "
+                    "images into pixel values and image tokens."
+                )
+        return processing_class
+
     def _score_span(self, sources: list) -> int | None:
+        if self.vision:  # rows are processed in the collator: every position is scored
+            return None
         widths = [trained_width(ds["loss_mask"]) for ds in sources if ds is not None]
         return choose_score_span(max(widths, default=self.seq_len), self.seq_len)
 
     def _prepare_dataset(self, dataset: Any, split: str) -> datasets.Dataset:
         a = self.args
         dataset = self._load_data(dataset, split)
+        if self.vision:
+            return self._prepare_vision_dataset(dataset, split)
+        if vision.image_column(dataset.column_names) is not None:
+            raise ValueError(
+                f"The {split} dataset has images but the train dataset has none; give both "
+                "images, or neither."
+            )
         if a.skip_prepare_dataset:
             return rows_as_given(dataset, a.dataset_num_proc)
         return prepare_sft_dataset(
             dataset,
-            self.processing_class,
+            self.tokenizer,
             dataset_text_field=a.dataset_text_field,
             max_length=a.max_length,
             formatting_func=self.formatting_func,
@@ -198,14 +267,100 @@ class SFTTrainer(Trainer):
         )
 
     def _example_lengths(self, dataset: datasets.Dataset) -> list[int]:
+        if self.vision:
+            return self._vision_lengths[id(dataset)]
         return [len(x) for x in dataset["input_ids"]]
+
+    # ----------------------------------------------------------------- image-text data
+    def _refuse_vision_options(self, kind: str) -> None:
+        """TRL's refusals for vision datasets, and the options jaxrl's image-text path does not
+        run (an error rather than an ignored option)."""
+        a = self.args
+        refusals = {
+            "packing=True": a.packing or bool(a.eval_packing),
+            "truncation_mode='keep_end'": a.truncation_mode == "keep_end",
+            "a formatting_func": self.formatting_func is not None,
+            "shuffle_dataset=True": a.shuffle_dataset,
+            "dataset_kwargs={'skip_prepare_dataset': True}": a.skip_prepare_dataset,
+            "assistant_only_loss=True": a.assistant_only_loss,
+            "completion_only_loss=True on language-modelling data": (
+                a.completion_only_loss is True and kind != "prompt_completion"
+            ),
+            "pad_to_multiple_of with prompt-completion data": (
+                a.pad_to_multiple_of is not None and kind == "prompt_completion"
+            ),
+        }
+        for option, set_ in refusals.items():
+            if set_:
+                raise ValueError(
+                    f"{option} is not supported for datasets with images (TRL refuses packing, "
+                    "keep_end truncation, completion_only_loss on language modelling and "
+                    "pad_to_multiple_of on prompt-completion data, and skips the dataset "
+                    "preparation where formatting_func and shuffle_dataset act; jaxrl runs no "
+                    "assistant-only loss on them yet). Unset it or drop the image column."
+                )
+
+    def _prepare_vision_dataset(self, dataset: datasets.Dataset, split: str) -> datasets.Dataset:
+        """Vision rows stay as given (the collator processes them, as TRL's); their row lengths
+        and image counts are read here, without processing any image."""
+        from jaxrl.data.formats import require_columns
+
+        a = self.args
+        columns = dataset.column_names
+        if vision.image_column(columns) is None:
+            raise ValueError(
+                f"The train dataset has images but the {split} dataset has none; give both "
+                "images, or neither."
+            )
+        found = require_columns(
+            columns,
+            [("messages",), (a.dataset_text_field,), ("prompt", "completion")],
+            what="Image-text SFT",
+        )
+        kind = {("messages",): "messages", ("prompt", "completion"): "prompt_completion"}.get(
+            found, "text"
+        )
+        self._refuse_vision_options(kind)
+        if len(dataset) == 0:
+            raise ValueError(f"The {split} dataset is empty.")
+        completion_only = a.completion_only_loss
+        if completion_only is None:  # TRL: on for prompt-completion data
+            completion_only = kind == "prompt_completion"
+        counts = vision.image_counts(dataset)
+        config = self.model.config.vision
+        collator = vision.VisionCollator(
+            self.processing_class,
+            kind=kind,
+            max_length=a.max_length,
+            completion_only_loss=completion_only,
+            dataset_text_field=a.dataset_text_field,
+            max_images=max(counts),
+            image_token_id=config.image_token_id,
+            image_tokens=config.mm_tokens_per_image,
+        )
+        if self._vision_collator is not None:  # the eval set: the train set's kind and width
+            if kind != self._vision_collator.kind:
+                raise ValueError(
+                    f"The {split} dataset is {kind} data but the train dataset "
+                    f"{self._vision_collator.kind}; give both the same format."
+                )
+            collator.max_images = max(collator.max_images, self._vision_collator.max_images)
+        self._vision_collator = collator
+        text_only = dataset.remove_columns([c for c in columns if c in vision.IMAGE_COLUMNS])
+        self._vision_lengths = getattr(self, "_vision_lengths", {})
+        self._vision_lengths[id(dataset)] = [
+            collator.token_count(ex, n) for ex, n in zip(text_only, counts, strict=True)
+        ]
+        return dataset
 
     def _max_length(self) -> int | None:
         # Rows used as given are not truncated (TRL): the longest sets the row length.
         return None if self.args.skip_prepare_dataset else super()._max_length()
 
     def _collate(self, examples: list[dict]) -> dict[str, np.ndarray]:
-        batch = collate_sft(examples, self.seq_len, self.processing_class.pad_token_id)
+        if self.vision:
+            return self._vision_collator(examples, self.seq_len, self.tokenizer.pad_token_id)
+        batch = collate_sft(examples, self.seq_len, self.tokenizer.pad_token_id)
         check_score_span(batch["loss_mask"], self.score_span)
         return batch
 

@@ -1,0 +1,238 @@
+"""Image-text SFT (TRL's vision datasets: `images` + `messages` with `{"type": "image"}` parts,
+or prompt/completion) of a tiny Gemma 3 equals TRL 1.16's SFTTrainer step for step, with the
+collator's batches equal to TRL's `DataCollatorForVisionLanguageModeling`; the options TRL
+refuses (or jaxrl does not run) on images are errors, and so are images for a text-only model.
+
+One fixture: a Gemma3Processor built offline (the task's word-level tokenizer plus Gemma 3's
+image tokens and a small chat template; 28 x 28 images, 4 tokens each) and a tiny random
+`Gemma3ForConditionalGeneration` (2 SigLIP layers, the 2-layer Gemma 3 text model)."""
+
+import numpy as np
+import pytest
+from PIL import Image
+from test_sft_trl_options import METRICS
+from trainer_utils import assert_logs_match, base_args, train_logs, trl_train_logs
+
+from jaxrl import SFTConfig, SFTTrainer
+from jaxrl.data import vision
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ '<start_of_turn>' }}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}{{ '<start_of_image>' }}{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<end_of_turn>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>' }}{% endif %}"
+)
+
+
+def _processor(tokenizer):
+    from transformers import Gemma3ImageProcessorPil, Gemma3Processor
+
+    tok = tokenizer.__class__.from_pretrained(
+        tokenizer.name_or_path,
+        extra_special_tokens={
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        },
+    )
+    tok.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    images = Gemma3ImageProcessorPil(size={"height": 28, "width": 28}, do_pan_and_scan=False)
+    return Gemma3Processor(images, tok, chat_template=TEMPLATE, image_seq_length=4)
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory, tokenizer):
+    import torch
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+
+    processor = _processor(tokenizer)
+    tok = processor.tokenizer
+    text = Gemma3TextConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=12,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=128, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+    )  # fmt: skip
+    vision_config = SiglipVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        image_size=28, patch_size=7, vision_use_head=False,
+    )  # fmt: skip
+    config = Gemma3Config(
+        text_config=text.to_dict(), vision_config=vision_config.to_dict(), mm_tokens_per_image=4,
+        image_token_index=tok.image_token_id, boi_token_index=tok.boi_token_id,
+        eoi_token_index=tok.convert_tokens_to_ids("<end_of_image>"),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():  # transformers zero-inits the projection and the norms
+        for name, p in model.named_parameters():
+            if "mm_input_projection" in name:
+                p.normal_(0, 0.3)
+            elif "norm" in name or name.endswith("bias"):
+                p.add_(0.2 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("tiny_gemma3_vision_sft")
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return str(path)
+
+
+def _image(rng, size=(20, 24)):
+    return Image.fromarray(rng.integers(0, 256, size=(*size, 3), dtype=np.uint8))
+
+
+def _messages(n: int = 8, seed: int = 0, strings: bool = False):
+    """Conversational rows with one or two images and answers of different lengths: the user
+    turn's content lists `{"type": "image"}` parts then the text (TRL's vision format), or with
+    `strings` is a plain string (the images then go before it)."""
+    import datasets
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        k = 1 + i % 2
+        question = f"{i}+{i}="
+        answer = "".join(str(d) for d in rng.integers(0, 10, size=2 + i % 5))
+        user = [{"type": "image"}] * k + [{"type": "text", "text": question}]
+        reply = [{"type": "text", "text": answer}]
+        if strings:
+            user, reply = question, answer
+        rows.append(
+            {
+                "images": [_image(rng) for _ in range(k)],
+                "messages": [
+                    {"role": "user", "content": user},
+                    {"role": "assistant", "content": reply},
+                ],
+            }
+        )
+    return datasets.Dataset.from_list(rows)
+
+
+def _prompt_completion(n: int = 8, seed: int = 1):
+    import datasets
+
+    rng = np.random.default_rng(seed)
+    rows = [
+        {
+            "images": [_image(rng)],
+            "prompt": [{"role": "user", "content": f"{i}+1="}],
+            "completion": [{"role": "assistant", "content": str(i + 1) * (1 + i % 3)}],
+        }
+        for i in range(n)
+    ]
+    return datasets.Dataset.from_list(rows)
+
+
+def _trainers(vlm_dir, data, tmp_path, **args):
+    import trl
+    from transformers import AutoProcessor
+
+    _, theirs = trl_train_logs(
+        trl.SFTTrainer, trl.SFTConfig, vlm_dir, AutoProcessor.from_pretrained(vlm_dir), data,
+        tmp_path / "trl", **args,
+    )  # fmt: skip
+    ours = SFTTrainer(
+        vlm_dir,
+        args=SFTConfig(**base_args(tmp_path / "ours", **args)),
+        train_dataset=data,
+        processing_class=AutoProcessor.from_pretrained(vlm_dir),
+    )
+    ours.train()
+    return ours, train_logs(ours), theirs
+
+
+@pytest.mark.parametrize(
+    "make_data,args",
+    [(_messages, {"max_length": 24}), (_prompt_completion, {"max_length": 17})],
+    ids=["messages", "prompt_completion"],
+)
+def test_sft_matches_trl(vlm_dir, tmp_path, make_data, args):
+    # One batch per epoch: each step sees the whole dataset (jaxrl's shuffle is not torch's).
+    common = dict(per_device_train_batch_size=4, max_steps=2, learning_rate=1e-3)
+    ours, logs, theirs = _trainers(vlm_dir, make_data(4), tmp_path, **common, **args)
+    assert_logs_match(logs, theirs, METRICS, steps=2)
+
+
+def test_collator_matches_trl(vlm_dir):
+    """Our padded batch holds TRL's collated batch: ids, attention, labels, token types and
+    pixel values row by row."""
+    from transformers import AutoProcessor
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+    processor = AutoProcessor.from_pretrained(vlm_dir)
+    examples = [dict(ex) for ex in _messages(4, strings=True)]
+    theirs = DataCollatorForVisionLanguageModeling(processor)([dict(ex) for ex in examples])
+    collator = vision.VisionCollator(
+        processor, kind="messages", max_length=None, completion_only_loss=False,
+        dataset_text_field="text", max_images=2, image_token_id=processor.tokenizer.image_token_id,
+        image_tokens=4,
+    )  # fmt: skip
+    ours = collator(examples, 48, processor.tokenizer.pad_token_id)
+    t = theirs["input_ids"].shape[1]
+    np.testing.assert_array_equal(ours["input_ids"][:, :t], theirs["input_ids"].numpy())
+    np.testing.assert_array_equal(ours["attention_mask"][:, :t], theirs["attention_mask"].numpy())
+    np.testing.assert_array_equal(ours["token_type_ids"][:, :t], theirs["token_type_ids"].numpy())
+    labels = theirs["labels"].numpy()
+    np.testing.assert_array_equal(ours["loss_mask"][:, : t - 1], labels[:, 1:] != -100)
+    counts = [len(ex["images"]) for ex in examples]
+    rows = np.concatenate([ours["pixel_values"][b, :k] for b, k in enumerate(counts)])
+    np.testing.assert_allclose(rows, theirs["pixel_values"].numpy(), atol=1e-6)
+    lengths = [collator.token_count(ex, k) for ex, k in zip(examples, counts, strict=True)]
+    assert lengths == theirs["attention_mask"].sum(1).tolist()
+
+
+def test_refusals(vlm_dir, tmp_path, hf_model_dir):
+    from transformers import AutoProcessor
+
+    data = _messages(4)
+
+    def make(model=vlm_dir, **args):
+        return SFTTrainer(
+            model,
+            args=SFTConfig(**base_args(tmp_path, **args)),
+            train_dataset=data,
+            processing_class=AutoProcessor.from_pretrained(vlm_dir),
+        )
+
+    for args, match in (
+        ({"packing": True}, "packing=True is not supported for datasets with images"),
+        ({"assistant_only_loss": True}, "assistant_only_loss=True"),
+        ({"completion_only_loss": True}, "completion_only_loss=True on language-modelling"),
+        ({"truncation_mode": "keep_end"}, "keep_end"),
+        ({"max_length": 12}, "increase `max_length`"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            make(**args).train()
+    data = _prompt_completion(4)
+    with pytest.raises(ValueError, match="too short and causes image placeholder tokens"):
+        make(max_length=5).train()
+    with pytest.raises(ValueError, match="the model is not an image-text model"):
+        make(hf_model_dir)
+    with pytest.raises(ValueError, match="needs the model's processor"):
+        SFTTrainer(
+            vlm_dir, args=SFTConfig(**base_args(tmp_path)), train_dataset=data,
+            processing_class=AutoProcessor.from_pretrained(vlm_dir).tokenizer,
+        )  # fmt: skip
+
+
+def test_text_trainers_refuse_images(tmp_path, hf_model_dir, tokenizer):
+    import datasets
+
+    from jaxrl import DPOConfig, DPOTrainer
+
+    rng = np.random.default_rng(0)
+    pairs = datasets.Dataset.from_list(
+        [{"images": [_image(rng)], "prompt": "1+1=", "chosen": "2", "rejected": "3"}] * 2
+    )
+    with pytest.raises(ValueError, match="'images' column but DPOTrainer trains on text only"):
+        DPOTrainer(
+            hf_model_dir, args=DPOConfig(**base_args(tmp_path)), train_dataset=pairs,
+            processing_class=tokenizer,
+        )  # fmt: skip
