@@ -7,9 +7,12 @@ One fixture: a Gemma3Processor built offline (the task's word-level tokenizer pl
 image tokens and a small chat template; 28 x 28 images, 4 tokens each) and a tiny random
 `Gemma3ForConditionalGeneration` (2 SigLIP layers, the 2-layer Gemma 3 text model)."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from PIL import Image
+from safetensors.numpy import load_file
 from test_sft_trl_options import METRICS
 from trainer_utils import assert_logs_match, base_args, train_logs, trl_train_logs
 
@@ -134,7 +137,7 @@ def _trainers(vlm_dir, data, tmp_path, **args):
     import trl
     from transformers import AutoProcessor
 
-    _, theirs = trl_train_logs(
+    trl_trainer, theirs = trl_train_logs(
         trl.SFTTrainer, trl.SFTConfig, vlm_dir, AutoProcessor.from_pretrained(vlm_dir), data,
         tmp_path / "trl", **args,
     )  # fmt: skip
@@ -145,7 +148,7 @@ def _trainers(vlm_dir, data, tmp_path, **args):
         processing_class=AutoProcessor.from_pretrained(vlm_dir),
     )
     ours.train()
-    return ours, train_logs(ours), theirs
+    return ours, train_logs(ours), (trl_trainer, theirs)
 
 
 @pytest.mark.parametrize(
@@ -156,8 +159,29 @@ def _trainers(vlm_dir, data, tmp_path, **args):
 def test_sft_matches_trl(vlm_dir, tmp_path, make_data, args):
     # One batch per epoch: each step sees the whole dataset (jaxrl's shuffle is not torch's).
     common = dict(per_device_train_batch_size=4, max_steps=2, learning_rate=1e-3)
-    ours, logs, theirs = _trainers(vlm_dir, make_data(4), tmp_path, **common, **args)
+    data = make_data(4)
+    ours, logs, (trl_trainer, theirs) = _trainers(vlm_dir, data, tmp_path, **common, **args)
     assert_logs_match(logs, theirs, METRICS, steps=2)
+    if make_data is not _messages:
+        return
+    # The trained models evaluate alike, and save the same weights (vision tower included) in
+    # transformers' layout.
+    want, got = trl_trainer.evaluate(eval_dataset=data), ours.evaluate(eval_dataset=data)
+    for key in ("eval_loss", "eval_mean_token_accuracy", "eval_entropy"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, err_msg=key)
+    trl_trainer.save_model(str(tmp_path / "trl_final"))
+    ours.save_model(str(tmp_path / "ours_final"))
+    theirs_w = load_file(tmp_path / "trl_final" / "model.safetensors")
+    ours_w = load_file(tmp_path / "ours_final" / "model.safetensors")
+    source = load_file(Path(vlm_dir) / "model.safetensors")
+    assert set(ours_w) == set(theirs_w)
+    for key in (
+        "vision_tower.encoder.layers.1.mlp.fc2.weight",
+        "multi_modal_projector.mm_input_projection_weight",
+    ):
+        assert not np.array_equal(theirs_w[key], source[key]), key  # trained
+        np.testing.assert_allclose(ours_w[key], theirs_w[key], atol=1e-5, err_msg=key)
+    assert (tmp_path / "ours_final" / "processor_config.json").exists()
 
 
 def test_collator_matches_trl(vlm_dir):
@@ -236,3 +260,46 @@ def test_text_trainers_refuse_images(tmp_path, hf_model_dir, tokenizer):
             hf_model_dir, args=DPOConfig(**base_args(tmp_path)), train_dataset=pairs,
             processing_class=tokenizer,
         )  # fmt: skip
+
+
+def test_lora_adapts_the_vision_tower_as_peft(vlm_dir, tmp_path):
+    """PEFT's `q_proj` / `v_proj` / `fc1` targets adapt the SigLIP layers as well as the language
+    model; the trained adapter file loads in PEFT, whose logits on the images are ours."""
+    import peft
+    import torch
+    import transformers
+    from transformers import AutoProcessor
+
+    data = _messages(4)
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "fc1"])
+    ours = SFTTrainer(
+        vlm_dir,
+        args=SFTConfig(**base_args(tmp_path / "ours", per_device_train_batch_size=4, max_steps=2)),
+        train_dataset=data,
+        processing_class=AutoProcessor.from_pretrained(vlm_dir),
+        peft_config=config,
+    )
+    ours.train()
+    ours.save_model(str(tmp_path / "adapter"))
+    mb = ours._collate([data[i] for i in range(4)])
+    got = np.asarray(
+        ours.current_model()(
+            mb["input_ids"], pixel_values=mb["pixel_values"], token_type_ids=mb["token_type_ids"]
+        )
+    )
+    pixels = np.concatenate([mb["pixel_values"][b, : len(data[b]["images"])] for b in range(4)])
+    inputs = {
+        "input_ids": torch.from_numpy(mb["input_ids"]).long(),
+        "attention_mask": torch.from_numpy(mb["attention_mask"]).long(),
+        "token_type_ids": torch.from_numpy(mb["token_type_ids"]).long(),
+        "pixel_values": torch.from_numpy(pixels),
+    }
+    base = transformers.AutoModelForImageTextToText.from_pretrained(vlm_dir).eval()
+    with torch.no_grad():
+        before = base(**inputs).logits.numpy()
+        theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        want = theirs(**inputs).logits.numpy()
+    mask = mb["attention_mask"][..., None]
+    assert any("vision_tower" in m for m in theirs.peft_config["default"].target_modules)
+    assert np.max(np.abs(want - before) * mask) > 1e-4
+    np.testing.assert_allclose(got * mask, want * mask, atol=1e-5)
