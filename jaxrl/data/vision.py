@@ -127,6 +127,8 @@ class VisionCollator:
         max_images: int,
         image_token_id: int,
         image_tokens: int,
+        assistant_only_loss: bool = False,
+        chat_template: str | None = None,
     ):
         check_processor(processor)
         self.processor = processor
@@ -138,6 +140,8 @@ class VisionCollator:
         self.max_images = max_images
         self.image_token_id = image_token_id
         self.image_tokens = image_tokens
+        self.assistant_only_loss = assistant_only_loss
+        self.chat_template = chat_template
 
     # ------------------------------------------------------------- text
     def _render_prompt_completion(self, example: dict, images: list) -> tuple[str, str]:
@@ -166,9 +170,30 @@ class VisionCollator:
     def _messages_text(self, example: dict, images: list) -> str:
         messages = multimodal_messages(example["messages"], images)
         return self.processor.apply_chat_template(
-            messages, tokenize=False, tools=example.get("tools"),
-            **dict(example.get("chat_template_kwargs") or {}),
+            messages, chat_template=self.chat_template, tokenize=False,
+            tools=example.get("tools"), **dict(example.get("chat_template_kwargs") or {}),
         )  # fmt: skip
+
+    def _process_messages(self, example: dict, images: list) -> dict[str, np.ndarray]:
+        """TRL's call: the processor's chat template, tokenized, truncated to `max_length`, with
+        the assistant-token mask when asked for."""
+        messages = multimodal_messages(example["messages"], images)
+        out = self.processor.apply_chat_template(
+            [messages],
+            chat_template=self.chat_template,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="np",
+            return_assistant_tokens_mask=self.assistant_only_loss,
+            tools=example.get("tools"),
+            processor_kwargs={
+                "truncation": self.max_length is not None,
+                "max_length": self.max_length,
+                "add_special_tokens": False,
+            },
+            **dict(example.get("chat_template_kwargs") or {}),
+        )
+        return {k: np.asarray(v) for k, v in out.items()}
 
     def token_count(self, example: dict, num_images: int) -> int:
         """The row length of `example` (after truncation) without processing its images: the
@@ -221,12 +246,13 @@ class VisionCollator:
             pixels = p.get("pixel_values")
         else:
             if self.kind == "messages":
-                text = self._messages_text(example, images)
+                out = self._process_messages(example, images)
             else:
-                text = example[self.text_field]
-            out = self._process(text, images, truncate=True)
+                out = self._process(example[self.text_field], images, truncate=True)
             ids, types = out["input_ids"][0], out["token_type_ids"][0]
             trained = np.ones_like(ids)
+            if self.assistant_only_loss:
+                trained = out["assistant_masks"][0]
             pixels = out.get("pixel_values")
         found = int(np.sum(ids == self.image_token_id))
         if found != len(images) * self.image_tokens:

@@ -1,5 +1,5 @@
 """Flax NNX decoder-only LMs (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma, Gemma 3 text, SmolLM3,
-OLMo 2, GPT-OSS, GPT-2) with HF checkpoint I/O.
+OLMo 2, GPT-OSS, GPT-2) and Gemma 3's image-text model (`vision=True`) with HF checkpoint I/O.
 
 Every model holds only `nnx.Param` state carrying logical axis names, so
 `graphdef, params = nnx.split(model)` / `nnx.merge(graphdef, params)` is the functional API.
@@ -24,6 +24,7 @@ from jaxrl.models.hf import (
 )
 from jaxrl.models.llama import LlamaForCausalLM, LlamaModel
 from jaxrl.models.presets import count_params, flops_per_token, get_preset
+from jaxrl.models.vision import Gemma3ForConditionalGeneration
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -31,6 +32,7 @@ __all__ = [
     "CausalLM",
     "CausalLMWithValueHead",
     "GPT2ForCausalLM",
+    "Gemma3ForConditionalGeneration",
     "GPT2Model",
     "GptOssForCausalLM",
     "GptOssModel",

@@ -20,8 +20,9 @@ LLAMA_FAMILY = (
 )  # fmt: skip
 MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
-# Image-text checkpoints whose language model jaxrl trains on text (their vision weights are
-# carried through unchanged on save): model_type -> where the language model's weights live.
+# Image-text checkpoints: model_type -> where the language model's weights live. Loaded alone
+# (text-only training, the vision weights carried through unchanged on save) or with
+# `vision=True` with their vision tower and projector (`jaxrl.models.vision`).
 LANGUAGE_MODEL_PREFIX = {"gemma3": "model.language_model"}
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2", *LANGUAGE_MODEL_PREFIX)
 ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")

@@ -8,6 +8,7 @@ come from the data layer), computed from hidden states with chunked log-probs so
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import datasets
@@ -282,7 +283,9 @@ class SFTTrainer(Trainer):
             "a formatting_func": self.formatting_func is not None,
             "shuffle_dataset=True": a.shuffle_dataset,
             "dataset_kwargs={'skip_prepare_dataset': True}": a.skip_prepare_dataset,
-            "assistant_only_loss=True": a.assistant_only_loss,
+            "assistant_only_loss=True on data without 'messages'": (
+                a.assistant_only_loss and kind != "messages"
+            ),
             "completion_only_loss=True on language-modelling data": (
                 a.completion_only_loss is True and kind != "prompt_completion"
             ),
@@ -295,9 +298,10 @@ class SFTTrainer(Trainer):
                 raise ValueError(
                     f"{option} is not supported for datasets with images (TRL refuses packing, "
                     "keep_end truncation, completion_only_loss on language modelling and "
-                    "pad_to_multiple_of on prompt-completion data, and skips the dataset "
-                    "preparation where formatting_func and shuffle_dataset act; jaxrl runs no "
-                    "assistant-only loss on them yet). Unset it or drop the image column."
+                    "pad_to_multiple_of on prompt-completion data and assistant_only_loss "
+                    "without conversational language-modelling data, and skips the dataset "
+                    "preparation where formatting_func and shuffle_dataset act). Unset it or drop "
+                    "the image column."
                 )
 
     def _prepare_vision_dataset(self, dataset: datasets.Dataset, split: str) -> datasets.Dataset:
@@ -321,6 +325,13 @@ class SFTTrainer(Trainer):
             found, "text"
         )
         self._refuse_vision_options(kind)
+        template = getattr(self.processing_class, "chat_template", None) or ""
+        if a.assistant_only_loss and not re.search(r"\{%-?\s*generation\s*-?%\}", template):
+            raise ValueError(
+                "assistant_only_loss=True needs a chat template that marks assistant turns with "
+                "{% generation %} ... {% endgeneration %}; the processor's has none. Give one "
+                "(chat_template_path) or set assistant_only_loss=False."
+            )
         if len(dataset) == 0:
             raise ValueError(f"The {split} dataset is empty.")
         completion_only = a.completion_only_loss
@@ -337,6 +348,7 @@ class SFTTrainer(Trainer):
             max_images=max(counts),
             image_token_id=config.image_token_id,
             image_tokens=config.mm_tokens_per_image,
+            assistant_only_loss=a.assistant_only_loss,
         )
         if self._vision_collator is not None:  # the eval set: the train set's kind and width
             if kind != self._vision_collator.kind:

@@ -28,6 +28,17 @@ TEMPLATE = (
 )
 
 
+# The same rendering with the assistant turns marked for `assistant_only_loss`.
+TRAINING_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ '<start_of_turn>' }}"
+    "{% if m['role'] == 'assistant' %}{% generation %}"
+    "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{{ '<end_of_turn>' }}"
+    "{% endgeneration %}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}{{ '<start_of_image>' }}{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{{ '<end_of_turn>' }}{% endif %}{% endfor %}"
+)
+
+
 def _processor(tokenizer):
     from transformers import Gemma3ImageProcessorPil, Gemma3Processor
 
@@ -184,6 +195,19 @@ def test_sft_matches_trl(vlm_dir, tmp_path, make_data, args):
     assert (tmp_path / "ours_final" / "processor_config.json").exists()
 
 
+def test_assistant_only_loss_matches_trl(vlm_dir, tmp_path):
+    """With a template marking assistant turns, only they are trained (TRL's processor call
+    with `return_assistant_tokens_mask`)."""
+    template = tmp_path / "training.jinja"
+    template.write_text(TRAINING_TEMPLATE)
+    args = dict(per_device_train_batch_size=4, max_steps=2, learning_rate=1e-3)
+    args.update(assistant_only_loss=True, chat_template_path=str(template))
+    ours, logs, (_, theirs) = _trainers(vlm_dir, _messages(4), tmp_path, **args)
+    assert_logs_match(logs, theirs, METRICS, steps=2)
+    mb = ours._collate([_messages(4)[0]])
+    assert 0 < mb["loss_mask"].sum() < 10  # the answer and its end of turn
+
+
 def test_collator_matches_trl(vlm_dir):
     """Our padded batch holds TRL's collated batch: ids, attention, labels, token types and
     pixel values row by row."""
@@ -227,7 +251,7 @@ def test_refusals(vlm_dir, tmp_path, hf_model_dir):
 
     for args, match in (
         ({"packing": True}, "packing=True is not supported for datasets with images"),
-        ({"assistant_only_loss": True}, "assistant_only_loss=True"),
+        ({"assistant_only_loss": True}, "needs a chat template that marks assistant turns"),
         ({"completion_only_loss": True}, "completion_only_loss=True on language-modelling"),
         ({"truncation_mode": "keep_end"}, "keep_end"),
         ({"max_length": 12}, "increase `max_length`"),
