@@ -30,9 +30,11 @@ from jaxrl.models.layers import (
     LayerNorm,
     RMSNorm,
     activation,
+    constrain_batch,
     make_param,
     normal_init,
     param_value,
+    remat_wrap,
 )
 from jaxrl.models.llama import LlamaForCausalLM
 
@@ -131,16 +133,25 @@ class SiglipEncoderLayer(nnx.Module):
 
 class SiglipEncoder(nnx.Module):
     """The encoder layers, unrolled (an `nnx.List` under HF's `layers` name) whatever
-    `scan_layers` says for the language model."""
+    `scan_layers` says for the language model; each rematerialised by the model's
+    `remat_policy` (transformers checkpoints SigLIP's layers too under gradient checkpointing),
+    its output pinned batch-sharded as the language model's layers are."""
 
     def __init__(self, vision: VisionConfig, config: ModelConfig, rngs: nnx.Rngs):
+        self.config = config
         self.layers = nnx.List(
             [SiglipEncoderLayer(vision, config, rngs) for _ in range(vision.num_layers)]
         )
 
     def __call__(self, h_NPD: jax.Array) -> jax.Array:
+        h_NPD = constrain_batch(h_NPD, self.config)
         for layer in self.layers:
-            h_NPD = layer(h_NPD)
+            graphdef, state = nnx.split(layer)
+
+            def run(h, state, graphdef=graphdef):
+                return constrain_batch(nnx.merge(graphdef, state)(h), self.config)
+
+            h_NPD = remat_wrap(run, self.config.remat_policy)(h_NPD, state)
         return h_NPD
 
 
