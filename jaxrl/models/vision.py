@@ -197,7 +197,8 @@ class Gemma3MultiModalProjector(nnx.Module):
         pooled = grid.mean(axis=(2, 4)).astype(states_NPD.dtype).reshape(n, tokens * tokens, d)
         normed = self.mm_soft_emb_norm(pooled)
         w = param_value(self.mm_input_projection_weight, self.dtype)
-        out = jnp.matmul(normed.astype(self.dtype), w, preferred_element_type=jnp.float32)
+        # A compute-dtype matmul (bf16 out under autocast), then the vision states' dtype.
+        out = jnp.matmul(normed.astype(self.dtype), w, preferred_element_type=self.dtype)
         return out.astype(states_NPD.dtype)
 
 
