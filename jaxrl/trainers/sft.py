@@ -139,6 +139,8 @@ class SFTTrainer(Trainer):
             train = kw["train_dataset"] = self._load_data(kw.get("train_dataset"), "train")
         self.vision = vision.image_column(getattr(train, "column_names", None)) is not None
         self._vision_collator: vision.VisionCollator | None = None
+        # Row lengths of the prepared image datasets, by `id` of the (kept) dataset object.
+        self._vision_lengths: dict[int, list[int]] = {}
         # The model generation config's EOS ids once `args.eos_token` has been put first
         # (None: unchanged).
         self._generation_eos_ids: list[int] | None = None
@@ -289,19 +291,15 @@ class SFTTrainer(Trainer):
             "completion_only_loss=True on language-modelling data": (
                 a.completion_only_loss is True and kind != "prompt_completion"
             ),
-            "pad_to_multiple_of with prompt-completion data": (
-                a.pad_to_multiple_of is not None and kind == "prompt_completion"
-            ),
         }
         for option, set_ in refusals.items():
             if set_:
                 raise ValueError(
                     f"{option} is not supported for datasets with images (TRL refuses packing, "
                     "keep_end truncation, completion_only_loss on language modelling and "
-                    "pad_to_multiple_of on prompt-completion data and assistant_only_loss "
-                    "without conversational language-modelling data, and skips the dataset "
-                    "preparation where formatting_func and shuffle_dataset act). Unset it or drop "
-                    "the image column."
+                    "assistant_only_loss without conversational language-modelling data, and "
+                    "skips the dataset preparation where formatting_func and shuffle_dataset "
+                    "act). Unset it or drop the image column."
                 )
 
     def _prepare_vision_dataset(self, dataset: datasets.Dataset, split: str) -> datasets.Dataset:
@@ -359,7 +357,6 @@ class SFTTrainer(Trainer):
             collator.max_images = max(collator.max_images, self._vision_collator.max_images)
         self._vision_collator = collator
         text_only = dataset.remove_columns([c for c in columns if c in vision.IMAGE_COLUMNS])
-        self._vision_lengths = getattr(self, "_vision_lengths", {})
         self._vision_lengths[id(dataset)] = [
             collator.token_count(ex, n) for ex, n in zip(text_only, counts, strict=True)
         ]
