@@ -11,7 +11,9 @@ Compare with `python -m jaxrl.bench --algo ALGO --per_device_train_batch_size B`
 With `--preset NAME --seq_len T` it trains a random-weight model of a `jaxrl.models.presets`
 shape on random tokens of exactly T per row (DPO: prompt T // 2, each completion the rest, the
 sigmoid loss), as `python -m jaxrl.bench --preset NAME --seq_len T` does; this is the TRL side
-of `python -m jaxrl.bench --compare trl`. Needs the `test` extra (torch, trl).
+of `python -m jaxrl.bench --compare trl`. `--lengths longtail` gives the rows jaxrl's bench uses
+with that flag (`jaxrl.bench.long_tail_lengths`, capped at T), trained in order. Needs the
+`test` extra (torch, trl).
 """
 
 import argparse
@@ -27,7 +29,7 @@ import trl
 from datasets import Dataset, load_dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-from jaxrl.bench import peak_flops
+from jaxrl.bench import long_tail_lengths, peak_flops
 from jaxrl.data import task
 from jaxrl.models import presets
 
@@ -59,25 +61,27 @@ class PretokenizedDPOTrainer(trl.DPOTrainer):
         return dataset
 
 
-def synthetic_dataset(algo: str, rows: int, seq_len: int, vocab: int, seed: int) -> Dataset:
-    """Random token rows of exactly `seq_len` (DPO: prompt seq_len // 2, completions the rest),
-    the layout of `jaxrl.bench`'s synthetic data."""
+def synthetic_dataset(
+    algo: str, rows: int, seq_len: int, vocab: int, seed: int, lengths: list[int] | None = None
+) -> Dataset:
+    """Random token rows of exactly `seq_len`, or of `lengths[i]` for row i (DPO: prompt half,
+    completions the rest), the layout and tokens of `jaxrl.bench`'s synthetic data."""
     rng = np.random.default_rng(seed)
+    lengths = lengths or [seq_len] * rows
 
     def ids(length):
         return rng.integers(3, vocab, size=length).tolist()
 
-    half = seq_len // 2
     if algo == "sft":
-        return Dataset.from_list([{"input_ids": ids(seq_len)} for _ in range(rows)])
+        return Dataset.from_list([{"input_ids": ids(length)} for length in lengths])
     return Dataset.from_list(
         [
             {
-                "prompt_ids": ids(half),
-                "chosen_ids": ids(seq_len - half),
-                "rejected_ids": ids(seq_len - half),
+                "prompt_ids": ids(length // 2),
+                "chosen_ids": ids(length - length // 2),
+                "rejected_ids": ids(length - length // 2),
             }
-            for _ in range(rows)
+            for length in lengths
         ]
     )
 
@@ -94,6 +98,7 @@ def main() -> None:
     p.add_argument("--bf16", action="store_true", help="TRL's default bf16 autocast (else f32)")
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--attn_implementation", default="sdpa")
+    p.add_argument("--lengths", choices=["fixed", "longtail"], default="fixed")
     opts = p.parse_args()
     torch.set_num_threads(opts.threads)
     tok = task.load_tokenizer()
@@ -111,7 +116,10 @@ def main() -> None:
         config._attn_implementation = opts.attn_implementation
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         rows = opts.batch * (opts.warmup + opts.steps)
-        data = synthetic_dataset(opts.algo, rows, opts.seq_len, config.vocab_size, seed=0)
+        lengths = None
+        if opts.lengths == "longtail":  # jaxrl's bench rows with the same flag (seed 0 there too)
+            lengths = long_tail_lengths(rows, opts.seq_len, seed=0)
+        data = synthetic_dataset(opts.algo, rows, opts.seq_len, config.vocab_size, 0, lengths)
         max_length = opts.seq_len
     common = dict(
         output_dir="/tmp/bench_trl",
@@ -126,6 +134,8 @@ def main() -> None:
         max_length=max_length,
         disable_tqdm=True,
         dataloader_num_workers=0,
+        # The rows in dataset order: with varying lengths, the batches jaxrl's bench trains.
+        train_sampling_strategy="sequential" if opts.lengths == "longtail" else "random",
     )
     timer = StepTimer(opts.warmup)
     extra = {}
@@ -186,6 +196,7 @@ def main() -> None:
                 "device_kind": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                 "preset": opts.preset,
                 "seq_len": opts.seq_len if opts.preset else max_length,
+                "lengths": opts.lengths,
                 "peak_bytes": peak_bytes,
                 "peak_bytes_source": peak_src,
             }

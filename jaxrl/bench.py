@@ -10,7 +10,11 @@ only (no optimizer update).
 
 Bench flags: --preset NAME, --seq_len T, --steps N (default 10), --warmup N (default 2),
 --profile_dir DIR (a `jax.profiler` trace of the timed steps, with a Perfetto JSON;
-`examples/trace_top.py DIR` sums its device ops).
+`examples/trace_top.py DIR` sums its device ops), --lengths {fixed,longtail} (with --preset, sft
+and dpo: every row T tokens, the default, or a long-tailed length distribution capped at T,
+`long_tail_lengths`, as real chat data has: then each step trains on its own batch of a
+synthetic dataset in order, every `length_buckets` shape is compiled before the timing, and
+`compile_s` is their total).
 Everything else is a training-config flag, as for `jaxrl.train`.
 
 `--algo generate` times `jaxrl.generation.Sampler` against transformers `generate` (PyTorch on
@@ -23,7 +27,11 @@ timed calls alternate jaxrl, transformers, jaxrl, ... so both sides run under th
 
 `--compare trl [--sweep] [--reps N]` (sft, dpo): times jaxrl against TRL's trainer
 (`examples/bench_trl.py`, torch on this machine) at the `--preset/--seq_len/
---per_device_train_batch_size` point, or with `--sweep` at every point of `SWEEP`. Each side runs
+--per_device_train_batch_size[/--lengths]` point, or with `--sweep` at every point of `SWEEP`.
+With `--lengths longtail` both sides train on the same rows in the same order, and jaxrl also
+runs with `--length_buckets null` (one static length, its behaviour before buckets): a row
+labelled `static`. A rep runs each label's jaxrl child, then the TRL child once (the labels of
+a point share it). Each side runs
 in its own child process, alternating jaxrl, TRL, jaxrl, ... `--reps` times (default 3); a line
 per point gives the median step times, the ratio (TRL step / jaxrl step: > 1 means jaxrl is
 faster) and each side's peak RSS. DPO runs TRL's objective and layout on both sides (sigmoid
@@ -80,7 +88,9 @@ _BENCH_FLAGS = {
     "--steps": int,
     "--warmup": int,
     "--profile_dir": str,  # a jax.profiler trace (and Perfetto JSON) of the timed steps
+    "--lengths": str,  # "fixed" (every row --seq_len tokens) or "longtail" (capped at it)
 }
+LENGTHS = ("fixed", "longtail")
 
 
 def peak_flops(device) -> float | None:
@@ -116,29 +126,51 @@ def _split_bench_flags(argv: list[str]) -> tuple[dict, list[str]]:
     return split_flags(
         argv,
         _BENCH_FLAGS,
-        {"preset": None, "seq_len": 512, "steps": 10, "warmup": 2, "profile_dir": None},
+        {
+            "preset": None,
+            "seq_len": 512,
+            "steps": 10,
+            "warmup": 2,
+            "profile_dir": None,
+            "lengths": "fixed",
+        },
     )
 
 
-def _synthetic_examples(algo: str, n: int, seq_len: int, vocab: int, seed: int) -> list[dict]:
-    """Token data of exactly `seq_len` per row (DPO/reward: half prompt, half completion; with
-    DPO prefix sharing a row holds the prompt and both completions)."""
+def long_tail_lengths(n: int, max_len: int, seed: int = 0, min_len: int = 8) -> list[int]:
+    """`n` row lengths of a long-tailed distribution capped at `max_len`, shaped like chat SFT
+    data: log-normal with median `max_len / 6` and sigma 0.75 (mean about `max_len / 4.5`,
+    about 1% cut at the cap), at least `min_len`, and one row at the cap so that a run's
+    static length is `max_len`, as for a real dataset cut at `max_length`."""
+    rng = np.random.default_rng([seed, 7])
+    x = np.exp(rng.normal(np.log(max_len / 6), 0.75, n))
+    lengths = np.clip(np.round(x), min_len, max_len).astype(int)
+    lengths[rng.integers(n)] = max_len
+    return lengths.tolist()
+
+
+def _synthetic_examples(
+    algo: str, n: int, seq_len: int, vocab: int, seed: int, lengths: list[int] | None = None
+) -> list[dict]:
+    """Token data of exactly `seq_len` per row, or of `lengths[i]` for row i (DPO/reward: half
+    prompt, half completion; with DPO prefix sharing a row holds the prompt and both
+    completions)."""
     rng = np.random.default_rng(seed)
+    lengths = lengths or [seq_len] * n
 
     def ids(length):
         return rng.integers(3, vocab, size=length).tolist()
 
-    half = seq_len // 2
     if algo in ("sft", "forward"):
-        return [{"input_ids": ids(seq_len)} for _ in range(n)]
+        return [{"input_ids": ids(length)} for length in lengths]
     if algo == "dpo":
         return [
             {
-                "prompt_input_ids": ids(half),
-                "chosen_input_ids": ids(seq_len - half),
-                "rejected_input_ids": ids(seq_len - half),
+                "prompt_input_ids": ids(length // 2),
+                "chosen_input_ids": ids(length - length // 2),
+                "rejected_input_ids": ids(length - length // 2),
             }
-            for _ in range(n)
+            for length in lengths
         ]
     return [
         {"chosen_input_ids": ids(seq_len), "rejected_input_ids": ids(seq_len)} for _ in range(n)
@@ -206,6 +238,25 @@ def build(argv: list[str]) -> tuple[Any, dict, str]:
     if algo == "dpo" and args.prefix_sharing:  # one row holds the prompt and both completions
         trainer.seq_len += opts["seq_len"] - opts["seq_len"] // 2
     opts["vocab"] = hf_config.vocab_size
+    if opts["lengths"] not in LENGTHS:
+        raise ValueError(f"--lengths {opts['lengths']!r}: use one of {LENGTHS}.")
+    if opts["lengths"] == "longtail":
+        if algo not in ("sft", "dpo"):
+            raise ValueError("--lengths longtail supports --algo sft and dpo.")
+        import datasets
+
+        # The trainer's own data path on already tokenized rows, trained in order (as the TRL
+        # side's `train_sampling_strategy="sequential"`), static length and buckets from them.
+        n = args.per_device_train_batch_size * trainer.dp * args.gradient_accumulation_steps
+        n *= opts["warmup"] + opts["steps"]
+        # Seed 0 for lengths and tokens, as `examples/bench_trl.py`: the same rows on both sides.
+        lengths = long_tail_lengths(n, opts["seq_len"], seed=0)
+        rows = _synthetic_examples(algo, n, opts["seq_len"], opts["vocab"], 0, lengths)
+        trainer.args.train_sampling_strategy = "sequential"
+        trainer.train_dataset = datasets.Dataset.from_list(rows)
+        trainer.seq_len = trainer._choose_seq_len()
+        if algo == "dpo":  # the head's span follows the completions (SFT trains every token)
+            trainer.score_span = trainer._score_span([trainer.train_dataset])
     return trainer, opts, algo
 
 
@@ -213,11 +264,14 @@ def run(argv: list[str]) -> dict:
     from jaxrl.models import presets
 
     trainer, opts, algo = build(argv)
+    if opts["lengths"] == "longtail":
+        return _run_varying(trainer, opts, algo)
     a = trainer.args
     accum = a.gradient_accumulation_steps
     n = a.per_device_train_batch_size * trainer.dp * accum
     if opts["preset"] is None:
-        host = trainer._collate_micro(next(iter(trainer._train_iterator())), accum)
+        examples, _ = next(iter(trainer._train_iterator()))
+        host = trainer._collate_micro(examples, accum)
     else:
         ex = _synthetic_examples(algo, n, opts["seq_len"], opts["vocab"], a.seed)
         if algo == "dpo":  # the head's span follows the data, as the trainer's datasets set it
@@ -297,6 +351,68 @@ def run(argv: list[str]) -> dict:
         "compute_dtype": jnp.dtype(trainer.compute_dtype).name,
         "scan_layers": trainer.scan_layers,
         "prefix_sharing": getattr(a, "prefix_sharing", None),
+        "steps": opts["steps"],
+    }
+
+
+def _run_varying(trainer: Any, opts: dict, algo: str) -> dict:
+    """`run` over a dataset of varying lengths (`--lengths longtail`): each step is the
+    trainer's own iteration on the next batch (host collation included, as TRL's timing
+    includes its collator). Every row length the steps use is compiled first (`compile_s`)."""
+    it = trainer._train_iterator()
+    items = [next(it) for _ in range(opts["warmup"] + opts["steps"])]
+    t0 = time.perf_counter()
+    trainer._ensure_state()
+    shapes = {}
+    for item in items:
+        seq_len = trainer._batch_seq_len(trainer.train_dataset, item[1], "train")
+        if seq_len not in shapes:
+            shapes[seq_len] = trainer._train_iteration(item)
+    jax.block_until_ready(trainer.train_state)
+    compile_s = time.perf_counter() - t0
+    for item in items[: opts["warmup"]]:
+        trainer._train_iteration(item)
+    jax.block_until_ready(trainer.train_state)
+    t0 = time.perf_counter()
+    for item in items[opts["warmup"] :]:
+        trainer._train_iteration(item)
+    jax.block_until_ready(trainer.train_state)
+    step_s = (time.perf_counter() - t0) / opts["steps"]
+    ds = trainer.train_dataset
+    timed = np.concatenate([item[1] for item in items[opts["warmup"] :]]).tolist()
+    if algo == "sft":
+        tokens = sum(len(ds[i]["input_ids"]) for i in timed)
+    else:  # TRL's count: the prompt once per completion
+        tokens = sum(
+            2 * len(ds[i]["prompt_input_ids"])
+            + len(ds[i]["chosen_input_ids"])
+            + len(ds[i]["rejected_input_ids"])
+            for i in timed
+        )
+    steps_at = [trainer._batch_seq_len(ds, item[1], "train") for item in items[opts["warmup"] :]]
+    devices = jax.devices()
+    peak_bytes, peak_src = _peak_bytes()
+    return {
+        "algo": algo,
+        "step_s": step_s,
+        "tokens_per_sec": tokens / opts["steps"] / step_s,
+        "steps_per_sec": 1 / step_s,
+        "compile_s": compile_s,
+        "peak_bytes": peak_bytes,
+        "peak_bytes_source": peak_src,
+        "devices": len(devices),
+        "device_kind": devices[0].device_kind,
+        "mfu": None,
+        "tokens_per_step": tokens / opts["steps"],
+        "seq_len": trainer.seq_len,
+        "length_buckets": list(trainer.length_buckets),
+        "row_lengths_per_step": steps_at,
+        "lengths": opts["lengths"],
+        "score_span": trainer.score_span,
+        "global_batch": trainer.train_batch_size,
+        "preset": opts["preset"],
+        "compute_dtype": jnp.dtype(trainer.compute_dtype).name,
+        "prefix_sharing": getattr(trainer.args, "prefix_sharing", None),
         "steps": opts["steps"],
     }
 
@@ -756,11 +872,16 @@ def run_child(cmd: list[str], env: dict[str, str] | None = None) -> dict:
 
 
 def compare_commands(
-    algo: str, point: tuple[str, int, int], steps: int, warmup: int, extra: list[str]
+    algo: str,
+    point: tuple[str, int, int],
+    steps: int,
+    warmup: int,
+    extra: list[str],
+    lengths: str = "fixed",
 ) -> dict[str, tuple[list[str], list[str]]]:
     """label -> (jaxrl command, TRL command) for one sweep point."""
     preset, batch, seq_len = point
-    common = ["--steps", str(steps), "--warmup", str(warmup)]
+    common = ["--steps", str(steps), "--warmup", str(warmup), "--lengths", lengths]
     jaxrl = [sys.executable, "-m", "jaxrl.bench", "--algo", algo, "--preset", preset]
     jaxrl += ["--seq_len", str(seq_len), "--per_device_train_batch_size", str(batch), *common]
     jaxrl += ["--bf16", "false", "--gradient_checkpointing", "false"]
@@ -772,15 +893,23 @@ def compare_commands(
     # Precision and rematerialisation follow the jaxrl flags on both sides (f32, none by default).
     shared = split_flags(extra, {"--bf16": str, "--gradient_checkpointing": str}, {})[0]
     trl += [f"--{name}" for name, value in shared.items() if value.lower() == "true"]
+    # Varying lengths: also jaxrl with one static row length (before `length_buckets`).
+    static = ["--length_buckets", "null"]
     if algo == "sft":
-        return {"sft": (jaxrl + extra, trl)}
+        out = {"sft": (jaxrl + extra, trl)}
+        if lengths != "fixed":
+            out["sft static"] = (jaxrl + static + extra, trl)
+        return out
     # TRL's objective and layout: sigmoid loss only, prompt + completion rows per pair.
     dpo = ["--loss_type", "sigmoid", "--loss_weights", "null"]
     dpo += ["--max_prompt_length", str(seq_len // 2)]
-    return {
+    out = {
         "dpo": (jaxrl + dpo + ["--prefix_sharing", "false"] + extra, trl),
         "dpo prefix_sharing": (jaxrl + dpo + ["--prefix_sharing", "true"] + extra, trl),
     }
+    if lengths != "fixed":
+        out["dpo static"] = (jaxrl + dpo + ["--prefix_sharing", "false"] + static + extra, trl)
+    return out
 
 
 def _trl_env() -> dict[str, str]:
@@ -822,15 +951,23 @@ def compare(argv: list[str]) -> list[dict]:
         points = ((opts["preset"], batch, opts["seq_len"]),)
     results = []
     for point in points:
-        for label, (jaxrl_cmd, trl_cmd) in compare_commands(
-            algo, point, opts["steps"], opts["warmup"], extra
-        ).items():
-            runs: dict[str, list[dict]] = {"jaxrl": [], "trl": []}
-            loads = []
-            for _ in range(copts["reps"]):
-                loads.append(os.getloadavg()[0])
-                runs["jaxrl"].append(run_child(jaxrl_cmd))
-                runs["trl"].append(run_child(trl_cmd, _trl_env()))
+        commands = compare_commands(
+            algo, point, opts["steps"], opts["warmup"], extra, opts["lengths"]
+        )
+        # One rep runs every label's jaxrl command, then each distinct TRL command once (the
+        # labels are jaxrl variants against the same TRL run), so all of them see the same load.
+        trl_cmds = list(dict.fromkeys(tuple(trl) for _, trl in commands.values()))
+        jaxrl_runs: dict[str, list[dict]] = {label: [] for label in commands}
+        trl_runs: dict[tuple, list[dict]] = {cmd: [] for cmd in trl_cmds}
+        loads = []
+        for _ in range(copts["reps"]):
+            loads.append(os.getloadavg()[0])
+            for label, (jaxrl_cmd, _) in commands.items():
+                jaxrl_runs[label].append(run_child(jaxrl_cmd))
+            for cmd in trl_cmds:
+                trl_runs[cmd].append(run_child(list(cmd), _trl_env()))
+        for label, (_, trl_cmd) in commands.items():
+            runs = {"jaxrl": jaxrl_runs[label], "trl": trl_runs[tuple(trl_cmd)]}
             step = {k: statistics.median(r["step_s"] for r in v) for k, v in runs.items()}
             rss = {k: max(r["peak_rss_bytes"] for r in v) for k, v in runs.items()}
             row = {
@@ -838,6 +975,7 @@ def compare(argv: list[str]) -> list[dict]:
                 "preset": point[0],
                 "batch": point[1],
                 "seq_len": point[2],
+                "lengths": opts["lengths"],
                 "jaxrl_step_s": step["jaxrl"],
                 "trl_step_s": step["trl"],
                 "speed_ratio": step["trl"] / step["jaxrl"],

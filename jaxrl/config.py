@@ -192,6 +192,51 @@ _ForeignTrainingFields = dataclasses.make_dataclass(
 )
 
 
+def _resolve_length_buckets(config: Any) -> None:
+    """Normalise and check a config's `length_buckets` (SFT, reward, DPO): "auto", None (one
+    static length; also "none"/"off" and an empty list) or strictly increasing lengths >= 1,
+    each a multiple of `pad_to_multiple_of` when that is set."""
+    value = config.length_buckets
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            config.length_buckets = "auto"
+            return
+        if text in ("none", "null", "off", ""):
+            config.length_buckets = None
+            return
+        try:
+            value = [int(v) for v in text.strip("[]").split(",")]
+        except ValueError:
+            raise ConfigError(
+                f"`length_buckets` must be 'auto', None (one static row length) or a list of "
+                f"row lengths such as [256, 512, 1024]; got {config.length_buckets!r}."
+            ) from None
+    if value is None or len(value) == 0:
+        config.length_buckets = None
+        return
+    _check(
+        isinstance(value, list | tuple)
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value),
+        f"`length_buckets` must be 'auto', None or a list of integer row lengths >= 1; got "
+        f"{value!r}.",
+    )
+    value = list(value)
+    _check(
+        all(a < b for a, b in zip(value, value[1:], strict=False)),
+        f"`length_buckets` must be strictly increasing (each length once); got {value}. "
+        f"Did you mean {sorted(set(value))}?",
+    )
+    m = config.pad_to_multiple_of
+    off = [v for v in value if m and v % m]
+    _check(
+        not off,
+        f"`length_buckets` {off} are not multiples of `pad_to_multiple_of={m}`, which every "
+        f"padded row length must be; use e.g. {[-(-v // m) * m for v in off]}.",
+    )
+    config.length_buckets = value
+
+
 @dataclass
 class TrainingConfig(_ForeignTrainingFields):
     """Fields shared by all trainers; names and defaults follow HF TrainingArguments / TRL."""
@@ -281,8 +326,8 @@ class TrainingConfig(_ForeignTrainingFields):
     # order) or "group_by_length" (HF's LengthGroupedSampler: each epoch's permutation cut into
     # megabatches of min(50, N // (4 * b)) * b examples, b = per_device_train_batch_size *
     # gradient_accumulation_steps, each sorted longest first, the longest example first of all).
-    # Eval batches keep dataset order (HF 5.x also length-groups them; every jaxrl batch has one
-    # static shape, so grouping saves no padding there). "batch_rebalance" is rejected.
+    # Eval batches keep dataset order (HF 5.x also length-groups them, in an order drawn from
+    # torch's RNG). "batch_rebalance" is rejected.
     train_sampling_strategy: str = "random"
     # HF: the train dataset column holding each example's length for "group_by_length" (used
     # while the prepared rows are the dataset's examples one to one); without it, the length of
@@ -333,8 +378,9 @@ class TrainingConfig(_ForeignTrainingFields):
     # per backend: 128 on CPU; on GPU/TPU the whole sequence while its logits fit 4 GiB (2**31
     # bf16 logits on GPU), else as many positions as fit (`jaxrl.core.logprobs.resolve_chunk_size`).
     logprob_chunk_size: int | None = None
-    # TRL's `pad_to_multiple_of`: the run's one static batch length (the longest example) is
-    # rounded up to a multiple of this (e.g. 128 on TPU); None = the longest example exactly.
+    # TRL's `pad_to_multiple_of`: the run's static row length (the longest example) and the
+    # `length_buckets` below it are rounded up to a multiple of this (e.g. 128 on TPU); None =
+    # the longest example exactly.
     # TRL's default "auto" (128 on AWS Neuron, which jaxrl does not run on, else None) and its
     # CLI strings ("none", "null", "128") resolve as in TRL.
     pad_to_multiple_of: int | str | None = "auto"
@@ -622,8 +668,9 @@ class TrainingConfig(_ForeignTrainingFields):
             self.train_sampling_strategy != "batch_rebalance",
             "`train_sampling_strategy='batch_rebalance'` is not supported: HF's "
             "BatchRebalanceSampler gives micro-batches of different sizes, but a jaxrl step "
-            "compiles one static batch shape (every row padded to the run's one length, so there "
-            "is no padding cost to rebalance); use 'random' or 'group_by_length'.",
+            "compiles one batch shape (all its micro-batches and devices padded to one row "
+            "length, so there is no per-device padding cost to rebalance); use 'random' or "
+            "'group_by_length' (whose similar lengths per step pick shorter `length_buckets`).",
         )
         _check_choice(
             "train_sampling_strategy", self.train_sampling_strategy, TRAIN_SAMPLING_STRATEGIES
@@ -807,6 +854,15 @@ class SFTConfig(_with_foreign("_SFTForeign", config_fields.SFT)):
     # None takes the model config's own `router_aux_loss_coef`, 0.0 turns it off; nonzero on a
     # model without MoE layers is an error (`jaxrl.trainers.router_aux`).
     router_aux_loss_coef: float | None = None
+    # jaxrl: the row lengths a step's batch may be padded to (its train micro-batches, all
+    # processes; each eval batch alike): the smallest one >= the batch's longest row. The run's
+    # static length (the longest example, capped at `max_length`, rounded up to
+    # `pad_to_multiple_of`) is always the last; longer entries are unused. "auto": powers of two
+    # from 256 below it (rounded up to `pad_to_multiple_of`); None: every batch at the static
+    # length (one compiled shape). TRL pads each batch to its own longest row; a few buckets
+    # keep most of that saving while jit compiles one program per bucket. Packed rows
+    # (`packing`, `eval_packing`) fill the static length by construction and always use it.
+    length_buckets: list[int] | str | None = "auto"
 
     @property
     def skip_prepare_dataset(self) -> bool:
@@ -815,6 +871,7 @@ class SFTConfig(_with_foreign("_SFTForeign", config_fields.SFT)):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _resolve_length_buckets(self)
         _check(
             0.0 <= self.label_smoothing_factor < 1.0,
             f"`label_smoothing_factor` must be in [0, 1); got {self.label_smoothing_factor}.",
@@ -917,9 +974,18 @@ class RewardConfig(_with_foreign("_RewardForeign", config_fields.REWARD)):
     eos_token: str | None = None
     # TRL: a .jinja / .j2 file whose template replaces the tokenizer's (`read_chat_template`).
     chat_template_path: str | None = None
+    # jaxrl: the row lengths a step's batch may be padded to (its train micro-batches, all
+    # processes; each eval batch alike): the smallest one >= the batch's longest row. The run's
+    # static length (the longest example, capped at `max_length`, rounded up to
+    # `pad_to_multiple_of`) is always the last; longer entries are unused. "auto": powers of two
+    # from 256 below it (rounded up to `pad_to_multiple_of`); None: every batch at the static
+    # length (one compiled shape). TRL pads each batch to its own longest row; a few buckets
+    # keep most of that saving while jit compiles one program per bucket.
+    length_buckets: list[int] | str | None = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _resolve_length_buckets(self)
         _check(
             self.max_length is None or self.max_length >= 1,
             f"`max_length` must be None or >= 1; got {self.max_length}.",
@@ -996,9 +1062,19 @@ class DPOConfig(_with_foreign("_DPOForeign", config_fields.DPO)):
     # from the policy and from the reference model; logged as the W&B table `game_log` (columns
     # Prompt / Policy / Ref Model) and always as JSON lines in `output_dir/game_log.jsonl`.
     generate_during_eval: bool = False
+    # jaxrl: the row lengths a step's batch may be padded to (its train micro-batches, all
+    # processes; each eval batch alike): the smallest one >= the batch's longest row. The run's
+    # static length (the longest example, capped at `max_length`, rounded up to
+    # `pad_to_multiple_of`) is always the last; longer entries are unused. "auto": powers of two
+    # from 256 below it (rounded up to `pad_to_multiple_of`); None: every batch at the static
+    # length (one compiled shape). TRL pads each batch to its own longest row; a few buckets
+    # keep most of that saving while jit compiles one program per bucket. With `prefix_sharing`,
+    # a row holds the prompt and both completions.
+    length_buckets: list[int] | str | None = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _resolve_length_buckets(self)
         _check(
             self.label_pad_token_id == -100,
             "`label_pad_token_id` other than -100 is not supported: jaxrl marks padded completion "

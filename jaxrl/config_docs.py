@@ -36,8 +36,9 @@ MAPPED = {
     "do_eval": "accepted; HF's Trainer does not read it either",
     "do_predict": "accepted; HF's Trainer does not read it either",
     "trust_remote_code": "only false: jaxrl runs its own model code",
-    "pad_to_multiple_of": "rounds the run's one static length up; 'auto' (TRL's default) "
-    "is None, as TRL off AWS Neuron",
+    "pad_to_multiple_of": "rounds padded row lengths up (SFT/reward/DPO: the static length and "
+    "its `length_buckets`; GRPO/RLOO: the prompt buckets); 'auto' (TRL's default) is None, as "
+    "TRL off AWS Neuron",
     "push_to_hub": "`trainer.push_to_hub()` uploads the final model (TRL scripts); each save "
     "uploads as `hub_strategy` says",
     "hub_strategy": "HF's four; uploads are synchronous (HF's run in the background) and the "
@@ -68,7 +69,7 @@ NOTES = {
     "eval_delay": "as HF, all trainers",
     "data_seed": "SFT/reward/DPO training order; GRPO/RLOO reject it (TRL's sampler uses `seed`)",
     "train_sampling_strategy": "random, sequential, group_by_length (HF's megabatches; eval "
-    "keeps dataset order); batch_rebalance rejected (one static batch shape); GRPO/RLOO reject "
+    "keeps dataset order); batch_rebalance rejected (one row length per step); GRPO/RLOO reject "
     "it",
     "length_column_name": "read while the prepared rows are the dataset's examples one to one; "
     "else input_ids lengths (SFT) or an error naming the fix (reward/DPO, as HF)",

@@ -191,7 +191,8 @@ _PADDING_FREE = Foreign(
     "padding_free",
     bool,
     False,
-    "batches always have one static shape; SFT `packing=True` removes the padding instead",
+    "a step's rows are padded to one length (a `length_buckets` bucket); SFT `packing=True` "
+    "removes the padding instead",
 )
 SFT = (
     *_TRL_COMMON,

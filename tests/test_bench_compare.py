@@ -5,6 +5,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jaxrl import bench
@@ -72,3 +73,26 @@ def test_compare_errors(capsys):
     assert bench.main(["--algo", "sft", "--compare", "trl"]) == 2
     err = capsys.readouterr().err
     assert "only `--compare trl`" in err and "sft and dpo" in err and "--preset NAME" in err
+
+
+def test_longtail_lengths_run_static_and_bucketed_jaxrl_against_trl():
+    """`--lengths longtail`: both sides get the flag (the same rows, in order); jaxrl also runs
+    with one static row length (`--length_buckets null`, its behaviour before buckets)."""
+    cmds = bench.compare_commands("sft", ("llama-4x256", 8, 1024), 5, 2, [], "longtail")
+    assert list(cmds) == ["sft", "sft static"]
+    for jaxrl_cmd, trl_cmd in cmds.values():
+        for cmd in (jaxrl_cmd, trl_cmd):
+            assert cmd[cmd.index("--lengths") + 1] == "longtail"
+    assert "--length_buckets" not in cmds["sft"][0]
+    static = cmds["sft static"][0]
+    assert static[static.index("--length_buckets") + 1] == "null"
+    dpo = bench.compare_commands("dpo", ("llama-4x256", 8, 512), 5, 2, [], "longtail")
+    assert list(dpo) == ["dpo", "dpo prefix_sharing", "dpo static"]
+
+
+def test_long_tail_lengths():
+    lengths = bench.long_tail_lengths(4000, 1024, seed=0)
+    assert lengths == bench.long_tail_lengths(4000, 1024, seed=0)  # both sides draw alike
+    assert min(lengths) >= 8 and max(lengths) == 1024
+    assert 140 < np.median(lengths) < 200  # median about 1024 / 6
+    assert 0.003 < np.mean(np.asarray(lengths) == 1024) < 0.03  # the tail cut at the cap

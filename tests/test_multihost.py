@@ -167,3 +167,24 @@ def test_dpo_two_processes_match_one(tmp_path):
     assert len(evals[0]) == len(evals[1]) == 1
     assert evals[0][0]["step"] == 0
     assert_same_metrics(evals[1], evals[0], ("eval_task_accuracy", "eval_loss"))
+
+
+def test_length_buckets_agree_across_processes(tmp_path):
+    """Rows of 3 to 40 tokens in order, `length_buckets` 16 and 32: each step's hosts pad to
+    the bucket of the global batch's longest row without talking, also at the epoch's end where
+    one example is left and the second host fills its rows with copies of example 0 (the
+    longest): the same metrics as one process."""
+    rows = [{"text": "1" * 34 + "=2"}]  # example 0: the longest (the static length)
+    rows += [{"text": f"{a}+{b}={a + b}"} for a in range(4) for b in range(2)]  # < 16 tokens
+    rows += [{"text": str(a) * (18 + a) + "=1"} for a in range(8)]  # 16..32 tokens
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flags = ["--algo", "sft", "--dataset_name", str(path), "--max_steps", "3"]
+    flags += ["--save_strategy", "no", "--length_buckets", "16,32"]
+    flags += ["--train_sampling_strategy", "sequential", "--learning_rate", "1e-3"]
+    ref, out = tmp_path / "one", tmp_path / "two"
+    assert wait_all(launch(ref, flags, 1), ref) == [0]
+    assert wait_all(launch(out, flags, 2), out) == [0, 0]
+    keys = ("loss", "grad_norm", "mean_token_accuracy", "num_tokens")
+    assert_same_metrics(step_rows(out), step_rows(ref), keys)
+    assert len(step_rows(ref)) == 3

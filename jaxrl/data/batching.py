@@ -47,7 +47,10 @@ class BatchIterator:
     pad_token_id=..)`). With `drop_last=False` the last batch of an epoch holds the remaining
     examples (fewer rows: a different shape), split across hosts as evenly as possible.
     With `lengths` (one per example) each epoch's order is `length_grouped_order` of its
-    permutation, in groups of `group_batch_size` (default: the global batch).
+    permutation, in groups of `group_batch_size` (default: the global batch). With
+    `with_global_indices`, each item is `(collated, global_indices)`: the dataset indices of the
+    whole global batch, which every host knows alike (e.g. to agree on a padded length without
+    communicating).
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class BatchIterator:
         num_epochs: int | None = None,
         lengths: Sequence[int] | None = None,
         group_batch_size: int | None = None,
+        with_global_indices: bool = False,
     ) -> None:
         if isinstance(data, datasets.Dataset):
             self._num_examples = len(data)
@@ -106,6 +110,7 @@ class BatchIterator:
         self.group_batch_size = group_batch_size or global_batch_size
         self._cached_order: tuple[int | None, np.ndarray | None] = (None, None)
         self._collate_fn = collate_fn
+        self.with_global_indices = with_global_indices
         self.step = 0
 
     @property
@@ -128,17 +133,25 @@ class BatchIterator:
             self._cached_order = (epoch, order)
         return self._cached_order[1]
 
+    def global_indices_at(self, step: int) -> np.ndarray:
+        """Dataset indices of global batch `step` (counted from 0), every host's share in order."""
+        epoch, b = divmod(step, self.steps_per_epoch)
+        return self._order(epoch)[b * self.global_batch_size : (b + 1) * self.global_batch_size]
+
     def indices_at(self, step: int) -> np.ndarray:
         """Dataset indices of this host's share of global batch `step` (counted from 0)."""
-        epoch, b = divmod(step, self.steps_per_epoch)
-        global_idx = self._order(epoch)[
-            b * self.global_batch_size : (b + 1) * self.global_batch_size
-        ]
+        return self.host_share(self.global_indices_at(step))
+
+    def host_share(self, global_idx: np.ndarray) -> np.ndarray:
+        """This host's contiguous slice of a global batch's indices (possibly empty in an epoch's
+        last batch when it holds fewer examples than there are hosts)."""
         return np.array_split(global_idx, self.process_count)[self.process_index]
 
     def batch_at(self, step: int) -> Any:
-        """The collated host-local batch at global step `step`; does not move the iterator."""
-        idx = self.indices_at(step).tolist()
+        """The collated host-local batch at global step `step` (with `with_global_indices`, and
+        the global batch's indices); does not move the iterator."""
+        global_idx = self.global_indices_at(step)
+        idx = self.host_share(global_idx).tolist()
         if isinstance(self._data, datasets.Dataset):
             columns = self._data[idx]
         else:
@@ -147,7 +160,8 @@ class BatchIterator:
             dict(zip(columns, values, strict=True))
             for values in zip(*columns.values(), strict=True)
         ]
-        return self._collate_fn(examples)
+        batch = self._collate_fn(examples)
+        return (batch, global_idx) if self.with_global_indices else batch
 
     def skip(self, num_batches: int) -> None:
         """Advance past `num_batches` batches without reading them."""

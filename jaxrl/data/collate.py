@@ -1,6 +1,7 @@
 """Collators: lists of tokenized examples -> fixed-shape numpy batches for a jitted step.
 
-Every batch has the static shape `[rows, seq_len]` so the train step compiles once per run.
+Every batch has a shape `[rows, seq_len]` from a small set (`length_buckets`: the run's static
+length and a few shorter ones), so the jitted steps compile a bounded number of programs.
 Padding is on the right with `pad_token_id` and `attention_mask == 0` (and `segment_ids == 0`).
 
 Only rows packed by best fit (`pack_bfd`) carry `segment_ids` (1..n per document, 0 on padding).
@@ -41,6 +42,40 @@ def choose_seq_len(
     longest = max(max(lengths), 1)
     rounded = math.ceil(longest / multiple_of) * multiple_of
     return rounded if max_length is None else min(max_length, rounded)
+
+
+# `length_buckets="auto"`: powers of two from this length (each rounded up to
+# `pad_to_multiple_of`) below the run's static row length, then that length itself. Rows of a
+# few hundred tokens or fewer run at one shape, where a step is mostly fixed costs anyway.
+AUTO_MIN_BUCKET = 256
+
+
+def length_buckets(
+    static_len: int, spec: str | Sequence[int] | None, multiple_of: int | None = None
+) -> tuple[int, ...]:
+    """The row lengths batches may be padded to, ascending, the last being `static_len`:
+    `spec` "auto" (powers of two from `AUTO_MIN_BUCKET` rounded up to `multiple_of`), a list of
+    lengths, or None (`static_len` alone). Lengths at or above `static_len` are dropped."""
+    if spec is None:
+        return (static_len,)
+    if spec == "auto":
+        m = multiple_of or 1
+        candidates, b = [], AUTO_MIN_BUCKET
+        while b < static_len:
+            candidates.append(-(-b // m) * m)
+            b *= 2
+    else:
+        candidates = list(spec)
+    return tuple(sorted({int(c) for c in candidates if c < static_len})) + (static_len,)
+
+
+def bucket_length(longest: int, buckets: Sequence[int]) -> int:
+    """The smallest of `buckets` (ascending) holding a row of `longest` tokens; the largest when
+    none does (the collator then names the example that is too long)."""
+    for b in buckets:
+        if b >= longest:
+            return b
+    return buckets[-1]
 
 
 def _rows_to_batch(
@@ -250,6 +285,27 @@ def trl_padded_lengths(
     return ((n_G + m - 1) // m * m).repeat(group)
 
 
+def _trl_rows(batch: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+    """`(input_ids, attention_mask, positions)` of any trainer's collated batch as `[K, B, T]`:
+    the `K` rows TRL makes of each example (pairs `[B, 2, T]`: chosen rows, then rejected)."""
+    ids, attn, pos = (batch[k] for k in ("input_ids", "attention_mask", "positions"))
+    if ids.ndim == 3:
+        return tuple(x.transpose(1, 0, 2) for x in (ids, attn, pos))
+    return ids[None], attn[None], pos[None]
+
+
+def trl_example_widths(
+    batch: Mapping[str, Any], example_mask_B: Any, per_device: int, multiple_of: int | None
+) -> Any:
+    """Per example `[B]`: the width TRL's collator pads its device's rows to (their longest,
+    rounded up to `multiple_of`; `trl_padded_lengths`), from a collated batch of one row per
+    document (not best-fit packed). Rows of weight-0 `example_mask_B` do not count. Works on
+    numpy and jax arrays."""
+    _, attn, pos = _trl_rows(batch)
+    real = (attn > 0) & (example_mask_B > 0)[None, :, None]
+    return trl_padded_lengths(pos, real.astype(pos.dtype), per_device, multiple_of)
+
+
 def trl_input_tokens(
     batch: Mapping[str, np.ndarray],
     example_mask: np.ndarray,
@@ -266,11 +322,7 @@ def trl_input_tokens(
     not the pad id, as HF counts them). Rows of weight-0 `example_mask` (the fill of a partial
     batch) are left out; prefix-shared DPO rows count as TRL's two rows per pair."""
     real_B = np.asarray(example_mask) > 0
-    ids, attn, pos = (np.asarray(batch[k]) for k in ("input_ids", "attention_mask", "positions"))
-    if ids.ndim == 3:  # [B, 2, T] pairs -> [2, B, T] (chosen rows, then rejected rows)
-        ids, attn, pos = (x.transpose(1, 0, 2) for x in (ids, attn, pos))
-    else:
-        ids, attn, pos = ids[None], attn[None], pos[None]
+    ids, attn, pos = (np.asarray(x) for x in _trl_rows(batch))
     shared = "branch_ids" in batch  # one row per pair holding the prompt once
     rows_per_example = 2 if shared else ids.shape[0]
     real = (attn > 0) & real_B[None, :, None]

@@ -16,18 +16,21 @@ generation, scoring passes) never drops. The embeddings draw from `site_key(key,
 layer i runs with `layer_key(key, i)` as the active key (folded with the layer index, also
 inside a scanned stack), and each of its sites from `site_key(layer key, site)`.
 
-Masks. Embedding and residual sites keep `jax.random.bernoulli(site key, 1 - p, x.shape)` over
-the global shape (sharding-invariant under `jax_threefry_partitionable`). Attention
-probabilities keep entry (b, h, q, k) by `attention_keep`, a counter-based hash of the global
-indices (threefry2x32 of (q, k) under a per-(batch row, query head) key), so the blockwise kernel
-can regenerate any block's mask in its backward, and the mask is the same for every block size,
-kernel and mesh. `attention_dropout_mask` materialises it (tests, the XLA reference path).
+Masks. Every mask is a counter-based hash of the global indices of its entries, so it is the same
+on every mesh and for any padded row length (a row keeps its mask whichever `length_buckets`
+length its batch is padded to). Embedding and residual sites `[B, T, D]` keep entry (b, t, d) by
+`position_bits` (threefry2x32 of (t, d // 2) under a per-row key). Attention probabilities keep
+entry (b, h, q, k) by `attention_keep` (threefry2x32 of (q, k) under a per-(batch row, query
+head) key), so the blockwise kernel can regenerate any block's mask in its backward, and the
+mask is the same for every block size and kernel. `attention_dropout_mask` materialises it
+(tests, the XLA reference path).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator
 
 import jax
@@ -75,9 +78,41 @@ def check_rate(name: str, rate: float) -> None:
         raise ValueError(f"{name}={rate} must be in [0, 1).")
 
 
+def position_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """uint32 random bits of `shape` `[..., T, D]` whose entry (row, t, d) depends only on `key`
+    and those indices (`row` the flat index over the leading axes): word `d % 2` of threefry2x32
+    of (t, d // 2) under the row's key, itself threefry2x32 of (row, 0) under two words drawn
+    from `key`. So a row gets the same bits at any padded length T, and on any mesh; as many
+    threefry calls as `jax.random.bits` makes."""
+    *lead, t, d = shape
+    rows, half = math.prod(lead), -(-d // 2)
+    words = jax.random.bits(key, (2,), jnp.uint32)
+    r = jnp.arange(rows, dtype=jnp.uint32)
+    k0, k1 = threefry2x32_p.bind(
+        jnp.broadcast_to(words[0], r.shape), jnp.broadcast_to(words[1], r.shape), r, 0 * r
+    )
+    args = jnp.broadcast_arrays(
+        k0[:, None, None],
+        k1[:, None, None],
+        jnp.arange(t, dtype=jnp.uint32)[None, :, None],
+        jnp.arange(half, dtype=jnp.uint32)[None, None, :],
+    )
+    bits = jnp.stack(threefry2x32_p.bind(*args), axis=-1).reshape(rows, t, 2 * half)
+    return bits[..., :d].reshape(shape)
+
+
+def position_uniform(key: jax.Array, shape: tuple[int, ...], low: float, high: float):
+    """f32 uniform in [low, high) from `position_bits` (the mantissa trick of
+    `jax.random.uniform`): the same value for an entry whatever T."""
+    bits = position_bits(key, shape)
+    one_two = jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32)
+    return low + (high - low) * (one_two - 1.0)
+
+
 def keep_mask(key: jax.Array, rate: float, shape: tuple[int, ...]) -> jax.Array:
-    """The keep mask (bool, `shape`) of an embedding or residual site."""
-    return jax.random.bernoulli(key, 1.0 - rate, shape)
+    """The keep mask (bool, `shape` `[..., T, D]`) of an embedding or residual site: entries
+    whose `position_bits` are below `rate` of 2**32 drop."""
+    return position_bits(key, shape) >= _threshold(rate)
 
 
 def apply_keep(x: jax.Array, keep: jax.Array, rate: float) -> jax.Array:

@@ -307,7 +307,8 @@ class Embed(nnx.Module):
             return h
         key, alpha, lengths_B = noise
         scale_B = alpha / jnp.sqrt(lengths_B.astype(jnp.float32) * h.shape[-1])
-        u = jax.random.uniform(key, h.shape, jnp.float32, -1.0, 1.0)
+        # Per-position draws: a row gets the same noise at any padded length (length buckets).
+        u = model_dropout.position_uniform(key, h.shape, -1.0, 1.0)
         return h + (u * scale_B.reshape((-1,) + (1,) * (h.ndim - 1))).astype(h.dtype)
 
 

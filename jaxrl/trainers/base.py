@@ -46,9 +46,11 @@ from jaxrl.trainers.evaluation import (
     PredictionGatherer,
     PredictionOutput,
     batch_losses_per_example,
+    beyond_widths,
     hf_eval_loss,
     prefixed,
     speed_metrics,
+    trim_sequences,
 )
 from jaxrl.trainers.loop import TrainLoop
 
@@ -158,7 +160,11 @@ class Trainer(TrainLoop):
             if eval_dataset is not None
             else None
         )
+        # Per-example row lengths of the datasets seen (`_lengths_of`), newest last.
+        self._lengths_cache: list[tuple[Any, np.ndarray]] = []
         self.seq_len = self._choose_seq_len()
+        if self.length_buckets != (self.seq_len,):
+            logger.info("Row length buckets: %s", list(self.length_buckets))
         self.dp = parallel.data_parallel_size(self.mesh)
         self._init_loop(callbacks)
         self._jit_train_step = None
@@ -334,12 +340,48 @@ class Trainer(TrainLoop):
         lengths: list[int] = []
         for ds in (self.train_dataset, self.eval_dataset):
             if ds is not None:
-                lengths.extend(self._example_lengths(ds))
+                lengths.extend(self._lengths_of(ds).tolist())
         if not lengths:
             return self.args.max_length or 1024
         return choose_seq_len(
             lengths, self._max_length(), multiple_of=self.args.pad_to_multiple_of or 1
         )
+
+    @property
+    def length_buckets(self) -> tuple[int, ...]:
+        """The row lengths a batch may be padded to, ascending, the last being the run's static
+        `seq_len` (config `length_buckets`; just `seq_len` for trainers without that field)."""
+        from jaxrl.data.collate import length_buckets
+
+        spec = getattr(self.args, "length_buckets", None)
+        return length_buckets(self.seq_len, spec, self.args.pad_to_multiple_of)
+
+    def _lengths_of(self, dataset: Any) -> np.ndarray:
+        """`_example_lengths(dataset)` as an array, computed once per dataset object (the few
+        most recent are kept: the train and eval sets, and one passed to evaluate/predict)."""
+        for ds, lengths in self._lengths_cache:
+            if ds is dataset:
+                return lengths
+        lengths = np.asarray(self._example_lengths(dataset), np.int64)
+        self._lengths_cache = [*self._lengths_cache[-3:], (dataset, lengths)]
+        return lengths
+
+    def _batch_seq_len(self, dataset: Any, indices: Any, split: str) -> int:
+        """The row length of a batch of `dataset[indices]` (all of a step's micro-batches, on
+        every host): the smallest of `length_buckets` holding its longest example, or the static
+        length for rows made to fill it (`_fills_static_length`)."""
+        from jaxrl.data.collate import bucket_length
+
+        buckets = self.length_buckets
+        if len(buckets) == 1 or self._fills_static_length(split) or len(indices) == 0:
+            return self.seq_len
+        longest = int(self._lengths_of(dataset)[np.asarray(indices)].max())
+        return bucket_length(longest, buckets)
+
+    def _fills_static_length(self, split: str) -> bool:
+        """Whether the rows of a `split` ("train" or "eval") dataset are built to the static
+        length (SFT packing), so bucketing them would only add compiled shapes."""
+        return False
 
     def _max_length(self) -> int | None:
         """The cap on the run's static row length: `max_length`, where None means no cap (TRL
@@ -363,7 +405,8 @@ class Trainer(TrainLoop):
     def _example_lengths(self, dataset: Any) -> list[int]:
         raise NotImplementedError
 
-    def _collate(self, examples: list[dict]) -> dict[str, np.ndarray]:
+    def _collate(self, examples: list[dict], seq_len: int | None = None) -> dict[str, np.ndarray]:
+        """Numpy arrays of `examples` padded to `seq_len` (default: the static `self.seq_len`)."""
         raise NotImplementedError
 
     def _loss_units(self) -> Callable[[dict], jax.Array]:
@@ -405,6 +448,9 @@ class Trainer(TrainLoop):
 
     # Rows of predictions per example: DPO predicts a chosen and a rejected row per pair.
     _prediction_groups = 1
+    # Whether predictions and labels are per position `[rows, T, ...]` (SFT, DPO), so that
+    # they take HF's per-batch widths; reward predictions are per pair.
+    _predictions_per_position = True
 
     def _prediction_input_ids(self, mb: dict) -> jax.Array:
         """The input ids of an eval micro-batch's prediction rows, as `_prediction_fn` lays its
@@ -491,15 +537,20 @@ class Trainer(TrainLoop):
         return out
 
     def _collate_micro(
-        self, examples: list[dict], accum: int, real: int | None = None
+        self,
+        examples: list[dict],
+        accum: int,
+        real: int | None = None,
+        seq_len: int | None = None,
     ) -> dict[str, np.ndarray]:
-        """Collate each micro-batch separately and stack them on a leading axis A. With `real`,
-        also `example_mask` `[A, B]`: 1 for the first `real` examples, 0 for the fill after."""
+        """Collate each micro-batch separately, all to `seq_len` (default: the static length),
+        and stack them on a leading axis A. With `real`, also `example_mask` `[A, B]`: 1 for the
+        first `real` examples, 0 for the fill after."""
         n = len(examples)
         if n % accum:
             raise ValueError(f"{n} examples do not split into {accum} micro-batches.")
         m = n // accum
-        micro = [self._collate(examples[i * m : (i + 1) * m]) for i in range(accum)]
+        micro = [self._collate(examples[i * m : (i + 1) * m], seq_len) for i in range(accum)]
         batch_A = {k: np.stack([mb[k] for mb in micro]) for k in micro[0]}
         if real is not None:
             batch_A["example_mask"] = (np.arange(n) < real).astype(np.float32).reshape(accum, m)
@@ -537,6 +588,8 @@ class Trainer(TrainLoop):
             # HF groups by `train_batch_size * gradient_accumulation_steps`: one process's
             # examples per optimizer step (its devices' under torch DDP, one device each).
             group_batch_size=a.per_device_train_batch_size * a.gradient_accumulation_steps,
+            # Every host pads the step's batch to the length its global indices call for.
+            with_global_indices=True,
         )
 
     def _group_lengths(self, raw: Any) -> list[int] | None:
@@ -613,20 +666,30 @@ class Trainer(TrainLoop):
         if self.train_state is not None:  # else the first `_ensure_state` compiles them
             self._compile(self.train_state)
 
-    def _train_iteration(self, examples: list[dict]) -> dict:
+    def _train_iteration(self, item: tuple[list[dict], np.ndarray]) -> dict:
         """Offline: collate the next batch into micro-batches and run one train step.
 
-        Every batch carries `example_mask` (one compiled step): 1 for real examples, 0 for the
-        copies that fill an epoch's last, partial batch to the static shape. The losses and
-        metrics weight by it, so that step trains on the real examples only, as HF's shorter
-        last batch does (`dataloader_drop_last=False`, TRL's default).
+        `item` is this host's examples and the global batch's dataset indices, from which
+        every host derives the same row length (`_batch_seq_len`): all micro-batches and
+        processes of a step share it. Every batch carries `example_mask` (one compiled step
+        per row length): 1 for real examples, 0 for the copies that fill an epoch's last,
+        partial batch to the full batch shape. The losses and metrics weight by it, so that
+        step trains on the real examples only, as HF's shorter last batch does
+        (`dataloader_drop_last=False`, TRL's default).
         """
+        examples, global_idx = item
         per_host = self.train_batch_size // jax.process_count()
         real = len(examples)
+        if len(global_idx) < jax.process_count():
+            # Some host holds no example and fills its rows with copies of example 0.
+            global_idx = np.append(global_idx, 0)
         if real < per_host:
             fill = examples or [self.train_dataset[0]]
             examples = list(examples) + [fill[i % len(fill)] for i in range(per_host - real)]
-        host = self._collate_micro(examples, self.args.gradient_accumulation_steps, real=real)
+        seq_len = self._batch_seq_len(self.train_dataset, global_idx, "train")
+        host = self._collate_micro(
+            examples, self.args.gradient_accumulation_steps, real=real, seq_len=seq_len
+        )
         batch = self._to_device(host)
         self.train_state, metrics = self._jit_train_step(self.train_state, batch)
         if self.args.include_num_input_tokens_seen != "no":
@@ -769,7 +832,8 @@ class Trainer(TrainLoop):
 
     # ----------------------------------------------------------------- eval
     def _eval_batches(self, dataset):
-        """Fixed-order eval batches; the last one is padded with weight-0 copies."""
+        """Fixed-order eval batches, each padded to its own bucket (`_batch_seq_len`); the last
+        one is filled with weight-0 copies."""
         bs = self.args.per_device_eval_batch_size * self.dp
         n = len(dataset)
         per_host = bs // jax.process_count()
@@ -778,7 +842,7 @@ class Trainer(TrainLoop):
             real = [start + i < n for i in range(bs)]
             lo = jax.process_index() * per_host
             rows = [dataset[i] for i in idx[lo : lo + per_host]]
-            batch = self._collate(rows)
+            batch = self._collate(rows, self._batch_seq_len(dataset, idx, "eval"))
             batch["example_mask"] = np.asarray(real[lo : lo + per_host], np.float32)
             yield {k: v[None] for k, v in batch.items()}
 
@@ -822,7 +886,10 @@ class Trainer(TrainLoop):
         `{metric_key_prefix}_*`. Predictions per trainer: SFT, the logits `[N, T, V]` (or the
         output of `preprocess_logits_for_metrics`); DPO, those of the `prompt + chosen` rows then
         the `prompt + rejected` rows `[2N, ...]`; reward, the `[N, 2]` (chosen, rejected) scores
-        with label 0 (the chosen column). Not logged; callbacks get `on_predict`."""
+        with label 0 (the chosen column). `T` and the -100 padding are HF's: each eval batch as
+        wide as TRL pads its devices' rows, the narrower batches padded to the widest with -100
+        (`jaxrl.trainers.evaluation`), whatever `length_buckets`. Not logged; callbacks get
+        `on_predict`."""
         self._prepare_for_evaluation()
         ds = self._admit(self._prepare_dataset(test_dataset, "test"))
         want = not self.args.prediction_loss_only  # HF: then no predictions, no labels
@@ -908,10 +975,15 @@ class Trainer(TrainLoop):
                     batch_values.setdefault(k, []).append(v)
             if predict is None:
                 continue
-            p, lab, ids = predict(self.current_params(), batch)
-            p, lab = parallel.to_host((p, lab))
+            p, lab, ids, widths = predict(self.current_params(), batch)
+            p, lab, widths = parallel.to_host((p, lab, widths))
             ids = parallel.to_host(ids) if want_inputs else None
             keep = parallel.to_host(batch["example_mask"])[0] > 0
+            if widths is not None:  # HF's batch width: its widest device's rows
+                t, width = host["input_ids"].shape[-1], int(widths[keep].max())
+                if self._predictions_per_position:
+                    p, lab = trim_sequences((p, lab), t, width)
+                ids = None if ids is None else trim_sequences(ids, t, width, axis=-1)
             losses = None
             if want_losses and self._loss_metric in values:
                 losses = batch_losses_per_example(values[self._loss_metric], int(keep.sum()))
@@ -956,9 +1028,23 @@ class Trainer(TrainLoop):
         metrics.update(speed_metrics(prefix, start, len(ds), bs, prep))
         return metrics, (all_preds, all_labels)
 
+    def _hf_widths(self, mb: dict) -> jax.Array | None:
+        """Per example of an eval micro-batch `[B]`: the width HF's evaluation gives its rows
+        (its device's longest row, rounded up to `pad_to_multiple_of`); None for best-fit packed
+        rows, which keep the static length."""
+        from jaxrl.data.collate import trl_example_widths
+
+        if "segment_ids" in mb:
+            return None
+        a = self.args
+        return trl_example_widths(
+            mb, mb["example_mask"], a.per_device_eval_batch_size, a.pad_to_multiple_of
+        )
+
     def _jitted_predict(self) -> Callable | None:
-        """The jitted `(params, batch) -> (predictions, label_ids, input_ids)` (built once), or
-        None; `input_ids` are in the predictions' row layout (`_prediction_input_ids`)."""
+        """The jitted `(params, batch) -> (predictions, label_ids, input_ids, widths)` (built
+        once), or None; `input_ids` are in the predictions' row layout (`_prediction_input_ids`),
+        `widths` HF's per example (`_hf_widths`), past which the rest are -100."""
         if self._jit_predict is None:
             fn = self._prediction_fn()
             if fn is None:
@@ -976,9 +1062,16 @@ class Trainer(TrainLoop):
             def predict(params, batch_A):
                 mb = {k: v[0] for k, v in batch_A.items()}
                 logits, label_ids = fn(self.apply_model(params), mb)
+                ids = input_ids(mb)
+                widths_B = self._hf_widths(mb)
+                if widths_B is not None:  # -100 past each device's rows, as HF pads them
+                    if self._predictions_per_position:
+                        logits = beyond_widths(logits, widths_B, 1)
+                        label_ids = beyond_widths(label_ids, widths_B, 1)
+                    ids = beyond_widths(ids, widths_B, ids.ndim - 1)
                 if preprocess is not None:
                     logits = preprocess(logits, label_ids)
-                return logits, label_ids, input_ids(mb)
+                return logits, label_ids, ids, widths_B
 
             self._jit_predict = jax.jit(predict)
         return self._jit_predict

@@ -353,13 +353,14 @@ class DPOTrainer(Trainer):
         v = self.args.padding_value
         return self.processing_class.pad_token_id if v is None else v
 
-    def _collate(self, examples: list[dict]) -> dict[str, np.ndarray]:
+    def _collate(self, examples: list[dict], seq_len: int | None = None) -> dict[str, np.ndarray]:
+        seq_len = seq_len or self.seq_len
         if self.args.prefix_sharing:
-            batch = collate_preference_shared(examples, self.seq_len, self._pad_id())
+            batch = collate_preference_shared(examples, seq_len, self._pad_id())
             scored = (batch["chosen_mask"] > 0) | (batch["rejected_mask"] > 0)
             check_score_span(scored, self.score_span)
         else:
-            rows = collate_preference(examples, self.seq_len, self._pad_id())
+            rows = collate_preference(examples, seq_len, self._pad_id())
             check_score_span(rows["loss_mask"], self.score_span)
             b = len(examples)
             batch = {k: np.stack([v[:b], v[b:]], axis=1) for k, v in rows.items()}
@@ -370,9 +371,13 @@ class DPOTrainer(Trainer):
         return batch
 
     def _collate_micro(
-        self, examples: list[dict], accum: int, real: int | None = None
+        self,
+        examples: list[dict],
+        accum: int,
+        real: int | None = None,
+        seq_len: int | None = None,
     ) -> dict[str, np.ndarray]:
-        batch_A = super()._collate_micro(examples, accum, real)
+        batch_A = super()._collate_micro(examples, accum, real, seq_len)
         if "sft" in self.args.loss_type:
             # Each row carries an equal share of this host's step totals, so summing a micro-batch
             # over the (global) batch axis on device gives the step's totals over all hosts.
@@ -626,6 +631,7 @@ class DPOTrainer(Trainer):
                     "model": self.model_path or "object",
                     "ref": str(self._ref_model_arg),
                     "seq_len": self.seq_len,
+                    "length_buckets": self.length_buckets,
                     "chunk": self.args.logprob_chunk_size,
                     "score_span": self.score_span,
                     "prefix_sharing": self.args.prefix_sharing,
@@ -686,7 +692,8 @@ class DPOTrainer(Trainer):
         for start in range(0, n, bs):
             idx = [min(start + i, n - 1) for i in range(bs)]
             lo = jax.process_index() * per_host
-            host = self._collate([ds[i] for i in idx[lo : lo + per_host]])
+            seq_len = self._batch_seq_len(ds, idx, "train")
+            host = self._collate([ds[i] for i in idx[lo : lo + per_host]], seq_len)
             batch = {k: v[None] for k, v in host.items()}
             dev = {k: v[0] for k, v in self._to_device(batch).items()}
             res = parallel.to_host(fn(params, dev))

@@ -6,7 +6,15 @@ the evaluated sequences: `predictions[:, t]` is the model output at input positi
 scores token `t + 1`) and `label_ids[:, t]` is input token `t`, or -100 where no loss is taken.
 The usual recipe compares `predictions[:, :-1]` with `label_ids[:, 1:]`. jaxrl's batches carry
 shifted `targets`/`loss_mask` instead (see `jaxrl.data.collate`); `label_ids_from_trained` turns
-them back. Everything here is host numpy or a tiny pure function; no model code.
+them back.
+
+Widths follow HF's evaluation loop over TRL's collators: each device's rows are padded to their
+longest (rounded up to `pad_to_multiple_of`), `pad_across_processes` fills the rest of the
+batch's width with -100 (before `preprocess_logits_for_metrics`), and batches of different
+widths are concatenated with -100 padding (`nested_concat(..., padding_index=-100)`). jaxrl's
+batches are padded further, to a length bucket; `beyond_widths` and `trim_sequences` give them
+HF's widths, so predictions do not depend on the buckets. Everything here is host numpy or a
+tiny pure function; no model code.
 """
 
 from __future__ import annotations
@@ -75,12 +83,47 @@ def label_ids_from_loss_mask(input_ids_BT: jax.Array, loss_mask_BT: jax.Array) -
     return label_ids_from_trained(input_ids_BT, trained_BT)
 
 
+def beyond_widths(x_R: jax.Array, widths_B: jax.Array, axis: int) -> jax.Array:
+    """`x` with the positions at or past each row's width along `axis` set to -100 (HF's
+    `pad_across_processes(pad_index=-100)`). The `R` leading rows are `R // B` blocks of the
+    `B` examples (DPO: chosen rows, then rejected rows); traced in the predict step."""
+    widths_R = jnp.tile(widths_B, x_R.shape[0] // widths_B.shape[0])
+    shape = [1] * x_R.ndim
+    shape[axis] = -1
+    t = jnp.arange(x_R.shape[axis]).reshape(shape)
+    inside = t < widths_R.reshape((-1,) + (1,) * (x_R.ndim - 1))
+    return jnp.where(inside, x_R, jnp.asarray(IGNORE_INDEX, x_R.dtype))
+
+
+def trim_sequences(tree: Any, seq_len: int, width: int, axis: int = 1) -> Any:
+    """Host arrays of one batch cut to HF's batch `width` along `axis`, for the leaves whose
+    `axis` is the batch's row length `seq_len` (others, e.g. per-row scores, pass)."""
+
+    def cut(x):
+        x = np.asarray(x)
+        if x.ndim < 2 or x.shape[axis] != seq_len:
+            return x
+        return np.take(x, np.arange(width), axis=axis)
+
+    return jax.tree.map(cut, tree)
+
+
+def _pad_rows_to(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """`[groups, rows, ...]` blocks padded with -100 to `shape` past the rows axis."""
+    grow = [(0, want - have) for want, have in zip(shape, x.shape[2:], strict=True)]
+    pad = [(0, 0), (0, 0), *grow]
+    if not any(after for _, after in pad):
+        return x
+    return np.pad(x, pad, constant_values=IGNORE_INDEX)
+
+
 class PredictionGatherer:
     """Accumulates per-batch predictions and labels on the host, dropping the eval padding rows.
 
     A batch's outputs have `groups * b` leading rows: `groups` blocks of `b` rows, one row per
     example in each (DPO: the chosen rows, then the rejected rows). `result()` concatenates
-    each block over all batches, so the final rows are block 0 of every example, then block 1.
+    each block over all batches, so the final rows are block 0 of every example, then block 1;
+    batches of different widths are padded with -100 to the widest, as HF's `nested_concat`.
     """
 
     def __init__(self, groups: int = 1):
@@ -108,7 +151,8 @@ class PredictionGatherer:
             return None
 
         def concat(*xs):
-            x = np.concatenate(xs, axis=1)
+            shape = tuple(np.max([x.shape[2:] for x in xs], axis=0)) if xs[0].ndim > 2 else ()
+            x = np.concatenate([_pad_rows_to(x, shape) for x in xs], axis=1)
             return x.reshape(-1, *x.shape[2:])
 
         return jax.tree.map(concat, *self.parts)

@@ -66,8 +66,9 @@ class RewardTrainer(Trainer):
         c, r = dataset["chosen_input_ids"], dataset["rejected_input_ids"]
         return [max(len(a), len(b)) for a, b in zip(c, r, strict=True)]
 
-    def _collate(self, examples: list[dict]) -> dict[str, np.ndarray]:
-        rows = collate_reward(examples, self.seq_len, self.processing_class.pad_token_id)
+    def _collate(self, examples: list[dict], seq_len: int | None = None) -> dict[str, np.ndarray]:
+        pad_id = self.processing_class.pad_token_id
+        rows = collate_reward(examples, seq_len or self.seq_len, pad_id)
         b = len(examples)
         batch = {k: np.stack([v[:b], v[b:]], axis=1) for k, v in rows.items() if k != "margin"}
         batch["margin"] = rows["margin"]
@@ -108,6 +109,8 @@ class RewardTrainer(Trainer):
             return loss_sum, (aux, extras)
 
         return loss_fn
+
+    _predictions_per_position = False  # [B, 2] pair scores; only the input ids are rows
 
     def _prediction_fn(self):
         pad_id = self.processing_class.pad_token_id

@@ -366,12 +366,23 @@ class SFTTrainer(Trainer):
         # Rows used as given are not truncated (TRL): the longest sets the row length.
         return None if self.args.skip_prepare_dataset else super()._max_length()
 
-    def _collate(self, examples: list[dict]) -> dict[str, np.ndarray]:
+    def _collate(self, examples: list[dict], seq_len: int | None = None) -> dict[str, np.ndarray]:
+        pad_id = self.tokenizer.pad_token_id
         if self.vision:
-            return self._vision_collator(examples, self.seq_len, self.tokenizer.pad_token_id)
-        batch = collate_sft(examples, self.seq_len, self.tokenizer.pad_token_id)
+            return self._vision_collator(examples, seq_len or self.seq_len, pad_id)
+        batch = collate_sft(examples, seq_len or self.seq_len, pad_id)
         check_score_span(batch["loss_mask"], self.score_span)
         return batch
+
+    def _fills_static_length(self, split: str) -> bool:
+        # Packed rows are cut to `max_length` and filled (best fit or wrapped): a batch's
+        # longest row is the static length but for an epoch's few leftover rows, so buckets
+        # would save nothing and only add compiled shapes. TRL's `eval_packing` (None: as
+        # `packing`) for every dataset but the training one.
+        a = self.args
+        if split == "train" or a.eval_packing is None:
+            return a.packing
+        return a.eval_packing
 
     def _loss_fn(self):
         chunk = self.args.logprob_chunk_size

@@ -94,12 +94,10 @@ def _jaxrl_trainer(algo, model_dir, tokenizer, ds, out, calls, **args):
 
 
 def _assert_same_ids(ours: np.ndarray, theirs: np.ndarray):
-    """HF's input ids `[n, L]` (pad within a batch, -100 across batches) against jaxrl's
-    `[n, T]`, T >= L (pad to the static length)."""
-    assert ours.shape[0] == theirs.shape[0] and ours.shape[1] >= theirs.shape[1]
-    width = theirs.shape[1]
-    np.testing.assert_array_equal(ours[:, :width], np.where(theirs == -100, PAD, theirs))
-    assert (ours[:, width:] == PAD).all()
+    """HF's input ids `[n, L]` (pad within a batch, -100 across batches) and jaxrl's: the same
+    array (each batch as wide as its longest row, whatever jaxrl padded it to)."""
+    assert ours.shape == theirs.shape
+    np.testing.assert_array_equal(ours, theirs)
 
 
 @pytest.fixture(scope="module")
@@ -201,9 +199,13 @@ def test_batch_eval_metrics_predict_and_loss_only(tmp_path, tokenizer, hf_model_
     out = trainer.predict(sft_rows)
     assert [c.compute_result for c in calls] == [False, False, True]
     assert out.metrics["test_calls"] == 3 and out.label_ids.shape[0] == N_EVAL
-    np.testing.assert_array_equal(
-        out.label_ids, np.concatenate([c.label_ids for c in calls], axis=0)
-    )
+    # Each call gets its batch as wide as its longest row; the returned labels are padded to
+    # the widest with -100 (HF's nested_concat).
+    width = out.label_ids.shape[1]
+    assert width == max(c.label_ids.shape[1] for c in calls) > calls[1].label_ids.shape[1]
+    padded = [np.pad(c.label_ids, ((0, 0), (0, width - c.label_ids.shape[1])), constant_values=-100)
+              for c in calls]  # fmt: skip
+    np.testing.assert_array_equal(out.label_ids, np.concatenate(padded, axis=0))
     calls.clear()
     loss_only = _jaxrl_trainer(
         "sft", hf_model_dir, tokenizer, sft_rows, tmp_path / "b", calls,

@@ -87,7 +87,9 @@ def test_preprocess_runs_on_device_and_predict(tmp_path, tokenizer, hf_model_dir
     assert issubclass(kind, jax.core.Tracer)
     assert logits_shape == (8, labels_shape[1], 16)  # one eval batch, full vocab, on device
     ids, n_trained = out.predictions
-    assert ids.shape == out.label_ids.shape == (12, labels_shape[1])
+    # HF's width: the longest row (of the widest eval batch), not the padded length on device.
+    longest = max(map(len, trainer._prepare_dataset(rows, "test")["input_ids"]))
+    assert ids.shape == out.label_ids.shape == (12, longest) and longest < labels_shape[1]
     np.testing.assert_array_equal(n_trained, (out.label_ids != -100).sum(-1))
     # predict() reports the eval metrics under its prefix and is not logged.
     assert out.metrics["test_rows"] == 12 and "test_loss" in out.metrics

@@ -393,7 +393,7 @@ def test_group_by_length_batches_are_hf_length_grouped(tmp_path, tokenizer, sft_
 
 
 def test_sampling_strategy_choices(tmp_path, tokenizer, pref_data):
-    with pytest.raises(ConfigError, match="batch_rebalance.*static batch shape"):
+    with pytest.raises(ConfigError, match="batch_rebalance.*one row length"):
         SFTConfig(output_dir="x", train_sampling_strategy="batch_rebalance")
     with pytest.raises(ConfigError, match="train_sampling_strategy='x'"):
         SFTConfig(output_dir="x", train_sampling_strategy="x")

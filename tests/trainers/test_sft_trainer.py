@@ -110,7 +110,10 @@ def test_loss_decreases_and_eval_metrics(tmp_path, tokenizer, sft_data):
     # 20 eval rows with eval batch 8: the padded last batch must not count twice.
     assert metrics["eval_rows"] == 20.0
     assert seen[0].predictions.shape == seen[0].label_ids.shape
-    assert 0 <= seen[0].predictions.min() and seen[0].predictions.max() < 16  # argmax token ids
+    preds, padded = seen[0].predictions, seen[0].predictions == -100
+    assert 0 <= preds[~padded].min() and preds[~padded].max() < 16  # argmax token ids
+    # As HF: a narrower eval batch is padded with -100 (where it has no labels either).
+    assert padded.any() and (seen[0].label_ids[padded] == -100).all()
     # HF's recipe: prediction t scores label t + 1. Token accuracy over the trained tokens of
     # each eval batch (8, 8 and 4 rows), averaged over the batches, is what the trainer logs as
     # mean_token_accuracy (TRL's per-batch values).
