@@ -57,6 +57,7 @@ from jax.sharding import NamedSharding
 
 from jaxrl import parallel
 from jaxrl.core import quant
+from jaxrl.models import dropout as model_dropout
 from jaxrl.models import gpt_oss, hf, moe
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.layers import Dense, param_value
@@ -371,9 +372,12 @@ class LoraDense(Dense):
         h = x.astype(self.dtype)
         key = _DROPOUT_KEY.get()
         if self.dropout > 0 and key is not None:
-            keep = jax.random.bernoulli(
-                jax.random.fold_in(key, self.dropout_id[...]), 1.0 - self.dropout, h.shape
-            )
+            key = jax.random.fold_in(key, self.dropout_id[...])
+            if x.ndim - self.n_in == 2:  # [B, T, in...]: per position, the same at any T
+                flat = (*h.shape[:2], math.prod(h.shape[2:]))
+                keep = model_dropout.keep_mask(key, self.dropout, flat).reshape(h.shape)
+            else:
+                keep = jax.random.bernoulli(key, 1.0 - self.dropout, h.shape)
             h = jnp.where(keep, h / (1.0 - self.dropout), 0).astype(self.dtype)
         n_batch = x.ndim - self.n_in
         u = jax.lax.dot_general(

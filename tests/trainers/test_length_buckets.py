@@ -260,6 +260,28 @@ def test_noise_and_dropout_do_not_depend_on_the_buckets(tmp_path):
         assert got["loss"] != pytest.approx(off["loss"], rel=1e-3)  # noise and dropout act
 
 
+@pytest.mark.slow
+def test_lora_dropout_does_not_depend_on_the_buckets(tmp_path):
+    from jaxrl import lora
+
+    peft = lora.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.3)
+    runs = {}
+    for name, buckets in (("static", None), ("buckets", BUCKETS)):
+        trainer = SFTTrainer(
+            tiny_config(),
+            args=SFTConfig(**base_args(tmp_path / name, length_buckets=buckets)),
+            train_dataset=sft_rows(0),
+            processing_class=_trainer.tokenizer,
+            peft_config=peft,
+        )
+        trainer.args.train_sampling_strategy = "sequential"
+        runs[name] = trainer
+        trainer.train()
+    for got, want in zip(*map(train_logs, (runs["buckets"], runs["static"])), strict=True):
+        for k in ("loss", "grad_norm"):
+            np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=1e-6, err_msg=k)
+
+
 def test_sft_packing_keeps_the_static_length(tmp_path):
     kw = dict(packing=True, max_length=40, max_steps=2, length_buckets=BUCKETS)
     trainer = _trainer("sft", tmp_path, sft_rows(0), **kw)
