@@ -328,13 +328,31 @@ def run(argv: list[str]) -> dict:
         flops *= 4 / 3
     devices = jax.devices()
     peak = peak_flops(devices[0])
-    tps = tokens / step_s
     mfu = (flops / step_s / (peak * len(devices))) if peak else None
+    return _step_result(
+        trainer, opts, algo, step_s, compile_s, tokens, mfu,
+        computed_tokens_per_step=computed, seq_len=seq_len, score_span=span, global_batch=n,
+        scan_layers=trainer.scan_layers,
+    )  # fmt: skip
+
+
+def _step_result(
+    trainer: Any,
+    opts: dict,
+    algo: str,
+    step_s: float,
+    compile_s: float,
+    tokens_per_step: float,
+    mfu: float | None,
+    **extra: Any,
+) -> dict:
+    """The JSON fields every train-step bench result has (`extra` adds or overrides)."""
+    devices = jax.devices()
     peak_bytes, peak_src = _peak_bytes()
     return {
         "algo": algo,
         "step_s": step_s,
-        "tokens_per_sec": tps,
+        "tokens_per_sec": tokens_per_step / step_s,
         "steps_per_sec": 1 / step_s,
         "compile_s": compile_s,
         "peak_bytes": peak_bytes,
@@ -342,16 +360,12 @@ def run(argv: list[str]) -> dict:
         "devices": len(devices),
         "device_kind": devices[0].device_kind,
         "mfu": mfu,
-        "tokens_per_step": tokens,
-        "computed_tokens_per_step": computed,
-        "seq_len": seq_len,
-        "score_span": span,
-        "global_batch": n,
+        "tokens_per_step": tokens_per_step,
         "preset": opts["preset"],
         "compute_dtype": jnp.dtype(trainer.compute_dtype).name,
-        "scan_layers": trainer.scan_layers,
-        "prefix_sharing": getattr(a, "prefix_sharing", None),
+        "prefix_sharing": getattr(trainer.args, "prefix_sharing", None),
         "steps": opts["steps"],
+        **extra,
     }
 
 
@@ -390,31 +404,12 @@ def _run_varying(trainer: Any, opts: dict, algo: str) -> dict:
             for i in timed
         )
     steps_at = [trainer._batch_seq_len(ds, item[1], "train") for item in items[opts["warmup"] :]]
-    devices = jax.devices()
-    peak_bytes, peak_src = _peak_bytes()
-    return {
-        "algo": algo,
-        "step_s": step_s,
-        "tokens_per_sec": tokens / opts["steps"] / step_s,
-        "steps_per_sec": 1 / step_s,
-        "compile_s": compile_s,
-        "peak_bytes": peak_bytes,
-        "peak_bytes_source": peak_src,
-        "devices": len(devices),
-        "device_kind": devices[0].device_kind,
-        "mfu": None,
-        "tokens_per_step": tokens / opts["steps"],
-        "seq_len": trainer.seq_len,
-        "length_buckets": list(trainer.length_buckets),
-        "row_lengths_per_step": steps_at,
-        "lengths": opts["lengths"],
-        "score_span": trainer.score_span,
-        "global_batch": trainer.train_batch_size,
-        "preset": opts["preset"],
-        "compute_dtype": jnp.dtype(trainer.compute_dtype).name,
-        "prefix_sharing": getattr(trainer.args, "prefix_sharing", None),
-        "steps": opts["steps"],
-    }
+    return _step_result(
+        trainer, opts, algo, step_s, compile_s, tokens / opts["steps"], None,
+        seq_len=trainer.seq_len, length_buckets=list(trainer.length_buckets),
+        row_lengths_per_step=steps_at, lengths=opts["lengths"], score_span=trainer.score_span,
+        global_batch=trainer.train_batch_size,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------- LoRA vs full vs TRL + PEFT
