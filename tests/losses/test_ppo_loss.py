@@ -12,6 +12,14 @@ from jaxrl.losses.ppo import PPO_ARRAY_STATS, PPO_SCALAR_STATS, ppo_loss
 RNG = np.random.default_rng(1)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_rng():
+    """Every test draws the same inputs whatever ran before it in its worker (xdist
+    spreads the tests differently run to run)."""
+    global RNG
+    RNG = np.random.default_rng(1)
+
+
 def _mm(v, m):
     return (v * m).sum() / m.sum()
 
