@@ -62,7 +62,8 @@ class PatchEmbedding(nnx.Module):
         p = self.patch
         x = pixels_NCHW.reshape(n, c, h // p, p, w // p, p).transpose(0, 2, 4, 1, 3, 5)
         x = x.reshape(n, (h // p) * (w // p), c * p * p).astype(self.dtype)
-        kernel = param_value(self.weight, self.dtype).reshape(self.weight.shape[0], -1)
+        kernel_DCPP = param_value(self.weight, self.dtype)  # int8 leaves dequantize here
+        kernel = kernel_DCPP.reshape(kernel_DCPP.shape[0], -1)
         y = jnp.matmul(x, kernel.T, preferred_element_type=jnp.float32)
         return (y + param_value(self.bias, jnp.float32)).astype(self.dtype)
 

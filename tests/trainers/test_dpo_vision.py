@@ -32,6 +32,8 @@ METRICS = (
     "num_tokens",
 )
 COMMON = dict(per_device_train_batch_size=4, max_steps=2, learning_rate=1e-3, beta=0.1)
+# jaxrl's batch of 4 as 2 accumulated micro-batches on 2 devices.
+SPLIT = dict(COMMON, per_device_train_batch_size=1, gradient_accumulation_steps=2, mesh_data=2)
 
 
 def _pairs(n: int = 4, seed: int = 0, conversational: bool = True, counts=(1, 2)):
@@ -94,8 +96,7 @@ def conversational_runs(vlm_dir, tmp_path_factory):  # noqa: F811
     trl_trainer, theirs = trl_train_logs(
         trl.DPOTrainer, trl.DPOConfig, vlm_dir, _processor(vlm_dir), data, out / "trl", **COMMON
     )
-    split = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, mesh_data=2)
-    ours = _dpo(vlm_dir, out / "ours", data, **{**COMMON, **split})
+    ours = _dpo(vlm_dir, out / "ours", data, **SPLIT)
     ours.train()
     return data, (ours, train_logs(ours)), (trl_trainer, theirs)
 
@@ -110,6 +111,37 @@ def test_conversational_matches_trl(conversational_runs):
     want, got = trl_trainer.evaluate(eval_dataset=data), ours.evaluate(eval_dataset=data)
     for key in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen", "eval_logits/rejected"):
         np.testing.assert_allclose(got[key], want[key], rtol=2e-5, err_msg=key)
+    # predict(): the `prompt + chosen` then `prompt + rejected` rows' logits, TRL's model's.
+    batch, logits = _torch_forward(trl_trainer.model, trl_trainer.processing_class, data)
+    mask = batch["attention_mask"].numpy()[..., None]
+    preds = np.asarray(ours.predict(data).predictions)[:, : mask.shape[1]]
+    np.testing.assert_allclose(preds * mask, logits.numpy() * mask, atol=2e-5)
+
+
+def _reference_logps(logs: list[dict], side: str) -> float:
+    """Step 2's mean reference log-prob of `side`, from its policy log-probs and rewards."""
+    return logs[1][f"logps/{side}"] - logs[1][f"rewards/{side}"] / COMMON["beta"]
+
+
+def test_reference_model_variants(vlm_dir, tmp_path):  # noqa: F811
+    """An explicit `ref_model` (the same checkpoint, loaded with its vision tower) and an int8
+    reference (vision tower included, nearly) are the initial model on the images: step 2 (the
+    same 4 pairs) reads step 1's policy log-probs as its reference's."""
+    data = _pairs()
+    explicit = DPOTrainer(
+        vlm_dir, ref_model=vlm_dir, args=DPOConfig(**base_args(tmp_path / "a", **SPLIT)),
+        train_dataset=data, processing_class=_processor(vlm_dir),
+    )  # fmt: skip
+    explicit.train()
+    int8 = _dpo(vlm_dir, tmp_path / "b", data, ref_model_quantization="int8", **SPLIT)
+    int8.train()
+    for side in ("chosen", "rejected"):
+        logs = train_logs(explicit)
+        np.testing.assert_allclose(_reference_logps(logs, side), logs[0][f"logps/{side}"], 1e-6)
+        logs = train_logs(int8)
+        got, want = _reference_logps(logs, side), logs[0][f"logps/{side}"]
+        np.testing.assert_allclose(got, want, rtol=1e-3)
+        assert got != want
 
 
 def test_standard_pairs_with_zero_one_and_two_images_match_trl(vlm_dir, tmp_path):  # noqa: F811
@@ -155,20 +187,27 @@ def test_collator_holds_trls_batch(vlm_dir, tmp_path):  # noqa: F811
     assert lengths[:3] == widths.tolist()
 
 
+def _torch_forward(model, processor, data):
+    """TRL's collated batch of `data` and a transformers image-text model's logits on it."""
+    import torch
+    from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
+
+    batch = DataCollatorForVisionPreference(processor)([dict(ex) for ex in data])
+    inputs = {k: v for k, v in batch.items() if k != "completion_mask"}
+    with torch.no_grad():
+        return batch, model.eval()(**inputs).logits.float()
+
+
 def _torch_logps(vlm_dir, data):  # noqa: F811
     """Mean (chosen, rejected) completion log-probs of `data` under the checkpoint's
     transformers model on TRL's collated batch."""
     import torch
     import transformers
-    from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
 
-    batch = DataCollatorForVisionPreference(_processor(vlm_dir))([dict(ex) for ex in data])
-    model = transformers.AutoModelForImageTextToText.from_pretrained(vlm_dir).eval()
-    inputs = {k: v for k, v in batch.items() if k != "completion_mask"}
-    with torch.no_grad():
-        logits = model(**inputs).logits[:, :-1].float()
-    logps = torch.log_softmax(logits, -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
-    per_row = (logps * batch["completion_mask"][:, 1:]).sum(-1).numpy()
+    model = transformers.AutoModelForImageTextToText.from_pretrained(vlm_dir)
+    batch, logits = _torch_forward(model, _processor(vlm_dir), data)
+    logps = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None])
+    per_row = (logps[..., 0] * batch["completion_mask"][:, 1:]).sum(-1).numpy()
     chosen, rejected = np.split(per_row, 2)
     return chosen.mean(), rejected.mean()
 
@@ -193,12 +232,10 @@ def test_lora_reference_is_the_base_model_on_the_images(vlm_dir, tmp_path):  # n
     trainer.train()
     logs = train_logs(trainer)
     base = _torch_logps(vlm_dir, data)
-    beta = COMMON["beta"]
     for side, want in zip(("chosen", "rejected"), base, strict=True):
         # The adapter starts at zero: step 1's policy is the base.
         np.testing.assert_allclose(logs[0][f"logps/{side}"], want, rtol=1e-5)
-        ref = logs[1][f"logps/{side}"] - logs[1][f"rewards/{side}"] / beta
-        np.testing.assert_allclose(ref, want, rtol=1e-5, err_msg=side)
+        np.testing.assert_allclose(_reference_logps(logs, side), want, rtol=1e-5, err_msg=side)
         assert abs(logs[1][f"logps/{side}"] - want) > 1e-3
     vision_tower = trainer.model.vision_tower
     assert any(isinstance(m, lora.LoraDense) for _, m in nnx.iter_graph(vision_tower))
@@ -211,8 +248,7 @@ def test_buckets_and_resume(vlm_dir, tmp_path):  # noqa: F811
     short = _pairs(4, seed=1, counts=(1,))
     data = datasets.concatenate_datasets([short, _pairs(4, seed=2, counts=(3,))])
     split = dict(
-        COMMON, per_device_train_batch_size=1, gradient_accumulation_steps=2, mesh_data=2,
-        train_sampling_strategy="sequential", length_buckets=[32], save_strategy="steps",
+        SPLIT, train_sampling_strategy="sequential", length_buckets=[32], save_strategy="steps",
         save_steps=1,
     )  # fmt: skip
     full = _dpo(vlm_dir, tmp_path / "full", data, **split)
