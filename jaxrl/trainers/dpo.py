@@ -4,6 +4,11 @@ One jitted step does the concatenated forward (chosen and rejected rows in one p
 reference forward without gradients (frozen copy of the initial policy held in the train state,
 an explicit `ref_model`, an int8 weight-only copy, or log-probs precomputed once and cached on
 disk), and the loss from `jaxrl.losses.dpo_multi_loss`. Metrics use TRL's names.
+
+Datasets with images (TRL's vision-preference format) train an image-text model (Gemma 3): the
+processor runs in the collator (`jaxrl.data.vision_preference`), and each pair's images go
+through the vision tower once, their features read by both rows, in the policy's forward and
+the reference's alike.
 """
 
 from __future__ import annotations

@@ -144,14 +144,19 @@ def test_reference_model_variants(vlm_dir, tmp_path):  # noqa: F811
 
 
 def test_standard_pairs_with_zero_one_and_two_images_match_trl(vlm_dir, tmp_path):  # noqa: F811
+    """Rows cut to max_length (through a completion, never an image), two weighted loss types
+    (one of them the chosen rows' NLL) and LD-DPO's down-weighted tails."""
     import trl
 
     data = _pairs(conversational=False, counts=(0, 1, 2, 1))
+    args = dict(
+        COMMON, max_length=20, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5], ld_alpha=0.5
+    )
     _, theirs = trl_train_logs(
-        trl.DPOTrainer, trl.DPOConfig, vlm_dir, _processor(vlm_dir), data, tmp_path / "trl",
-        max_length=20, **COMMON,
-    )  # fmt: skip
-    ours = _dpo(vlm_dir, tmp_path / "ours", data, max_length=20, **COMMON)
+        trl.DPOTrainer, trl.DPOConfig, vlm_dir, _processor(vlm_dir), data, tmp_path / "trl", **args
+    )
+    ours = _dpo(vlm_dir, tmp_path / "ours", data, **args)
+    assert ours.seq_len == 20  # the 2-image pair's 19-token prompt keeps 1 completion token
     ours.train()
     _assert_trl_logs(train_logs(ours), theirs)
 
