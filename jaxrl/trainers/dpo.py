@@ -48,6 +48,7 @@ from jaxrl.trainers.image_text import ImageTextMixin
 from jaxrl.trainers.sft import (
     check_score_span,
     choose_score_span,
+    lm_forward,
     lm_hidden_states,
 )
 
@@ -122,11 +123,14 @@ def pair_logps(
         per_side = {side: (logps_BT, stats, m) for side, m in masks.items()}
     else:  # pair rows [B, 2, T]
         rows = pairs_to_rows(mb)
-        out = scored_logprobs(
-            pair_rows_hidden_states(model, mb, rows), model.unembed_weight(), rows["targets"],
-            rows["loss_mask"] > 0, chunk, with_stats, score_span,
-            logit_softcap=model.config.final_logit_softcap,
-        )  # fmt: skip
+        if "token_type_ids" in rows:  # image-text rows: each pair's images read once
+            out = scored_logprobs(
+                pair_rows_hidden_states(model, mb, rows), model.unembed_weight(),
+                rows["targets"], rows["loss_mask"] > 0, chunk, with_stats, score_span,
+                logit_softcap=model.config.final_logit_softcap,
+            )  # fmt: skip
+        else:
+            out = lm_forward(model, rows, chunk, with_stats, score_span)
         logps_2BT, stats_2B = out if with_stats else (out, None)
         b = logps_2BT.shape[0] // 2
         halves = {"chosen": slice(None, b), "rejected": slice(b, None)}
