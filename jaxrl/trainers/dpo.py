@@ -411,9 +411,15 @@ class DPOTrainer(ImageTextMixin, Trainer):
     def _prepare_vision_dataset(self, dataset: datasets.Dataset, split: str) -> datasets.Dataset:
         """Vision rows stay as given (the collator processes them, as TRL's); their prompt,
         chosen and rejected token counts and image counts are read here, without processing any
-        image. An eval dataset without images runs through the same collator (as in TRL)."""
+        image."""
         from jaxrl.data.formats import require_columns
 
+        if not self._has_images(dataset):  # TRL's collator reads every example's images
+            raise ValueError(
+                f"The train dataset has images but the {split} dataset has no image column; give "
+                "it one (an empty 'images' list per row for text-only pairs), or drop the train "
+                "dataset's."
+            )
         require_columns(
             dataset.column_names,
             [("prompt", "chosen", "rejected")],

@@ -218,7 +218,8 @@ def _torch_logps(vlm_dir, data):  # noqa: F811
 
 def test_lora_reference_is_the_base_model_on_the_images(vlm_dir, tmp_path):  # noqa: F811
     """LoRA on the language model and the SigLIP layers: the reference (adapter disabled) is the
-    base model reading the same images, step after step, and the policy moves away from it."""
+    base model reading the same images, step after step, and the policy moves away from it. An
+    eval set whose rows have no images (an empty `images` list) evaluates on the text alone."""
     import peft
     from flax import nnx
 
@@ -233,9 +234,14 @@ def test_lora_reference_is_the_base_model_on_the_images(vlm_dir, tmp_path):  # n
         processing_class=_processor(vlm_dir),
         peft_config=config,
     )
+    text_only = data.remove_columns("images").add_column("images", [[]] * len(data))
+    before = trainer.evaluate(eval_dataset=text_only)
     trainer.train()
     logs = train_logs(trainer)
     base = _torch_logps(vlm_dir, data)
+    for side, want in zip(("chosen", "rejected"), _torch_logps(vlm_dir, text_only), strict=True):
+        np.testing.assert_allclose(before[f"eval_logps/{side}"], want, rtol=1e-5, err_msg=side)
+        assert abs(want - base[side == "rejected"]) > 1e-2  # the images matter
     for side, want in zip(("chosen", "rejected"), base, strict=True):
         # The adapter starts at zero: step 1's policy is the base.
         np.testing.assert_allclose(logs[0][f"logps/{side}"], want, rtol=1e-5)
@@ -330,6 +336,8 @@ def test_bad_inputs_are_clear_errors(vlm_dir, tmp_path, hf_model_dir, tokenizer)
             processing_class=_processor(vlm_dir).tokenizer,
         )  # fmt: skip
     text = datasets.Dataset.from_list([{"prompt": "1+1=", "chosen": "2", "rejected": "3"}] * 2)
+    with pytest.raises(ValueError, match="an empty 'images' list per row"):
+        _dpo(vlm_dir, tmp_path, data, eval_data=text)
     with pytest.raises(ValueError, match="eval dataset has images but the train dataset has none"):
         DPOTrainer(
             hf_model_dir, args=DPOConfig(**base_args(tmp_path)), train_dataset=text,
