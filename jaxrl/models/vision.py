@@ -62,7 +62,8 @@ class PatchEmbedding(nnx.Module):
         p = self.patch
         x = pixels_NCHW.reshape(n, c, h // p, p, w // p, p).transpose(0, 2, 4, 1, 3, 5)
         x = x.reshape(n, (h // p) * (w // p), c * p * p).astype(self.dtype)
-        kernel = param_value(self.weight, self.dtype).reshape(self.weight.shape[0], -1)
+        kernel_DCPP = param_value(self.weight, self.dtype)  # int8 leaves dequantize here
+        kernel = kernel_DCPP.reshape(kernel_DCPP.shape[0], -1)
         y = jnp.matmul(x, kernel.T, preferred_element_type=jnp.float32)
         return (y + param_value(self.bias, jnp.float32)).astype(self.dtype)
 
@@ -286,8 +287,14 @@ class Gemma3ForConditionalGeneration(LlamaForCausalLM):
         segment_ids: jax.Array | None = None,
         pixel_values: jax.Array | None = None,
         token_type_ids: jax.Array | None = None,
+        image_features: jax.Array | None = None,
     ) -> jax.Array:
-        if pixel_values is None and token_type_ids is None:
+        """`image_features` (instead of `pixel_values`): `image_features(pixel_values)` computed
+        beforehand, `[N, M, D]` or `[B, I, M, D]` as `merge_image_features` takes them (rows
+        that share images, such as a DPO pair's two rows, run the vision tower once)."""
+        if pixel_values is not None and image_features is not None:
+            raise ValueError("Give pixel_values or image_features, not both.")
+        if pixel_values is None and token_type_ids is None and image_features is None:
             return self.backbone(input_ids_BT, attention_mask, positions, segment_ids)
         vision = self.config.vision
         is_image_BT = input_ids_BT == vision.image_token_id
@@ -303,6 +310,8 @@ class Gemma3ForConditionalGeneration(LlamaForCausalLM):
                 )
             _check_image_token_count(is_image_BT, pixel_values, vision.mm_tokens_per_image)
             h_BTD = merge_image_features(h_BTD, is_image_BT, self.image_features(pixel_values))
+        elif image_features is not None:
+            h_BTD = merge_image_features(h_BTD, is_image_BT, image_features)
         limit_BT = None if token_type_ids is None else image_key_limit(token_type_ids)
         return self.backbone(
             input_ids_BT, attention_mask, positions, segment_ids,

@@ -4,6 +4,11 @@ One jitted step does the concatenated forward (chosen and rejected rows in one p
 reference forward without gradients (frozen copy of the initial policy held in the train state,
 an explicit `ref_model`, an int8 weight-only copy, or log-probs precomputed once and cached on
 disk), and the loss from `jaxrl.losses.dpo_multi_loss`. Metrics use TRL's names.
+
+Datasets with images (TRL's vision-preference format) train an image-text model (Gemma 3): the
+processor runs in the collator (`jaxrl.data.vision_preference`), and each pair's images go
+through the vision tower once, their features read by both rows, in the policy's forward and
+the reference's alike.
 """
 
 from __future__ import annotations
@@ -26,29 +31,55 @@ from jaxrl import lora, parallel
 from jaxrl.config import DPOConfig
 from jaxrl.core import quant
 from jaxrl.core.logprobs import scored_logprobs, unembed_logits
+from jaxrl.data import vision
 from jaxrl.data.collate import (
     collate_preference,
     collate_preference_shared,
+    model_masks,
     prefix_tree_mask,
 )
 from jaxrl.data.preference import prepare_preference_dataset
+from jaxrl.data.vision_preference import VisionPreferenceCollator
 from jaxrl.losses.dpo import LABEL_SMOOTHING_TYPES, dpo_multi_loss
 from jaxrl.trainers import router_aux
 from jaxrl.trainers.base import Trainer, weighted_token_count
 from jaxrl.trainers.evaluation import label_ids_from_loss_mask, label_ids_from_trained
+from jaxrl.trainers.image_text import ImageTextMixin
 from jaxrl.trainers.sft import (
     check_score_span,
     choose_score_span,
-    full_logits,
     lm_forward,
+    lm_hidden_states,
 )
 
 logger = logging.getLogger("jaxrl")
 
 
 def pairs_to_rows(mb: dict) -> dict:
-    """[B, 2, ...] (chosen, rejected) pairs -> [2B, ...] rows: B chosen then B rejected."""
-    return {k: jnp.concatenate([v[:, 0], v[:, 1]], axis=0) for k, v in mb.items() if v.ndim >= 2}
+    """[B, 2, ...] (chosen, rejected) pairs -> [2B, ...] rows: B chosen then B rejected. A
+    pair's images (`pixel_values` [B, I, C, H, W]) are the pair's, not per row: left out."""
+    return {
+        k: jnp.concatenate([v[:, 0], v[:, 1]], axis=0)
+        for k, v in mb.items()
+        if v.ndim >= 2 and k != "pixel_values"
+    }
+
+
+def pair_rows_hidden_states(model, mb: dict, rows: dict) -> jax.Array:
+    """Final hidden states [2B, T, D] of a pair batch's rows (`rows = pairs_to_rows(mb)`); with
+    images (`jaxrl.data.vision_preference`), the vision tower runs once per pair and both rows
+    read its image features (TRL repeats the images for the rejected rows: the same values)."""
+    if "token_type_ids" not in rows:
+        return lm_hidden_states(model, rows)
+    attention_mask, segment_ids = model_masks(rows)
+    features = None
+    if "pixel_values" in mb:
+        features_BIMD = model.image_features(mb["pixel_values"])
+        features = jnp.concatenate([features_BIMD, features_BIMD], axis=0)
+    return model.hidden_states(
+        rows["input_ids"], attention_mask, rows["positions"], segment_ids,
+        token_type_ids=rows["token_type_ids"], image_features=features,
+    )  # fmt: skip
 
 
 def shared_token_logps(model, mb: dict, chunk: int, with_stats: bool, score_span=None):
@@ -92,7 +123,14 @@ def pair_logps(
         per_side = {side: (logps_BT, stats, m) for side, m in masks.items()}
     else:  # pair rows [B, 2, T]
         rows = pairs_to_rows(mb)
-        out = lm_forward(model, rows, chunk, with_stats, score_span)
+        if "token_type_ids" in rows:  # image-text rows: each pair's images read once
+            out = scored_logprobs(
+                pair_rows_hidden_states(model, mb, rows), model.unembed_weight(),
+                rows["targets"], rows["loss_mask"] > 0, chunk, with_stats, score_span,
+                logit_softcap=model.config.final_logit_softcap,
+            )  # fmt: skip
+        else:
+            out = lm_forward(model, rows, chunk, with_stats, score_span)
         logps_2BT, stats_2B = out if with_stats else (out, None)
         b = logps_2BT.shape[0] // 2
         halves = {"chosen": slice(None, b), "rejected": slice(b, None)}
@@ -210,8 +248,10 @@ def _sft_term(mb: dict, logps_c_B: jax.Array, n_pairs: jax.Array, n_chosen: jax.
     return -logps_c_B * n_pairs / jnp.maximum(n_chosen, 1)
 
 
-class DPOTrainer(Trainer):
-    """Direct preference optimisation (TRL `DPOTrainer` API; `args` is a `DPOConfig`)."""
+class DPOTrainer(ImageTextMixin, Trainer):
+    """Direct preference optimisation (TRL `DPOTrainer` API; `args` is a `DPOConfig`). A train
+    dataset with images (TRL's vision-preference format) trains an image-text model on them
+    (`jaxrl.data.vision_preference`)."""
 
     config_class = DPOConfig
     _name = "DPO"
@@ -225,6 +265,17 @@ class DPOTrainer(Trainer):
         self._ref_model_arg = ref_model
         args = args if args is not None else DPOConfig(output_dir="trainer_output")
         self._validate(args, ref_model)
+        # TRL's vision datasets: the processor runs in the collator, which one collator object
+        # does for the train and eval sets; per-example (prompt, chosen, rejected) token counts
+        # of the prepared image datasets, by `id` of the (kept) dataset object.
+        a, kw = list(a), dict(kw)
+        if a:
+            train = a[0] = self._load_data(a[0], "train")
+        else:
+            train = kw["train_dataset"] = self._load_data(kw.get("train_dataset"), "train")
+        self.vision = self._has_images(train)
+        self._vision_collator: VisionPreferenceCollator | None = None
+        self._vision_counts: dict[int, np.ndarray] = {}
         super().__init__(model, args, *a, **kw)
         self.score_span = self._score_span([self.train_dataset, self.eval_dataset])
         if self.is_peft:
@@ -304,6 +355,13 @@ class DPOTrainer(Trainer):
     def _prepare_dataset(self, dataset: Any, split: str) -> datasets.Dataset:
         a = self.args
         dataset = self._load_data(dataset, split)
+        if self.vision:
+            return self._prepare_vision_dataset(dataset, split)
+        if self._has_images(dataset):
+            raise ValueError(
+                f"The {split} dataset has images but the train dataset has none; give the train "
+                "dataset images too, or drop the image column."
+            )
         return prepare_preference_dataset(
             dataset,
             self.processing_class,
@@ -314,7 +372,98 @@ class DPOTrainer(Trainer):
             num_proc=a.dataset_num_proc,
         )
 
+    # ----------------------------------------------------------------- image-text data
+    def _refuse_vision_options(self, dataset: datasets.Dataset) -> None:
+        """TRL 1.16's refusals for vision datasets, and the options jaxrl's image-text DPO does
+        not run (an error rather than an ignored option)."""
+        a = self.args
+        tools = "tools" in dataset.column_names and any(
+            t is not None and len(t) > 0 for t in dataset["tools"]
+        )
+        refusals = {
+            # TRL: keep_end could cut the prompt's image tokens.
+            "truncation_mode='keep_end'": a.truncation_mode == "keep_end"
+            and a.max_length is not None,
+            # TRL: the data is processed on the fly, never tokenized up front.
+            "precompute_ref_log_probs=True": a.precompute_ref_log_probs,
+            # TRL's vision-preference collator raises NotImplementedError.
+            f"pad_to_multiple_of={a.pad_to_multiple_of}": a.pad_to_multiple_of is not None,
+            # jaxrl: one row per pair holds no images (their tokens would need a mask of their own).
+            "prefix_sharing=True": a.prefix_sharing,
+            # jaxrl: TRL < 1.0 limits, not in TRL 1.16 (which cuts each row to max_length only).
+            f"max_prompt_length={a.max_prompt_length}": a.max_prompt_length is not None,
+            f"max_completion_length={a.max_completion_length}": a.max_completion_length is not None,
+            # jaxrl: sampling does not take images.
+            "generate_during_eval=True": a.generate_during_eval,
+            # TRL's vision-preference collator renders without the tools column.
+            "a 'tools' column": tools,
+        }
+        for option, set_ in refusals.items():
+            if set_:
+                raise ValueError(
+                    f"{option} is not supported for DPO datasets with images (TRL 1.16 refuses "
+                    "keep_end truncation with max_length, precompute_ref_log_probs and "
+                    "pad_to_multiple_of there and renders no tools; jaxrl's image-text DPO does "
+                    "not run prefix_sharing, max_prompt_length, max_completion_length or "
+                    "generate_during_eval). Unset it, or drop the image column."
+                )
+
+    def _prepare_vision_dataset(self, dataset: datasets.Dataset, split: str) -> datasets.Dataset:
+        """Vision rows stay as given (the collator processes them, as TRL's); their prompt,
+        chosen and rejected token counts and image counts are read here, without processing any
+        image."""
+        from jaxrl.data.formats import require_columns
+
+        if not self._has_images(dataset):  # TRL's collator reads every example's images
+            raise ValueError(
+                f"The train dataset has images but the {split} dataset has no image column; give "
+                "it one (an empty 'images' list per row for text-only pairs), or drop the train "
+                "dataset's."
+            )
+        require_columns(
+            dataset.column_names,
+            [("prompt", "chosen", "rejected")],
+            what="Image-text DPO",
+            hint="TRL's vision-preference format has an explicit prompt (it holds the images).",
+        )
+        self._refuse_vision_options(dataset)
+        if len(dataset) == 0:
+            raise ValueError(f"The {split} dataset is empty.")
+        counts = vision.image_counts(dataset)
+        config = self.model.config.vision
+        if self._vision_collator is None:
+            self._vision_collator = VisionPreferenceCollator(
+                self.processing_class,
+                max_length=self.args.max_length,
+                max_images=max(counts),
+                image_token_id=config.image_token_id,
+                image_tokens=config.mm_tokens_per_image,
+            )
+        collator = self._vision_collator
+        collator.max_images = max(collator.max_images, *counts)
+        text_only = dataset.remove_columns(
+            [c for c in dataset.column_names if c in vision.IMAGE_COLUMNS]
+        )
+        self._vision_counts[id(dataset)] = np.asarray(
+            [collator.token_counts(ex, n) for ex, n in zip(text_only, counts, strict=True)],
+            np.int64,
+        ).reshape(-1, 3)
+        return dataset
+
+    def _vision_completion_width(self, dataset: datasets.Dataset) -> int:
+        """The widest completion of a prepared image dataset after truncation to max_length."""
+        p, c, r = self._vision_counts[id(dataset)].T
+        widths = np.maximum(c, r)
+        if self.args.max_length is not None:
+            widths = np.minimum(widths, np.maximum(self.args.max_length - p, 0))
+        return int(widths.max(initial=0))
+
     def _example_lengths(self, dataset: datasets.Dataset) -> list[int]:
+        if self.vision:
+            p, c, r = self._vision_counts[id(dataset)].T
+            longest = p + np.maximum(c, r)
+            cap = self.args.max_length
+            return (longest if cap is None else np.minimum(longest, cap)).tolist()
         p, c, r = (
             dataset[k] for k in ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
         )
@@ -332,6 +481,11 @@ class DPOTrainer(Trainer):
         longest = 0
         for ds in sources:
             if ds is None:
+                continue
+            if self.vision:
+                if id(ds) not in self._vision_counts:  # examples, not a prepared dataset
+                    return None
+                longest = max(longest, self._vision_completion_width(ds))
                 continue
             c, r = (
                 ds[k] if isinstance(ds, datasets.Dataset) else [ex[k] for ex in ds]
@@ -351,11 +505,14 @@ class DPOTrainer(Trainer):
 
     def _pad_id(self) -> int:
         v = self.args.padding_value
-        return self.processing_class.pad_token_id if v is None else v
+        return self.tokenizer.pad_token_id if v is None else v
 
     def _collate(self, examples: list[dict], seq_len: int | None = None) -> dict[str, np.ndarray]:
         seq_len = seq_len or self.seq_len
-        if self.args.prefix_sharing:
+        if self.vision:
+            batch = self._vision_collator(examples, seq_len, self._pad_id())
+            check_score_span(batch["loss_mask"].reshape(-1, seq_len), self.score_span)
+        elif self.args.prefix_sharing:
             batch = collate_preference_shared(examples, seq_len, self._pad_id())
             scored = (batch["chosen_mask"] > 0) | (batch["rejected_mask"] > 0)
             check_score_span(scored, self.score_span)
@@ -531,9 +688,12 @@ class DPOTrainer(Trainer):
             if "branch_ids" in mb:
                 return shared_rows_predictions(model, mb)
             rows = pairs_to_rows(mb)
-            return full_logits(model, rows), label_ids_from_loss_mask(
-                rows["input_ids"], rows["loss_mask"]
+            logits_BTV = unembed_logits(
+                pair_rows_hidden_states(model, mb, rows),
+                model.unembed_weight(),
+                model.config.final_logit_softcap,
             )
+            return logits_BTV, label_ids_from_loss_mask(rows["input_ids"], rows["loss_mask"])
 
         return predict
 

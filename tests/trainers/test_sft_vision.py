@@ -273,15 +273,15 @@ def test_refusals(vlm_dir, tmp_path, hf_model_dir):
 def test_text_trainers_refuse_images(tmp_path, hf_model_dir, tokenizer):
     import datasets
 
-    from jaxrl import DPOConfig, DPOTrainer
+    from jaxrl import RewardConfig, RewardTrainer
 
     rng = np.random.default_rng(0)
     pairs = datasets.Dataset.from_list(
         [{"images": [_image(rng)], "prompt": "1+1=", "chosen": "2", "rejected": "3"}] * 2
     )
-    with pytest.raises(ValueError, match="'images' column but DPOTrainer trains on text only"):
-        DPOTrainer(
-            hf_model_dir, args=DPOConfig(**base_args(tmp_path)), train_dataset=pairs,
+    with pytest.raises(ValueError, match="'images' column but RewardTrainer trains on text only"):
+        RewardTrainer(
+            hf_model_dir, args=RewardConfig(**base_args(tmp_path)), train_dataset=pairs,
             processing_class=tokenizer,
         )  # fmt: skip
 
