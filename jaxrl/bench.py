@@ -30,7 +30,8 @@ timed calls alternate jaxrl, transformers, jaxrl, ... so both sides run under th
 --per_device_train_batch_size[/--lengths]` point, or with `--sweep` at every point of `SWEEP`.
 With `--lengths longtail` both sides train on the same rows in the same order, and jaxrl also
 runs with `--length_buckets null` (one static length, its behaviour before buckets): a row
-labelled `static`. A rep runs each label's jaxrl child, then the TRL child once (the labels of
+labelled `static`; and both sides run `padding_free=True` (`max_length=None`): a row labelled
+`padding_free`, against TRL's padding-free run. A rep runs each label's jaxrl child, then the TRL child once (the labels of
 a point share it). Each side runs
 in its own child process, alternating jaxrl, TRL, jaxrl, ... `--reps` times (default 3); a line
 per point gives the median step times, the ratio (TRL step / jaxrl step: > 1 means jaxrl is
@@ -219,7 +220,8 @@ def build(argv: list[str]) -> tuple[Any, dict, str]:
         yaml_path=yaml_path if yaml_path.exists() else None,
         cli_args=rest,
         overrides={
-            "max_length": opts["seq_len"],
+            # Padding-free SFT takes no `max_length` (TRL); the rows are made at most T long.
+            "max_length": None if _padding_free(rest) else opts["seq_len"],
             "disable_tqdm": True,
             "save_strategy": "no",
             "eval_strategy": "no",
@@ -258,6 +260,12 @@ def build(argv: list[str]) -> tuple[Any, dict, str]:
         if algo == "dpo":  # the head's span follows the completions (SFT trains every token)
             trainer.score_span = trainer._score_span([trainer.train_dataset])
     return trainer, opts, algo
+
+
+def _padding_free(argv: list[str]) -> bool:
+    """Whether the training flags set `--padding_free true`."""
+    value = split_flags(argv, {"--padding_free": str}, {})[0].get("padding_free", "false")
+    return value.lower() in ("true", "1", "yes")
 
 
 def run(argv: list[str]) -> dict:
@@ -894,6 +902,9 @@ def compare_commands(
         out = {"sft": (jaxrl + extra, trl)}
         if lengths != "fixed":
             out["sft static"] = (jaxrl + static + extra, trl)
+            # Both sides padding-free (TRL: one flattened row per device, `max_length=None`).
+            pf = ["--padding_free", "true"]
+            out["sft padding_free"] = (jaxrl + pf + extra, trl + ["--padding_free"])
         return out
     # TRL's objective and layout: sigmoid loss only, prompt + completion rows per pair.
     dpo = ["--loss_type", "sigmoid", "--loss_weights", "null"]

@@ -218,10 +218,13 @@ def test_resume_is_bit_exact(tmp_path, tokenizer):
         train_sampling_strategy="random",
     )
     full = _trainer(tmp_path / "a", tokenizer, data, **kw)
+    full_shapes = _record_rows(full)
     full.train()
     _trainer(tmp_path / "b", tokenizer, data, callbacks=[StopAt(2)], **kw).train()
     resumed = _trainer(tmp_path / "b", tokenizer, data, resume_from_checkpoint=True, **kw)
+    shapes = _record_rows(resumed)
     resumed.train()
+    assert shapes == full_shapes[2:]  # the bucket follows the step's examples, not the run
     want = train_logs(full)[2]
     (got,) = [h for h in train_logs(resumed) if h["step"] == 3]
     for key in (*METRICS, "num_input_tokens_seen"):
