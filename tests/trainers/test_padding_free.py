@@ -166,8 +166,11 @@ def test_predict_matches_trl(tmp_path, tokenizer, hf_model_dir):
 
 def test_equals_the_padded_run_on_a_mesh_with_accumulation(tmp_path, tokenizer):
     """2 devices x 2 examples x 2 micro-batches over 20 examples: the third step holds 4
-    (some device rows run empty). Every metric equals the padded run's; each step's rows are
-    one per device and micro-batch, at the smallest bucket holding the longest device row."""
+    (some device rows run empty). Losses, token accuracy, entropy, grad norms and evaluation
+    equal the padded run's; each step's rows are one per device and micro-batch, at the
+    smallest bucket holding the longest device row; `num_tokens` and HF's
+    `num_input_tokens_seen` ("all") count each device row's width as TRL pads it (a multiple of
+    8)."""
     data, eval_data = _rows(20), _rows(7, seed=3)
     kw = dict(
         max_steps=3,
@@ -175,7 +178,8 @@ def test_equals_the_padded_run_on_a_mesh_with_accumulation(tmp_path, tokenizer):
         per_device_train_batch_size=2,
         per_device_eval_batch_size=2,
         gradient_accumulation_steps=2,
-        include_num_input_tokens_seen="non_padding",
+        include_num_input_tokens_seen="all",
+        pad_to_multiple_of=8,
         length_buckets=[24, 32, 40, 48],
         eval_strategy="steps",
         eval_steps=3,
@@ -188,17 +192,21 @@ def test_equals_the_padded_run_on_a_mesh_with_accumulation(tmp_path, tokenizer):
     shapes = _record_rows(flat)
     flat.train()
     lengths = [len(x) for x in flat.train_dataset["input_ids"]]
-    want = []
+    want_shapes, want_tokens, seen = [], [], 0
     for step in range(3):
         idx = list(range(8 * step, min(8 * step + 8, 20)))
-        longest = max(sum(lengths[i] for i in idx[d : d + 2]) for d in range(0, len(idx), 2))
-        want.append((2, 2, next(b for b in (24, 32, 40, 48, 2 * flat.seq_len) if b >= longest)))
-    assert shapes == want and len({s[-1] for s in shapes}) > 1
+        rows = [sum(lengths[i] for i in idx[d : d + 2]) for d in range(0, len(idx), 2)]
+        bucket = next(b for b in (24, 32, 40, 48, 2 * flat.seq_len) if b >= max(rows))
+        want_shapes.append((2, 2, bucket))
+        seen += sum(-(-n // 8) * 8 for n in rows)
+        want_tokens.append(seen)
+    assert shapes == want_shapes and len({s[-1] for s in shapes}) > 1
     ours, theirs = train_logs(flat), train_logs(padded)
     assert len(ours) == len(theirs) == 3
     for step, (o, t) in enumerate(zip(ours, theirs, strict=True)):
-        for key in (*METRICS, "num_input_tokens_seen"):
+        for key in ("loss", "mean_token_accuracy", "entropy", "grad_norm"):
             np.testing.assert_allclose(o[key], t[key], rtol=2e-5, err_msg=f"{key}, step {step}")
+        assert o["num_tokens"] == o["num_input_tokens_seen"] == want_tokens[step]
     evals = [[h for h in t.state.log_history if "eval_loss" in h][0] for t in (flat, padded)]
     for key in ("eval_loss", "eval_mean_token_accuracy", "eval_entropy"):
         np.testing.assert_allclose(evals[0][key], evals[1][key], rtol=2e-5, err_msg=key)
