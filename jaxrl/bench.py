@@ -412,9 +412,12 @@ def _run_varying(trainer: Any, opts: dict, algo: str) -> dict:
             for i in timed
         )
     steps_at = [trainer._batch_seq_len(ds, item[1], "train") for item in items[opts["warmup"] :]]
+    buckets = trainer.length_buckets
+    if algo == "sft" and trainer._padding_free("train"):  # lengths of flattened device rows
+        buckets = trainer._padding_free_buckets("train")
     return _step_result(
         trainer, opts, algo, step_s, compile_s, tokens / opts["steps"], None,
-        seq_len=trainer.seq_len, length_buckets=list(trainer.length_buckets),
+        seq_len=trainer.seq_len, length_buckets=list(buckets),
         row_lengths_per_step=steps_at, lengths=opts["lengths"], score_span=trainer.score_span,
         global_batch=trainer.train_batch_size,
     )  # fmt: skip

@@ -12,6 +12,7 @@ from trainer_utils import base_args, tiny_config, train_logs, trl_train_logs
 
 from jaxrl import DPOConfig, SFTConfig, SFTTrainer
 from jaxrl.config import ConfigError
+from jaxrl.data.char_tokenizer import build_char_tokenizer
 from jaxrl.data.collate import padding_free_buckets, padding_free_longest_row
 
 METRICS = ("loss", "mean_token_accuracy", "entropy", "num_tokens", "grad_norm")
@@ -73,8 +74,6 @@ def test_buckets_and_longest_row():
 def test_config_errors(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="max_length=None"):
         _trainer(tmp_path, tokenizer, _rows(8), padding_free=True, max_length=1024)
-    # Packing with max_length is fine (best-fit packing is padding-free already).
-    _trainer(tmp_path / "p", tokenizer, _rows(8), padding_free=True, packing=True, max_length=64)
     with pytest.raises(ConfigError, match="DPOTrainer does not run it"):
         DPOConfig(output_dir=str(tmp_path), padding_free=True)
 
@@ -210,6 +209,46 @@ def test_equals_the_padded_run_on_a_mesh_with_accumulation(tmp_path, tokenizer):
     evals = [[h for h in t.state.log_history if "eval_loss" in h][0] for t in (flat, padded)]
     for key in ("eval_loss", "eval_mean_token_accuracy", "eval_entropy"):
         np.testing.assert_allclose(evals[0][key], evals[1][key], rtol=2e-5, err_msg=key)
+
+
+def test_assistant_only_loss_equals_the_padded_run(tmp_path):
+    """Conversations trained on the assistant turns only: the same numbers flattened."""
+    import string
+
+    template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}A:{% generation %}"
+        "{{ m['content'] }}<eos>{% endgeneration %}{% else %}U:{{ m['content'] }}\n{% endif %}"
+        "{% endfor %}"
+    )
+    tok = build_char_tokenizer(string.printable, chat_template=template)
+    data = datasets.Dataset.from_list(
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": r["prompt"]},
+                    {"role": "assistant", "content": r["completion"]},
+                ]
+            }
+            for r in _rows(8, seed=6)
+        ]
+    )
+    kw = dict(max_steps=1, per_device_train_batch_size=8, assistant_only_loss=True)
+    logs = []
+    for padding_free in (False, True):
+        trainer = _trainer(
+            tmp_path / str(padding_free),
+            tok,
+            data,
+            model=tiny_config(len(tok)),
+            padding_free=padding_free,
+            **kw,
+        )
+        trainer.train()
+        logs.append(train_logs(trainer)[0])
+    trained = sum(map(sum, trainer.train_dataset["loss_mask"]))
+    assert 0 < trained < sum(map(len, trainer.train_dataset["input_ids"]))
+    for key in METRICS:
+        np.testing.assert_allclose(logs[1][key], logs[0][key], rtol=2e-5, err_msg=key)
 
 
 def test_resume_is_bit_exact(tmp_path, tokenizer):
