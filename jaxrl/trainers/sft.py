@@ -184,8 +184,9 @@ class SFTTrainer(Trainer):
             )
         if a.packing and a.packing_strategy == "wrapped":
             logger.warning(
-                "padding_free=True with the 'wrapped' packing strategy is not recommended (TRL): "
-                "each wrapped row restarts its positions at 0, cutting documents mid-way."
+                "padding_free=True with packing_strategy='wrapped' is not recommended (TRL warns "
+                "too): wrapped rows already fill max_length, cut mid-document, and flattening "
+                "them changes nothing; use packing_strategy='bfd'."
             )
         if a.per_device_train_batch_size == 1 and not a.packing:
             logger.warning(
