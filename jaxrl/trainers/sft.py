@@ -4,6 +4,11 @@ The loss is token-weighted NLL over `loss_mask` tokens (completion-only / assist
 come from the data layer), computed from hidden states with chunked log-probs so no full f32
 [B, T, V] exists. Logged metrics use TRL's names: `loss`, `mean_token_accuracy`, `entropy`,
 `num_tokens`, `grad_norm`, `learning_rate`.
+
+`padding_free=True` (TRL's) collates each device's share of a micro-batch as one row of its
+examples back to back (`collate.collate_padding_free`), padded to a bucket of such rows'
+lengths; the numbers are the padded layout's, `num_tokens` and `num_input_tokens_seen` count
+the rows as TRL's collator makes them, and predictions come one row per device (HF's layout).
 """
 
 from __future__ import annotations
