@@ -5,7 +5,8 @@ length and a few shorter ones), so the jitted steps compile a bounded number of 
 Padding is on the right with `pad_token_id` and `attention_mask == 0` (and `segment_ids == 0`).
 
 Only rows packed by best fit (`pack_bfd`) and padding-free rows (`collate_padding_free`: one row
-per device holding its examples back to back, TRL's `padding_free=True`) carry `segment_ids` (1..n per document, 0 on padding).
+per device holding its examples back to back, TRL's `padding_free=True`) carry `segment_ids`
+(1..n per document, 0 on padding).
 A batch without them holds one sequence per row followed by padding (one document, or a `wrapped`
 cut of several that, as in TRL, is one causal sequence), so causal attention alone is exact at
 every real token (no real query ever has a padding key before it), and the trainers call the
