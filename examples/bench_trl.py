@@ -99,6 +99,7 @@ def main() -> None:
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--attn_implementation", default="sdpa")
     p.add_argument("--lengths", choices=["fixed", "longtail"], default="fixed")
+    p.add_argument("--padding_free", action="store_true", help="SFT: padding_free=True")
     opts = p.parse_args()
     torch.set_num_threads(opts.threads)
     tok = task.load_tokenizer()
@@ -143,6 +144,8 @@ def main() -> None:
         # A random-weight model has no checkpoint path TRL could load the reference from.
         extra["ref_model"] = copy.deepcopy(model).eval()
     if opts.algo == "sft":
+        if opts.padding_free:  # TRL refuses a max_length it would not enforce
+            common.update(padding_free=True, max_length=None)
         cls, args = trl.SFTTrainer, trl.SFTConfig(**common)
     else:
         cls = trl.DPOTrainer if opts.preset is None else PretokenizedDPOTrainer
@@ -159,7 +162,10 @@ def main() -> None:
     orig = trainer.training_step
 
     def counting_step(model, inputs, *a, **kw):
-        tokens.append(int(inputs["attention_mask"].sum()))
+        if "attention_mask" in inputs:
+            tokens.append(int(inputs["attention_mask"].sum()))
+        else:  # padding-free: one flattened row of real tokens (no pad_to_multiple_of here)
+            tokens.append(int(inputs["input_ids"].numel()))
         return orig(model, inputs, *a, **kw)
 
     trainer.training_step = counting_step

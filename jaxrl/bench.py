@@ -30,7 +30,8 @@ timed calls alternate jaxrl, transformers, jaxrl, ... so both sides run under th
 --per_device_train_batch_size[/--lengths]` point, or with `--sweep` at every point of `SWEEP`.
 With `--lengths longtail` both sides train on the same rows in the same order, and jaxrl also
 runs with `--length_buckets null` (one static length, its behaviour before buckets): a row
-labelled `static`. A rep runs each label's jaxrl child, then the TRL child once (the labels of
+labelled `static`; and both sides run `padding_free=True` (`max_length=None`): a row labelled
+`padding_free`, against TRL's padding-free run. A rep runs each label's jaxrl child, then the TRL child once (the labels of
 a point share it). Each side runs
 in its own child process, alternating jaxrl, TRL, jaxrl, ... `--reps` times (default 3); a line
 per point gives the median step times, the ratio (TRL step / jaxrl step: > 1 means jaxrl is
@@ -219,7 +220,8 @@ def build(argv: list[str]) -> tuple[Any, dict, str]:
         yaml_path=yaml_path if yaml_path.exists() else None,
         cli_args=rest,
         overrides={
-            "max_length": opts["seq_len"],
+            # Padding-free SFT takes no `max_length` (TRL); the rows are made at most T long.
+            "max_length": None if _padding_free(rest) else opts["seq_len"],
             "disable_tqdm": True,
             "save_strategy": "no",
             "eval_strategy": "no",
@@ -258,6 +260,12 @@ def build(argv: list[str]) -> tuple[Any, dict, str]:
         if algo == "dpo":  # the head's span follows the completions (SFT trains every token)
             trainer.score_span = trainer._score_span([trainer.train_dataset])
     return trainer, opts, algo
+
+
+def _padding_free(argv: list[str]) -> bool:
+    """Whether the training flags set `--padding_free true`."""
+    value = split_flags(argv, {"--padding_free": str}, {})[0].get("padding_free", "false")
+    return value.lower() in ("true", "1", "yes")
 
 
 def run(argv: list[str]) -> dict:
@@ -404,9 +412,12 @@ def _run_varying(trainer: Any, opts: dict, algo: str) -> dict:
             for i in timed
         )
     steps_at = [trainer._batch_seq_len(ds, item[1], "train") for item in items[opts["warmup"] :]]
+    buckets = trainer.length_buckets
+    if algo == "sft" and trainer._padding_free("train"):  # lengths of flattened device rows
+        buckets = trainer._padding_free_buckets("train")
     return _step_result(
         trainer, opts, algo, step_s, compile_s, tokens / opts["steps"], None,
-        seq_len=trainer.seq_len, length_buckets=list(trainer.length_buckets),
+        seq_len=trainer.seq_len, length_buckets=list(buckets),
         row_lengths_per_step=steps_at, lengths=opts["lengths"], score_span=trainer.score_span,
         global_batch=trainer.train_batch_size,
     )  # fmt: skip
@@ -894,6 +905,9 @@ def compare_commands(
         out = {"sft": (jaxrl + extra, trl)}
         if lengths != "fixed":
             out["sft static"] = (jaxrl + static + extra, trl)
+            # Both sides padding-free (TRL: one flattened row per device, `max_length=None`).
+            pf = ["--padding_free", "true"]
+            out["sft padding_free"] = (jaxrl + pf + extra, trl + ["--padding_free"])
         return out
     # TRL's objective and layout: sigmoid loss only, prompt + completion rows per pair.
     dpo = ["--loss_type", "sigmoid", "--loss_weights", "null"]

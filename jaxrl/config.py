@@ -824,6 +824,11 @@ class SFTConfig(_with_foreign("_SFTForeign", config_fields.SFT)):
     max_seq_length: int | None = None
     packing: bool = False
     packing_strategy: str = "bfd"
+    # TRL: each device's share of a micro-batch runs as one row, its examples back to back
+    # (positions restarting at 0, attention kept within each example), padded only to a
+    # `length_buckets` bucket of such rows. Needs `max_length=None` unless packing (TRL); best-fit
+    # packing (`"bfd"`, `"bfd_split"`) is padding-free already.
+    padding_free: bool = False
     # TRL: {"skip_prepare_dataset": True} uses already-tokenized rows as given (`rows_as_given`);
     # TRL reads no other key. A JSON string is parsed (CLI).
     dataset_kwargs: dict | str | None = None
@@ -862,6 +867,8 @@ class SFTConfig(_with_foreign("_SFTForeign", config_fields.SFT)):
     # length (one compiled shape). TRL pads each batch to its own longest row; a few buckets
     # keep most of that saving while jit compiles one program per bucket. Packed rows
     # (`packing`, `eval_packing`) fill the static length by construction and always use it.
+    # With `padding_free`, the lengths are those of the flattened rows (one per device); "auto"
+    # then also has the midpoints 1.5 x 2^k between the powers of two.
     length_buckets: list[int] | str | None = "auto"
 
     @property

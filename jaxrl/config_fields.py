@@ -191,13 +191,10 @@ _PADDING_FREE = Foreign(
     "padding_free",
     bool,
     False,
-    "a step's rows are padded to one length (a `length_buckets` bucket); SFT `packing=True` "
-    "removes the padding instead",
+    "TRL 1.16's DPOTrainer does not run it either (it warns and sets it back to False); a "
+    "step's rows are padded to one length, a `length_buckets` bucket",
 )
-SFT = (
-    *_TRL_COMMON,
-    _PADDING_FREE,
-)
+SFT = (*_TRL_COMMON,)
 REWARD = (*_TRL_COMMON,)
 DPO = (
     *_TRL_COMMON,

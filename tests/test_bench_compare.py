@@ -77,15 +77,19 @@ def test_compare_errors(capsys):
 
 def test_longtail_lengths_run_static_and_bucketed_jaxrl_against_trl():
     """`--lengths longtail`: both sides get the flag (the same rows, in order); jaxrl also runs
-    with one static row length (`--length_buckets null`, its behaviour before buckets)."""
+    with one static row length (`--length_buckets null`, its behaviour before buckets), and
+    both sides padding-free."""
     cmds = bench.compare_commands("sft", ("llama-4x256", 8, 1024), 5, 2, [], "longtail")
-    assert list(cmds) == ["sft", "sft static"]
+    assert list(cmds) == ["sft", "sft static", "sft padding_free"]
     for jaxrl_cmd, trl_cmd in cmds.values():
         for cmd in (jaxrl_cmd, trl_cmd):
             assert cmd[cmd.index("--lengths") + 1] == "longtail"
     assert "--length_buckets" not in cmds["sft"][0]
     static = cmds["sft static"][0]
     assert static[static.index("--length_buckets") + 1] == "null"
+    pf_jaxrl, pf_trl = cmds["sft padding_free"]
+    assert pf_jaxrl[pf_jaxrl.index("--padding_free") + 1] == "true" and "--padding_free" in pf_trl
+    assert "--padding_free" not in cmds["sft"][1]
     dpo = bench.compare_commands("dpo", ("llama-4x256", 8, 512), 5, 2, [], "longtail")
     assert list(dpo) == ["dpo", "dpo prefix_sharing", "dpo static"]
 

@@ -4,7 +4,9 @@ Every batch has a shape `[rows, seq_len]` from a small set (`length_buckets`: th
 length and a few shorter ones), so the jitted steps compile a bounded number of programs.
 Padding is on the right with `pad_token_id` and `attention_mask == 0` (and `segment_ids == 0`).
 
-Only rows packed by best fit (`pack_bfd`) carry `segment_ids` (1..n per document, 0 on padding).
+Only rows packed by best fit (`pack_bfd`) and padding-free rows (`collate_padding_free`: one row
+per device holding its examples back to back, TRL's `padding_free=True`) carry `segment_ids`
+(1..n per document, 0 on padding).
 A batch without them holds one sequence per row followed by padding (one document, or a `wrapped`
 cut of several that, as in TRL, is one causal sequence), so causal attention alone is exact at
 every real token (no real query ever has a padding key before it), and the trainers call the
@@ -67,6 +69,36 @@ def length_buckets(
     else:
         candidates = list(spec)
     return tuple(sorted({int(c) for c in candidates if c < static_len})) + (static_len,)
+
+
+def padding_free_buckets(
+    static_len: int, spec: str | Sequence[int] | None, multiple_of: int | None = None
+) -> tuple[int, ...]:
+    """`length_buckets` for padding-free rows (each a device's examples back to back, at most
+    `static_len` tokens): as `length_buckets`, but "auto" adds `1.5 x 2^k` between the powers
+    of two. A flattened row's length is a sum of several examples' lengths, so it varies little
+    from step to step and the finer grid costs few extra compiles while wasting at most a third
+    of a row (a half with powers of two alone)."""
+    if spec != "auto":
+        return length_buckets(static_len, spec, multiple_of)
+    m = multiple_of or 1
+    candidates, b = [], AUTO_MIN_BUCKET
+    while b < static_len:
+        candidates += [b, b + b // 2]
+        b *= 2
+    rounded = [-(-c // m) * m for c in candidates]
+    return length_buckets(static_len, rounded, multiple_of)
+
+
+def padding_free_longest_row(lengths_by_host: Sequence[Sequence[int]], per_device: int) -> int:
+    """The longest padding-free row of a batch: each host's examples (`lengths_by_host`, in
+    order) go `per_device` at a time to its devices' rows (`collate_padding_free`)."""
+    longest = 0
+    for lengths in lengths_by_host:
+        x = np.asarray(lengths, np.int64)
+        x = np.pad(x, (0, (-len(x)) % per_device))
+        longest = max(longest, int(x.reshape(-1, per_device).sum(axis=1).max(initial=0)))
+    return longest
 
 
 def bucket_length(longest: int, buckets: Sequence[int]) -> int:
@@ -153,6 +185,39 @@ def collate_sft(
         positions_rows=[ex["positions"] for ex in examples] if packed else None,
         segment_rows=[ex["segment_ids"] for ex in examples] if packed else None,
     )
+
+
+def collate_padding_free(
+    examples: Sequence[Example],
+    per_device: int,
+    rows: int,
+    seq_len: int,
+    pad_token_id: int,
+) -> dict[str, np.ndarray]:
+    """TRL's padding-free SFT batch `[rows, seq_len]`: row `r` holds examples
+    `[r * per_device, (r + 1) * per_device)` (a device's share; rows past the examples stay
+    empty) back to back, each its own segment (`segment_ids` 1..n, positions restarting at 0),
+    padded at the right. Keys and alignment as `collate_sft`: an example's last token has no
+    target (TRL's `labels[position_ids == 0] = -100`) and no example attends to another.
+    `examples` are real ones only (an epoch's short last batch leaves rows short or empty)."""
+    if len(examples) > rows * per_device:
+        raise ValueError(
+            f"{len(examples)} examples do not fit {rows} padding-free rows of {per_device}."
+        )
+    ids, trained, positions, segments = [], [], [], []
+    for r in range(rows):
+        group = examples[r * per_device : (r + 1) * per_device]
+        lengths = [len(ex["input_ids"]) for ex in group]
+        ids.append([t for ex in group for t in ex["input_ids"]])
+        trained.append([t for ex in group for t in ex.get("loss_mask", [1] * len(ex["input_ids"]))])
+        positions.append([p for n in lengths for p in range(n)])
+        segments.append([k for k, n in enumerate(lengths, start=1) for _ in range(n)])
+        if len(ids[-1]) > seq_len:
+            raise ValueError(
+                f"A padding-free row holds {len(ids[-1])} tokens ({len(group)} examples) but "
+                f"the batch length is {seq_len}; pick it with padding_free_longest_row."
+            )
+    return _rows_to_batch(ids, trained, seq_len, pad_token_id, positions, segments)
 
 
 def collate_preference(

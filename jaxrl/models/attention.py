@@ -2,7 +2,9 @@
 scores as autodiff residuals.
 
 - `blockwise_attention`: online-softmax (flash-style) attention in plain XLA with its own VJP.
-  The forward visits only the key blocks a query block can see (causality, sliding window) and
+  The forward visits only the key blocks a query block can see (causality, sliding window, and
+  the first key block its mask shows it: packed and padding-free rows skip the blocks of the
+  documents before a query's, over all rows of the batch) and
   saves the output and the per-row log-sum-exp; the backward recomputes each block's
   probabilities from them. Runs on every backend; the default on CPU.
 - cuDNN flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`): the default on
@@ -531,18 +533,35 @@ def _row_stat_blocks(x_BNT, num_kv, size):
     return x.reshape(nb, B, num_kv, N // num_kv * size)
 
 
-def _key_range(i, size, window, limit=None):
+def _key_range(i, size, window, limit=None, first=None):
     """Key blocks [lo, hi) that query block i can see: causality ends at the diagonal block (with
     a key limit: at the block of the largest limit of its rows); a sliding window starts at the
-    block holding key (first query - window + 1)."""
+    block holding key (first query - window + 1); the mask's first visible key block of the
+    query block (`first`, from `_first_key_blocks`) bounds it too."""
     hi = i + 1
     if limit is not None:
         rows = jax.lax.dynamic_slice_in_dim(limit, i * size, size, axis=1)
         hi = jnp.maximum(hi, jnp.max(rows) // size + 1)
-    if window is None:
+    lo = 0
+    if window is not None:
+        lo = jnp.maximum(i * size - (window - 1), 0) // size
+    if first is not None:
+        lo = jnp.maximum(lo, first[i])
+    if window is None and first is None:
         return 0, hi
-    lo = jnp.maximum(i * size - (window - 1), 0) // size
     return jnp.minimum(lo, hi - 1), hi
+
+
+def _first_key_blocks(mask_pad, size):
+    """[nb] int32: per query block, the first key block that any of its rows (in any batch row)
+    sees through the mask. Packed documents and padding-free rows (segment ids) then skip the
+    blocks of the documents before theirs, so a row of many documents costs about the sum of
+    their squares, not the square of the row. None without a mask."""
+    if mask_pad is None:
+        return None
+    nb = mask_pad.shape[-2] // size
+    blocks = mask_pad.reshape(mask_pad.shape[0], nb, size, nb, size).any(axis=(0, 2, 4))
+    return jnp.where(blocks.any(-1), jnp.argmax(blocks, axis=-1), nb).astype(jnp.int32)
 
 
 def _visible(i, j, size, seq_len, window, mask_pad, groups, limit=None):
@@ -615,6 +634,7 @@ def _forward(q, k, v, mask, row_keys, sinks, limit, size, window, scale, softcap
     q_blocks = _to_q_blocks(q, K, size)
     k_blocks, v_blocks = _to_kv_blocks(k, size), _to_kv_blocks(v, size)
     mask_pad = _pad_mask(mask, size)
+    first = _first_key_blocks(mask_pad, size)
 
     def query_block(_, xs):
         i, q_BKRH = xs
@@ -649,7 +669,7 @@ def _forward(q, k, v, mask, row_keys, sinks, limit, size, window, scale, softcap
         if sinks is not None:  # the sink is the first "key": max = sink, sum = exp(0), no value
             sink_BKR = jnp.broadcast_to(_sink_rows(sinks, K, size), rows)
             init = (sink_BKR, jnp.ones(rows, jnp.float32), init[2])
-        lo, hi = _key_range(i, size, window, limit)
+        lo, hi = _key_range(i, size, window, limit, first)
         m_BKR, denom_BKR, acc_BKRH = jax.lax.fori_loop(lo, hi, key_block, init)
         seen_BKR = denom_BKR > 0
         safe_BKR = jnp.where(seen_BKR, denom_BKR, 1.0)
@@ -676,6 +696,7 @@ def _backward(size, window, scale, softcap, rate, res, dout):
     delta_BNT = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
     delta_blocks = _row_stat_blocks(delta_BNT, K, size)
     mask_pad = _pad_mask(mask, size)
+    first = _first_key_blocks(mask_pad, size)
 
     # Every matmul below is [M, K] @ [K, N] or [M, K] @ [N, K]^T: none contracts the rows of an
     # operand, which XLA:CPU runs as a slow generic dot (and cannot run at all for bf16 inputs
@@ -722,7 +743,7 @@ def _backward(size, window, scale, softcap, rate, res, dout):
             )
             return dq_BKRH, dk_acc.at[j].add(dk_j), dv_acc.at[j].add(dv_j)
 
-        lo, hi = _key_range(i, size, window, limit)
+        lo, hi = _key_range(i, size, window, limit, first)
         dq0 = jnp.zeros(jnp.swapaxes(q_BKRH, -1, -2).shape, jnp.float32)
         dqT, dk_acc, dv_acc = jax.lax.fori_loop(lo, hi, key_block, (dq0, dk_acc, dv_acc))
         return (dk_acc, dv_acc), jnp.swapaxes(jax.lax.optimization_barrier(dqT), -1, -2)

@@ -696,6 +696,11 @@ class Trainer(TrainLoop):
             metrics = {**metrics, "num_input_tokens_seen": self._input_tokens(host)}
         return metrics
 
+    def _trl_device_rows(self) -> int:
+        """How many consecutive rows of a train micro-batch TRL's collator gets as one device's
+        share: `per_device_train_batch_size` (SFT's padding-free rows: 1, each row a device's)."""
+        return self.args.per_device_train_batch_size
+
     def _input_tokens(self, host_A: dict[str, np.ndarray]) -> Any:
         """HF's `num_input_tokens_seen` increment of one step, counted on the host's collated
         micro-batches as TRL collates them (`collate.trl_input_tokens`), summed over hosts."""
@@ -708,7 +713,7 @@ class Trainer(TrainLoop):
                 host_A["example_mask"][i],
                 mode=a.include_num_input_tokens_seen,
                 pad_token_id=self.tokenizer.pad_token_id,
-                per_device=a.per_device_train_batch_size,
+                per_device=self._trl_device_rows(),
                 multiple_of=a.pad_to_multiple_of,
             )
             for i in range(host_A["example_mask"].shape[0])
@@ -793,7 +798,7 @@ class Trainer(TrainLoop):
                 jax.random.fold_in(rng, neftune.NOISE_STREAM),
                 a.neftune_noise_alpha,
                 mb["example_mask"],
-                a.per_device_train_batch_size,
+                self._trl_device_rows(),
                 a.pad_to_multiple_of,
             ):
                 return loss_fn(params, state, mb, rng, extras)

@@ -112,4 +112,5 @@ class _NoisyForward(ForwardView):
             r.multiple_of,
             padding_free=segment_ids_RT is not None,
         )
-        return jnp.tile(lengths_B, k)
+        # A row with no real token (an empty padding-free row) gets finite noise.
+        return jnp.tile(jnp.maximum(lengths_B, 1), k)

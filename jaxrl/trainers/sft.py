@@ -4,26 +4,42 @@ The loss is token-weighted NLL over `loss_mask` tokens (completion-only / assist
 come from the data layer), computed from hidden states with chunked log-probs so no full f32
 [B, T, V] exists. Logged metrics use TRL's names: `loss`, `mean_token_accuracy`, `entropy`,
 `num_tokens`, `grad_norm`, `learning_rate`.
+
+`padding_free=True` (TRL's) collates each device's share of a micro-batch as one row of its
+examples back to back (`collate.collate_padding_free`), padded to a bucket of such rows'
+lengths; the numbers are the padded layout's, `num_tokens` and `num_input_tokens_seen` count
+the rows as TRL's collator makes them, and predictions come one row per device (HF's layout).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
 import datasets
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.config import SFTConfig
 from jaxrl.core.logprobs import scored_logprobs, unembed_logits
 from jaxrl.data import vision
-from jaxrl.data.collate import collate_sft, model_masks
+from jaxrl.data.collate import (
+    bucket_length,
+    collate_padding_free,
+    collate_sft,
+    model_masks,
+    padding_free_buckets,
+    padding_free_longest_row,
+)
 from jaxrl.data.sft import prepare_sft_dataset, rows_as_given
 from jaxrl.losses.sft import entropy, mean_token_accuracy, sft_loss_sum
 from jaxrl.trainers import router_aux
 from jaxrl.trainers.base import Trainer, weighted_token_count
 from jaxrl.trainers.evaluation import label_ids_from_loss_mask
+
+logger = logging.getLogger(__name__)
 
 
 def lm_hidden_states(model, mb: dict) -> jnp.ndarray:
@@ -119,6 +135,14 @@ def lm_token_weights(mb: dict) -> jnp.ndarray:
     return tokens_BT
 
 
+def padding_free_widths(mb: dict, multiple_of: int | None) -> jnp.ndarray:
+    """Per padding-free row `[B]`: its width as TRL collates it (its real tokens, rounded up to
+    `multiple_of`; 0 for an empty row)."""
+    n_B = jnp.sum(mb["segment_ids"] > 0, axis=-1)
+    m = multiple_of or 1
+    return (n_B + m - 1) // m * m
+
+
 class SFTTrainer(Trainer):
     """Supervised fine-tuning (TRL `SFTTrainer` API; `args` is an `SFTConfig`)."""
 
@@ -144,10 +168,133 @@ class SFTTrainer(Trainer):
         # The model generation config's EOS ids once `args.eos_token` has been put first
         # (None: unchanged).
         self._generation_eos_ids: list[int] | None = None
+        if args is not None and args.padding_free:
+            self._check_padding_free(args)
         super().__init__(model, args, *a, **kw)
         # Completion-only / assistant-only losses score part of each row: the LM head runs on
         # the widest trained stretch of the data only (`lm_forward`'s `score_span`).
         self.score_span = self._score_span([self.train_dataset, self.eval_dataset])
+
+    def _check_padding_free(self, a: SFTConfig) -> None:
+        """TRL 1.16's checks and warnings for `padding_free=True` (vision datasets refuse it in
+        `_refuse_vision_options`)."""
+        if self.vision:
+            return
+        if not a.packing and a.max_length is not None:
+            raise ValueError(
+                "When `padding_free=True` without packing, `max_length` is not enforced (TRL "
+                "refuses this too): set `max_length=None` (truncate the data yourself if "
+                "needed), or enable packing (`packing=True, packing_strategy='bfd'`, which is "
+                "padding-free already)."
+            )
+        if a.packing and a.packing_strategy == "wrapped":
+            logger.warning(
+                "padding_free=True with packing_strategy='wrapped' is not recommended (TRL warns "
+                "too): wrapped rows already fill max_length, cut mid-document, and flattening "
+                "them changes nothing; use packing_strategy='bfd'."
+            )
+        if a.per_device_train_batch_size == 1 and not a.packing:
+            logger.warning(
+                "padding_free=True with per_device_train_batch_size=1 flattens one example per "
+                "row, which saves nothing; use a per-device batch of at least 2."
+            )
+
+    def _padding_free(self, split: str) -> bool:
+        """Whether a `split` ("train" or "eval") batch is collated padding-free
+        (`collate_padding_free`): TRL's `padding_free` (set, or implied by best-fit packing)
+        on rows that are not packed. Packed rows are padding-free already (`segment_ids`)."""
+        a = self.args
+        trl_padding_free = a.padding_free or (
+            a.packing and a.packing_strategy in ("bfd", "bfd_split")
+        )
+        return trl_padding_free and not self.vision and not self._fills_static_length(split)
+
+    def _per_device(self, split: str) -> int:
+        a = self.args
+        return a.per_device_train_batch_size if split == "train" else a.per_device_eval_batch_size
+
+    def _padding_free_buckets(self, split: str) -> tuple[int, ...]:
+        """Row lengths of a split's padding-free batches: up to `per_device` x the longest
+        example (`seq_len`), `length_buckets` read as lengths of flattened rows."""
+        a = self.args
+        static = self._per_device(split) * self.seq_len
+        return padding_free_buckets(static, a.length_buckets, a.pad_to_multiple_of)
+
+    def _padding_free_len(self, dataset: Any, idx_by_host: list, split: str) -> int:
+        """The row length of a padding-free batch whose hosts hold `dataset[idx_by_host[p]]`:
+        the smallest bucket holding its longest device row (the same on every host)."""
+        lengths = self._lengths_of(dataset)
+        longest = padding_free_longest_row(
+            [lengths[np.asarray(idx, np.int64)] for idx in idx_by_host], self._per_device(split)
+        )
+        return bucket_length(longest, self._padding_free_buckets(split))
+
+    def _batch_seq_len(self, dataset: Any, indices: Any, split: str) -> int:
+        if not self._padding_free(split):
+            return super()._batch_seq_len(dataset, indices, split)
+        # Each host's contiguous share of the global batch (`BatchIterator.host_share`).
+        shares = np.array_split(np.asarray(indices, np.int64), jax.process_count())
+        return self._padding_free_len(dataset, shares, split)
+
+    def _collate_micro(
+        self,
+        examples: list[dict],
+        accum: int,
+        real: int | None = None,
+        seq_len: int | None = None,
+    ) -> dict[str, np.ndarray]:
+        if not self._padding_free("train"):
+            return super()._collate_micro(examples, accum, real, seq_len)
+        # One row per local device and micro-batch; the copies filling an epoch's short last
+        # batch are left out (rows run short or empty), as HF's shorter last batch.
+        n = len(examples)
+        if n % accum:
+            raise ValueError(f"{n} examples do not split into {accum} micro-batches.")
+        m, per_device = n // accum, self.args.per_device_train_batch_size
+        real = n if real is None else real
+        seq_len = seq_len or self._padding_free_buckets("train")[-1]
+        micro = [
+            collate_padding_free(
+                examples[i * m : min((i + 1) * m, real)],
+                per_device,
+                m // per_device,
+                seq_len,
+                self.tokenizer.pad_token_id,
+            )
+            for i in range(accum)
+        ]
+        batch_A = {k: np.stack([mb[k] for mb in micro]) for k in micro[0]}
+        # A row holding no example weighs nothing (its tokens are padding anyway).
+        batch_A["example_mask"] = (batch_A["segment_ids"].max(-1) > 0).astype(np.float32)
+        return batch_A
+
+    def _eval_batches(self, dataset):
+        if not self._padding_free("eval"):
+            yield from super()._eval_batches(dataset)
+            return
+        per_device = self.args.per_device_eval_batch_size
+        bs, n, hosts = per_device * self.dp, len(dataset), jax.process_count()
+        per_host = bs // hosts
+        for start in range(0, n, bs):
+            shares = [
+                np.arange(start + p * per_host, min(start + (p + 1) * per_host, n))
+                for p in range(hosts)
+            ]
+            seq_len = self._padding_free_len(dataset, shares, "eval")
+            mine = [dataset[int(i)] for i in shares[jax.process_index()]]
+            batch = collate_padding_free(
+                mine, per_device, per_host // per_device, seq_len, self.tokenizer.pad_token_id
+            )
+            batch["example_mask"] = (batch["segment_ids"].max(-1) > 0).astype(np.float32)
+            yield {k: v[None] for k, v in batch.items()}
+
+    def _trl_device_rows(self) -> int:
+        return 1 if self._padding_free("train") else super()._trl_device_rows()
+
+    def _hf_widths(self, mb: dict) -> jax.Array | None:
+        if not self._padding_free("eval"):
+            return super()._hf_widths(mb)
+        return padding_free_widths(mb, self.args.pad_to_multiple_of)
 
     def _apply_eos_token(self, tokenizer: Any) -> None:
         """The base's `eos_token` handling, and for a model that generates, the new EOS id goes
@@ -237,6 +384,8 @@ class SFTTrainer(Trainer):
     def _score_span(self, sources: list) -> int | None:
         if self.vision:  # rows are processed in the collator: every position is scored
             return None
+        if self._padding_free("train") or self._padding_free("eval"):  # rows of many examples
+            return None
         widths = [trained_width(ds["loss_mask"]) for ds in sources if ds is not None]
         return choose_score_span(max(widths, default=self.seq_len), self.seq_len)
 
@@ -285,6 +434,7 @@ class SFTTrainer(Trainer):
             "a formatting_func": self.formatting_func is not None,
             "shuffle_dataset=True": a.shuffle_dataset,
             "dataset_kwargs={'skip_prepare_dataset': True}": a.skip_prepare_dataset,
+            "padding_free=True": a.padding_free,
             "assistant_only_loss=True on data without 'messages'": (
                 a.assistant_only_loss and kind != "messages"
             ),
@@ -296,7 +446,7 @@ class SFTTrainer(Trainer):
             if set_:
                 raise ValueError(
                     f"{option} is not supported for datasets with images (TRL refuses packing, "
-                    "keep_end truncation, completion_only_loss on language modelling and "
+                    "padding-free batches, keep_end truncation, completion_only_loss on language modelling and "
                     "assistant_only_loss without conversational language-modelling data, and "
                     "skips the dataset preparation where formatting_func and shuffle_dataset "
                     "act). Unset it or drop the image column."
@@ -391,6 +541,8 @@ class SFTTrainer(Trainer):
         smoothing = getattr(self.args, "label_smoothing_factor", 0.0)
 
         coef = self.router_aux_loss_coef
+        padding_free = self._padding_free("train")
+        multiple_of = self.args.pad_to_multiple_of
 
         def loss_fn(params, state, mb, rng, extras):
             model = self.apply_model(params, state)
@@ -411,12 +563,14 @@ class SFTTrainer(Trainer):
             loss_sum = router_aux.add_to_loss(
                 coef, router_stats, tokens_BT, mb, loss_sum, sums, counts
             )
+            if padding_free:  # TRL: the width of each device's flattened row
+                num_tokens = jnp.sum(padding_free_widths(mb, multiple_of))
+            else:
+                num_tokens = weighted_token_count(mb["attention_mask"], mb)
             aux = {
                 "sum": sums,
                 "count": counts,
-                "total": {
-                    "num_tokens": weighted_token_count(mb["attention_mask"], mb).astype(jnp.float32)
-                },
+                "total": {"num_tokens": num_tokens.astype(jnp.float32)},
             }
             return loss_sum, (aux, extras)
 

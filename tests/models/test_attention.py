@@ -108,6 +108,32 @@ def test_blockwise_equals_reference(mask_kind, num_kv):
     )
 
 
+def test_blockwise_skips_the_blocks_of_earlier_documents():
+    """Rows of several documents (packed, padding-free): a query block visits key blocks from
+    the first one its mask shows any row of the batch, with the reference's values and grads.
+    Values poisoned with NaN in block 0 (documents no query from position 48 on sees) reach no
+    output there, so those blocks are not visited."""
+    seq_len = 80  # five blocks of 16
+    segments = jnp.asarray(
+        [[1] * 20 + [2] * 35 + [3] * 18 + [0] * 7, [1] * 40 + [2] * 40], jnp.int32
+    )
+    mask = attention_mask_BTS(None, segments)
+    q, k, v, w = qkv(seq_len, 2)
+    assert_values_and_grads(
+        lambda q, k, v: blockwise_attention(q, k, v, mask, max_block=16),
+        lambda q, k, v: reference(q, k, v, mask, None),
+        q,
+        k,
+        v,
+        w,
+        atol=1e-5,
+    )
+    poisoned = v.at[:, :16].set(jnp.nan)
+    out = blockwise_attention(q, k, poisoned, mask, max_block=16)
+    assert np.isfinite(np.asarray(out[:, 48:])).all()
+    assert np.isnan(np.asarray(out[:, 16:20])).any()  # block 1 still visits block 0
+
+
 @pytest.mark.parametrize(
     "window, mask_kind",
     [(1, "causal"), (5, "packed_padded"), (16, "causal"), (40, "packed_padded")],

@@ -251,6 +251,7 @@ def test_refusals(vlm_dir, tmp_path, hf_model_dir):
 
     for args, match in (
         ({"packing": True}, "packing=True is not supported for datasets with images"),
+        ({"padding_free": True}, "padding_free=True is not supported for datasets with images"),
         ({"assistant_only_loss": True}, "needs a chat template that marks assistant turns"),
         ({"completion_only_loss": True}, "completion_only_loss=True on language-modelling"),
         ({"truncation_mode": "keep_end"}, "keep_end"),
