@@ -1,6 +1,6 @@
 """What a trainer needs to run TRL's vision datasets (an `image` / `images` column): the model
 loaded with its vision tower, the model's processor as the processing class, and clear errors
-for a text-only model or a bare tokenizer. Mixed into `DPOTrainer` ahead of `Trainer`; the
+for a text-only model or a bare tokenizer. Mixed into `SFTTrainer` and `DPOTrainer` ahead of `Trainer`; the
 trainer sets `self.vision` before `Trainer.__init__` runs. No data processing here
 (`jaxrl.data.vision`, `jaxrl.data.vision_preference`)."""
 
@@ -12,7 +12,7 @@ from jaxrl.data import vision
 
 
 class ImageTextMixin:
-    """`Trainer` hooks for image-text runs, active where `self.vision` is set."""
+    """`Trainer` hooks for image-text runs, active where `self.vision` is set (SFT and DPO)."""
 
     vision: bool = False
     supports_images = True

@@ -38,6 +38,7 @@ from jaxrl.losses.sft import entropy, mean_token_accuracy, sft_loss_sum
 from jaxrl.trainers import router_aux
 from jaxrl.trainers.base import Trainer, weighted_token_count
 from jaxrl.trainers.evaluation import label_ids_from_loss_mask
+from jaxrl.trainers.image_text import ImageTextMixin
 
 logger = logging.getLogger(__name__)
 
@@ -143,13 +144,12 @@ def padding_free_widths(mb: dict, multiple_of: int | None) -> jnp.ndarray:
     return (n_B + m - 1) // m * m
 
 
-class SFTTrainer(Trainer):
+class SFTTrainer(ImageTextMixin, Trainer):
     """Supervised fine-tuning (TRL `SFTTrainer` API; `args` is an `SFTConfig`)."""
 
     config_class = SFTConfig
     _name = "SFT"
     _tag_names = ("trl", "sft")
-    supports_images = True
 
     def __init__(self, model: Any, args: SFTConfig | None = None, *a, formatting_func=None, **kw):
         self.formatting_func = formatting_func
@@ -336,50 +336,6 @@ class SFTTrainer(Trainer):
         if self._generation_eos_ids is not None:
             config.eos_token_id = list(self._generation_eos_ids)
         return config
-
-    def _load_model(self, model: Any, task: str):
-        try:
-            return super()._load_model(model, task)
-        except ValueError as err:
-            if self.vision and "vision=True needs an image-text checkpoint" in str(err):
-                raise ValueError(
-                    "The dataset has images (an 'image' or 'images' column) but the model is not "
-                    f"an image-text model ({err}). Use an image-text Gemma 3 checkpoint "
-                    "(Gemma3ForConditionalGeneration), or drop the image column."
-                ) from err
-            raise
-
-    def _model_load_kwargs(self) -> dict[str, Any]:
-        return {"vision": True} if self.vision else {}
-
-    def _check_model(self, model: Any) -> None:
-        if self.vision and getattr(getattr(model, "config", None), "vision", None) is None:
-            raise ValueError(
-                "The dataset has images (an 'image' or 'images' column) but the model does not "
-                "take images: jaxrl trains image-text Gemma 3 checkpoints "
-                "(Gemma3ForConditionalGeneration) on images. Use such a model, or drop the "
-                "image column to train on text."
-            )
-
-    def _default_processing_class(self) -> Any:
-        if not self.vision:
-            return super()._default_processing_class()
-        from transformers import AutoProcessor
-
-        return AutoProcessor.from_pretrained(self.model_path)
-
-    def _load_tokenizer(self, processing_class):
-        processing_class = super()._load_tokenizer(processing_class)
-        if self.vision:
-            from transformers import ProcessorMixin
-
-            if not isinstance(processing_class, ProcessorMixin):
-                raise ValueError(
-                    "The dataset has images but processing_class is a tokenizer; image-text SFT "
-                    "needs the model's processor (transformers.AutoProcessor), which turns "
-                    "images into pixel values and image tokens."
-                )
-        return processing_class
 
     def _score_span(self, sources: list) -> int | None:
         if self.vision:  # rows are processed in the collator: every position is scored
