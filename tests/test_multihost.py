@@ -4,7 +4,7 @@
 Checks: per-host data loading gives the same per-step metrics and eval as one process (DPO);
 only process 0 writes metrics.jsonl and the export; a SIGTERM to one process makes both save
 the same step and exit 143; a resume on 2 processes continues bit for bit (orbax save and
-restore across both).
+restore across both), with length buckets chosen alike on every host without talking.
 """
 
 import json
@@ -90,7 +90,13 @@ def assert_same_metrics(got: list[dict], want: list[dict], keys: tuple[str, ...]
 
 
 def _data(tmp_path: Path) -> str:
-    rows = [{"text": f"{a}+{b}={a + b}"} for a in range(8) for b in range(8)]
+    """Rows of 3 to 40 tokens in order (for `length_buckets` 16 and 32, sequential sampling):
+    example 0 is the longest (the static length), then 8 rows under 16 tokens, then 8 of 16 to
+    32. The third step of each epoch holds one example: the second host fills its rows with
+    copies of example 0."""
+    rows = [{"text": "1" * 34 + "=2"}]
+    rows += [{"text": f"{a}+{b}={a + b}"} for a in range(4) for b in range(2)]
+    rows += [{"text": str(a) * (18 + a) + "=1"} for a in range(8)]
     path = tmp_path / "sft.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
@@ -100,8 +106,12 @@ def test_sft_sigterm_on_two_processes_saves_both_and_resume_is_exact(tmp_path):
     # The reference is an uninterrupted 2-process run: the same reduction trees, so the resumed
     # run must equal it bit for bit. (1 vs 2 processes agree only up to float32 rounding, which
     # Adam at lr 1e-3 amplifies to ~1e-2 by step 9; the DPO test below compares those.)
+    # Length buckets: each step's hosts pad to the bucket of the global batch's longest row
+    # without talking (a disagreement would give the hosts different programs), before and
+    # after the resume, also on the epochs' one-example steps.
     flags = ["--algo", "sft", "--dataset_name", _data(tmp_path), "--max_steps", "10"]
-    flags += ["--save_steps", "1000", "--learning_rate", "1e-3"]
+    flags += ["--save_steps", "1000", "--learning_rate", "1e-3", "--length_buckets", "16,32"]
+    flags += ["--train_sampling_strategy", "sequential"]
     ref = tmp_path / "ref"
     # It needs no checkpoint (a 2-process save costs ~10 s): saving changes no number.
     assert wait_all(launch(ref, [*flags, "--save_strategy", "no"], 2), ref) == [0, 0]
@@ -167,24 +177,3 @@ def test_dpo_two_processes_match_one(tmp_path):
     assert len(evals[0]) == len(evals[1]) == 1
     assert evals[0][0]["step"] == 0
     assert_same_metrics(evals[1], evals[0], ("eval_task_accuracy", "eval_loss"))
-
-
-def test_length_buckets_agree_across_processes(tmp_path):
-    """Rows of 3 to 40 tokens in order, `length_buckets` 16 and 32: each step's hosts pad to
-    the bucket of the global batch's longest row without talking, also at the epoch's end where
-    one example is left and the second host fills its rows with copies of example 0 (the
-    longest): the same metrics as one process."""
-    rows = [{"text": "1" * 34 + "=2"}]  # example 0: the longest (the static length)
-    rows += [{"text": f"{a}+{b}={a + b}"} for a in range(4) for b in range(2)]  # < 16 tokens
-    rows += [{"text": str(a) * (18 + a) + "=1"} for a in range(8)]  # 16..32 tokens
-    path = tmp_path / "sft.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    flags = ["--algo", "sft", "--dataset_name", str(path), "--max_steps", "3"]
-    flags += ["--save_strategy", "no", "--length_buckets", "16,32"]
-    flags += ["--train_sampling_strategy", "sequential", "--learning_rate", "1e-3"]
-    ref, out = tmp_path / "one", tmp_path / "two"
-    assert wait_all(launch(ref, flags, 1), ref) == [0]
-    assert wait_all(launch(out, flags, 2), out) == [0, 0]
-    keys = ("loss", "grad_norm", "mean_token_accuracy", "num_tokens")
-    assert_same_metrics(step_rows(out), step_rows(ref), keys)
-    assert len(step_rows(ref)) == 3

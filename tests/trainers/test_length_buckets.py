@@ -169,50 +169,40 @@ def test_the_suite_s_rows_keep_one_shape(tmp_path, sft_data):
     ],
 )
 def test_buckets_give_the_static_numbers(algo, tmp_path):
-    """Three steps whose longest rows fall in three different buckets: the same losses,
-    metrics, grad norms, token counts and evaluation as one static length, also with gradient
-    accumulation over a two-device mesh; one compiled train step per bucket used."""
+    """Three steps whose longest rows fall in three different buckets, with gradient
+    accumulation over a two-device mesh: the same losses, metrics, grad norms, token counts and
+    evaluation as one static length; one compiled train step per bucket used."""
     _, _, rows, keys = ALGOS[algo]
     data, eval_data = rows(0), rows(1, per_group=4)
     kw = dict(
         include_num_input_tokens_seen="all",  # TRL's padded tokens, per device
         eval_strategy="steps",
         eval_steps=3,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,  # eval batches of 4 examples on 2 devices
+        mesh_data=2,
     )
-    static = _trainer(
-        algo, tmp_path / "static", data, eval_data, length_buckets=None,
-        per_device_eval_batch_size=4, **kw,
-    )  # fmt: skip
+    static = _trainer(algo, tmp_path / "static", data, eval_data, length_buckets=None, **kw)
     static_lengths = record_step_lengths(static)
     static.train()
-    runs = {
-        "buckets": dict(length_buckets=BUCKETS, per_device_eval_batch_size=4),
-        "accumulated_mesh": dict(
-            length_buckets=BUCKETS,
-            gradient_accumulation_steps=2,
-            per_device_train_batch_size=2,
-            per_device_eval_batch_size=2,  # the same eval batches (4 examples) on 2 devices
-            mesh_data=2,
-        ),
-    }
-    for name, extra in runs.items():
-        trainer = _trainer(algo, tmp_path / name, data, eval_data, **kw, **extra)
-        assert trainer.seq_len == static.seq_len > BUCKETS[-1]
-        lengths = record_step_lengths(trainer)
-        trainer.train()
-        assert lengths == expected_lengths(trainer, 3) == [*BUCKETS, trainer.seq_len], name
-        assert trainer._jit_train_step._cache_size() == 3
-        for got, want in zip(train_logs(trainer), train_logs(static), strict=True):
-            for k in (*keys, "grad_norm"):
-                np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=1e-6, err_msg=k)
-            assert got["num_tokens"] == want["num_tokens"]
-            if name == "buckets":  # the same devices' batches: the same TRL padding
-                assert got["num_input_tokens_seen"] == want["num_input_tokens_seen"]
-        got, want = (
-            [h for h in t.state.log_history if "eval_loss" in h][-1] for t in (trainer, static)
-        )
-        for k in ("eval_loss", *(f"eval_{k}" for k in keys if k != "loss")):
+    trainer = _trainer(algo, tmp_path / "buckets", data, eval_data, length_buckets=BUCKETS, **kw)
+    assert trainer.seq_len == static.seq_len > BUCKETS[-1]
+    lengths = record_step_lengths(trainer)
+    trainer.train()
+    assert lengths == expected_lengths(trainer, 3) == [*BUCKETS, trainer.seq_len]
+    assert trainer._jit_train_step._cache_size() == 3
+    for got, want in zip(train_logs(trainer), train_logs(static), strict=True):
+        for k in (*keys, "grad_norm"):
             np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=1e-6, err_msg=k)
+        assert got["num_tokens"] == want["num_tokens"]
+        # The same devices' batches: the same TRL padding.
+        assert got["num_input_tokens_seen"] == want["num_input_tokens_seen"]
+    got, want = (
+        [h for h in t.state.log_history if "eval_loss" in h][-1] for t in (trainer, static)
+    )
+    for k in ("eval_loss", *(f"eval_{k}" for k in keys if k != "loss")):
+        np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=1e-6, err_msg=k)
     assert static_lengths == [static.seq_len] * 3
     assert static._jit_train_step._cache_size() == 1
 
