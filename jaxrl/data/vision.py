@@ -109,6 +109,22 @@ def check_processor(processor: Any) -> None:
         )
 
 
+def check_image_tokens(
+    ids: np.ndarray, n_images: int, image_tokens: int, image_token_id: int, max_length: Any
+) -> None:
+    """TRL's error (transformers' "Image features and image tokens do not match") when a row cut
+    to `max_length` lost image tokens: each of its `n_images` images needs `image_tokens`."""
+    found = int(np.sum(np.asarray(ids) == image_token_id))
+    if found != n_images * image_tokens:
+        raise ValueError(
+            f"The current `max_length` ({max_length}) is too short and causes image "
+            f"placeholder tokens in `input_ids` to be truncated ({found} of "
+            f"{n_images * image_tokens} left), while the corresponding image "
+            "features remain intact. Please increase `max_length` or set it to `None` to "
+            "disable truncation."
+        )
+
+
 class VisionCollator:
     """Examples -> image-text SFT batches (see the module docstring) with `processor`.
 
@@ -254,15 +270,9 @@ class VisionCollator:
             if self.assistant_only_loss:
                 trained = out["assistant_masks"][0]
             pixels = out.get("pixel_values")
-        found = int(np.sum(ids == self.image_token_id))
-        if found != len(images) * self.image_tokens:
-            raise ValueError(
-                f"The current `max_length` ({self.max_length}) is too short and causes image "
-                f"placeholder tokens in `input_ids` to be truncated ({found} of "
-                f"{len(images) * self.image_tokens} left), while the corresponding image "
-                "features remain intact. Please increase `max_length` or set it to `None` to "
-                "disable truncation."
-            )
+        check_image_tokens(
+            ids, len(images), self.image_tokens, self.image_token_id, self.max_length
+        )
         return {
             "input_ids": ids.tolist(),
             "trained": np.asarray(trained, bool).tolist(),

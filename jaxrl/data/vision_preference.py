@@ -28,7 +28,12 @@ import numpy as np
 
 from jaxrl.data.collate import _rows_to_batch
 from jaxrl.data.formats import is_conversational
-from jaxrl.data.vision import check_processor, example_images, multimodal_messages
+from jaxrl.data.vision import (
+    check_image_tokens,
+    check_processor,
+    example_images,
+    multimodal_messages,
+)
 
 
 def _common_prefix(a: str, b: str) -> str:
@@ -126,15 +131,9 @@ class VisionPreferenceCollator:
             rows["token_type_ids"].append(
                 np.concatenate([p_types, c["token_type_ids"][0]])[keep].tolist()
             )
-            found = int(np.sum(ids == self.image_token_id))
-            if found != len(images) * self.image_tokens:
-                raise ValueError(
-                    f"The current `max_length` ({self.max_length}) is too short and causes image "
-                    f"placeholder tokens in `input_ids` to be truncated ({found} of "
-                    f"{len(images) * self.image_tokens} left), while the corresponding image "
-                    "features remain intact. Please increase `max_length` or set it to `None` to "
-                    "disable truncation."
-                )
+            check_image_tokens(
+                ids, len(images), self.image_tokens, self.image_token_id, self.max_length
+            )
         return {**rows, "pixel_values": p.get("pixel_values")}
 
     def __call__(self, examples: list[dict], seq_len: int, pad_token_id: int) -> dict:

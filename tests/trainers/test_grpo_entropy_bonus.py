@@ -119,7 +119,10 @@ def test_static_bonus_loss_and_gradients_equal_trls(
     def loss_fn(p, c):
         return trl_step(trainer, p, rollout, loss_type=loss_type, coef=c, accum=accum)
 
-    (want_loss, policy), want = jax.value_and_grad(loss_fn, has_aux=True)(p0, coef)
+    # Jitted (one program, the coefficient an argument): op by op, each of the model's
+    # operations would compile on its own, for both coefficients.
+    value_and_grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+    (want_loss, policy), want = value_and_grad(p0, coef)
     got = jax.tree.map(lambda a, b: a - b, p0, trainer.train_state.params)  # SGD, lr 1
     assert log["loss"] == pytest.approx(float(want_loss), rel=1e-5, abs=1e-6)
     assert log["policy_loss"] == pytest.approx(float(np.mean(policy)), rel=1e-5, abs=1e-6)
@@ -128,7 +131,7 @@ def test_static_bonus_loss_and_gradients_equal_trls(
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * scale)
     # Not vacuous: the bonus moves the gradient well beyond the tolerance.
-    no_bonus = jax.grad(lambda p: loss_fn(p, 0.0)[0])(p0)
+    _, no_bonus = value_and_grad(p0, 0.0)
     diff = max(
         float(jnp.abs(a - b).max())
         for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(no_bonus), strict=True)
@@ -214,7 +217,7 @@ def test_eval_applies_the_bonus_but_never_moves_the_controller(adaptive_run):
         trainer._jit_eval_step(trainer.train_state, {k: v[None] for k, v in batch.items()})
     )
     got = np.sum(aux["sum"]["loss"]) / np.sum(aux["count"]["loss"])
-    _, H = _head(trainer, trainer.train_state.params, batch)
+    _, H = jax.jit(lambda p: _head(trainer, p, batch))(trainer.train_state.params)
     m = batch["completion_mask"]
     policy = np.sum(-batch["advantages"][:, None] * m) / m.sum()
     want = policy - coef * np.sum(H * m) / m.sum()
