@@ -199,7 +199,8 @@ def collate_padding_free(
     empty) back to back, each its own segment (`segment_ids` 1..n, positions restarting at 0),
     padded at the right. Keys and alignment as `collate_sft`: an example's last token has no
     target (TRL's `labels[position_ids == 0] = -100`) and no example attends to another.
-    `examples` are real ones only (an epoch's short last batch leaves rows short or empty)."""
+    `examples` are real ones only (an epoch's short last batch leaves rows short or empty);
+    `example_mask` `[rows]` is 0 for a row that holds no example (it weighs nothing)."""
     if len(examples) > rows * per_device:
         raise ValueError(
             f"{len(examples)} examples do not fit {rows} padding-free rows of {per_device}."
@@ -217,7 +218,9 @@ def collate_padding_free(
                 f"A padding-free row holds {len(ids[-1])} tokens ({len(group)} examples) but "
                 f"the batch length is {seq_len}; pick it with padding_free_longest_row."
             )
-    return _rows_to_batch(ids, trained, seq_len, pad_token_id, positions, segments)
+    batch = _rows_to_batch(ids, trained, seq_len, pad_token_id, positions, segments)
+    batch["example_mask"] = np.asarray([float(bool(row)) for row in ids], np.float32)
+    return batch
 
 
 def collate_preference(

@@ -263,10 +263,7 @@ class SFTTrainer(ImageTextMixin, Trainer):
             )
             for i in range(accum)
         ]
-        batch_A = {k: np.stack([mb[k] for mb in micro]) for k in micro[0]}
-        # A row holding no example weighs nothing (its tokens are padding anyway).
-        batch_A["example_mask"] = (batch_A["segment_ids"].max(-1) > 0).astype(np.float32)
-        return batch_A
+        return {k: np.stack([mb[k] for mb in micro]) for k in micro[0]}
 
     def _eval_batches(self, dataset):
         if not self._padding_free("eval"):
@@ -285,7 +282,6 @@ class SFTTrainer(ImageTextMixin, Trainer):
             batch = collate_padding_free(
                 mine, per_device, per_host // per_device, seq_len, self.tokenizer.pad_token_id
             )
-            batch["example_mask"] = (batch["segment_ids"].max(-1) > 0).astype(np.float32)
             yield {k: v[None] for k, v in batch.items()}
 
     def _trl_device_rows(self) -> int:
