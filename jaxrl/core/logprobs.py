@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl.core import loops
 from jaxrl.core.matmul import weight_grad
 from jaxrl.core.shapes import same_shape, shape_is
 
@@ -254,7 +255,7 @@ def _head_forward(
         expected = expected_BC if entropy_grad else None
         return None, (target_BC - log_z_BC, stats, log_z_BC, raw, expected)
 
-    _, (logps_NBC, stats_NBC, log_z_NBC, raw_NBCV, expected_NBC) = jax.lax.scan(
+    _, (logps_NBC, stats_NBC, log_z_NBC, raw_NBCV, expected_NBC) = loops.scan(
         step, None, (hidden_NBCD, targets_NBC)
     )
     residuals = (hidden_NBCD, unembed_DV, targets_NBC, log_z_NBC, raw_NBCV, expected_NBC)
@@ -310,7 +311,7 @@ def _fused_head_bwd(temperature, logit_softcap, with_stats, grad_stats, residual
         )
         return d_unembed_DV, d_hidden_BCD.astype(hidden_BCD.dtype)
 
-    d_unembed_DV, d_hidden_NBCD = jax.lax.scan(
+    d_unembed_DV, d_hidden_NBCD = loops.scan(
         step,
         jnp.zeros(unembed_DV.shape, jnp.float32),
         (

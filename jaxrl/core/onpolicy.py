@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxrl.core import loops
 from jaxrl.core.logprobs import token_logprobs
 from jaxrl.core.rl import full_kl_from_hidden, kl_penalty
 from jaxrl.core.state import TrainState
@@ -178,7 +179,7 @@ def make_ppo_update(
             out = {"sum": aux_A["sum"], "arrays": aux_A["arrays"]}
             return state, (out, metrics["grad_norm"])
 
-        return jax.lax.scan(backward_step, state, batches_N)
+        return loops.scan(backward_step, state, batches_N)
 
     def update(state: TrainState, rollout: dict, perms_EB: jax.Array):
         def epoch(carry, perm_B):
@@ -199,7 +200,7 @@ def make_ppo_update(
                 stopped = stopped | (last_policykl > 1.5 * target_kl)
             return (state, stopped), (out_N, grad_norm_N, ran)
 
-        (state, _), (out, grad_norm, ran) = jax.lax.scan(
+        (state, _), (out, grad_norm, ran) = loops.scan(
             epoch, (state, jnp.zeros((), bool)), perms_EB
         )
         return state, {**out, "grad_norm": grad_norm, "epoch_ran": ran}

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxrl.core import loops
 from jaxrl.core.logprobs import SMALL_CHUNK_SIZE, resolve_chunk_size, unembed_logits
 from jaxrl.core.shapes import same_shape, shape_is
 
@@ -96,7 +97,7 @@ def entropy_from_logits(logits: jax.Array, chunk_size: int | None = None) -> jax
 
     shape = logits.shape[:-1]
     init = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape))
-    (m, s, sx), _ = jax.lax.scan(body, init, chunks)
+    (m, s, sx), _ = loops.scan(body, init, chunks)
     return m + jnp.log(s) - sx / s
 
 
@@ -163,7 +164,7 @@ def full_kl_from_hidden(
         ref_lp = jax.nn.log_softmax(unembed_logits(h_ref, ref_unembed_DV, ref_logit_softcap), -1)
         return None, kl_penalty(lp, ref_lp, "full")
 
-    _, kl_NBC = jax.lax.scan(body, None, (chunks(hidden_BTD), chunks(ref_hidden_BTD)))
+    _, kl_NBC = loops.scan(body, None, (chunks(hidden_BTD), chunks(ref_hidden_BTD)))
     return kl_NBC.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
 
 
@@ -203,7 +204,7 @@ def gae(values_BT: jax.Array, rewards_BT: jax.Array, gamma: float, lam: float) -
         adv_B = delta_B + gamma * lam * last
         return adv_B, adv_B
 
-    _, adv_TB = jax.lax.scan(body, jnp.zeros_like(deltas_TB[0]), deltas_TB, reverse=True)
+    _, adv_TB = loops.scan(body, jnp.zeros_like(deltas_TB[0]), deltas_TB, reverse=True)
     return adv_TB.T
 
 

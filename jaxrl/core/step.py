@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxrl.core import loops
 from jaxrl.core.state import TrainState
 
 LossFn = Callable[..., tuple[jax.Array, tuple[dict, Any]]]
@@ -92,7 +93,7 @@ def make_loss_and_grads(
             return (grads_acc, extras), aux
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        (grads, extras), aux_A = jax.lax.scan(
+        (grads, extras), aux_A = loops.scan(
             micro, (zeros, state.extras), (batch_A, jnp.arange(n_micro))
         )
         count = jnp.maximum(jnp.sum(aux_A["count"]["loss"]), 1)
@@ -191,7 +192,7 @@ def make_eval_step(loss_fn: LossFn) -> Callable[[TrainState, dict], dict]:
             return extras, aux
 
         n_micro = jax.tree.leaves(batch_A)[0].shape[0]
-        _, aux_A = jax.lax.scan(micro, state.extras, (batch_A, jnp.arange(n_micro)))
+        _, aux_A = loops.scan(micro, state.extras, (batch_A, jnp.arange(n_micro)))
         return aux_A
 
     return eval_step

@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxrl.core import loops
 from jaxrl.models import dropout as model_dropout
 
 IMPLS = ("blockwise", "cudnn", "splash", "xla")
@@ -670,14 +671,14 @@ def _forward(q, k, v, mask, row_keys, sinks, limit, size, window, scale, softcap
             sink_BKR = jnp.broadcast_to(_sink_rows(sinks, K, size), rows)
             init = (sink_BKR, jnp.ones(rows, jnp.float32), init[2])
         lo, hi = _key_range(i, size, window, limit, first)
-        m_BKR, denom_BKR, acc_BKRH = jax.lax.fori_loop(lo, hi, key_block, init)
+        m_BKR, denom_BKR, acc_BKRH = loops.fori_loop(lo, hi, key_block, init, trips=nb)
         seen_BKR = denom_BKR > 0
         safe_BKR = jnp.where(seen_BKR, denom_BKR, 1.0)
         out = acc_BKRH / safe_BKR[..., None]
         lse = jnp.where(seen_BKR, m_BKR + jnp.log(safe_BKR), -jnp.inf)
         return None, (out.astype(q.dtype), lse)
 
-    _, (out_blocks, lse_blocks) = jax.lax.scan(query_block, None, (jnp.arange(nb), q_blocks))
+    _, (out_blocks, lse_blocks) = loops.scan(query_block, None, (jnp.arange(nb), q_blocks))
     out = _from_q_blocks(out_blocks, T, N)
     return out, (q, k, v, mask, row_keys, sinks, limit, out, lse_blocks)
 
@@ -745,11 +746,11 @@ def _backward(size, window, scale, softcap, rate, res, dout):
 
         lo, hi = _key_range(i, size, window, limit, first)
         dq0 = jnp.zeros(jnp.swapaxes(q_BKRH, -1, -2).shape, jnp.float32)
-        dqT, dk_acc, dv_acc = jax.lax.fori_loop(lo, hi, key_block, (dq0, dk_acc, dv_acc))
+        dqT, dk_acc, dv_acc = loops.fori_loop(lo, hi, key_block, (dq0, dk_acc, dv_acc), trips=nb)
         return (dk_acc, dv_acc), jnp.swapaxes(jax.lax.optimization_barrier(dqT), -1, -2)
 
     zeros_kv = jnp.zeros(k_blocks.shape, jnp.float32)
-    (dk_blocks, dv_blocks), dq_blocks = jax.lax.scan(
+    (dk_blocks, dv_blocks), dq_blocks = loops.scan(
         query_block,
         (zeros_kv, zeros_kv),
         (jnp.arange(nb), q_blocks, do_blocks, lse_blocks, delta_blocks),

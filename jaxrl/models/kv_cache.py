@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from jaxrl.core import loops
 from jaxrl.models.attention import grouped_attention
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.layers import (
@@ -177,4 +178,4 @@ def apply_layers_cached(
         return constrain_batch(h, config), layer_cache
 
     xs = (stacked_state, scanned, cache)
-    return jax.lax.scan(body, h_BTD, xs)
+    return loops.scan(body, h_BTD, xs)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from jaxrl.core import loops
 from jaxrl.core.matmul import weight_grad
 from jaxrl.core.quant import QuantizedArray
 from jaxrl.models import dropout as model_dropout
@@ -757,7 +758,7 @@ def apply_layers(
         block_state, flags, key = xs
         return fn(h, block_state, context, flags, key)
 
-    h_BTD, stats = jax.lax.scan(body, h_BTD, (stacked_state, scanned, keys))
+    h_BTD, stats = loops.scan(body, h_BTD, (stacked_state, scanned, keys))
     if stats is not None:
         moe.add_router_stats(stats)
     return h_BTD

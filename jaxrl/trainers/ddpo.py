@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl import parallel
 from jaxrl.callbacks.base import TrainerCallback
+from jaxrl.core import loops
 from jaxrl.core.state import TrainState
 from jaxrl.core.step import make_apply_grads
 from jaxrl.losses.ddpo import PerPromptStatTracker, ddpo_loss, normalize_rewards
@@ -282,14 +283,14 @@ class DDPOTrainer(TrainLoop):
                 zeros = jax.tree.map(jnp.zeros_like, state.params)
                 g_idx = jnp.repeat(jnp.arange(ga), n_t)
                 j_idx = jnp.tile(jnp.arange(n_t), ga)
-                grads, outs = jax.lax.scan(micro, zeros, (g_idx, j_idx))
+                grads, outs = loops.scan(micro, zeros, (g_idx, j_idx))
                 # Accelerate divides each micro-step's loss by its accumulation count
                 # (GA * num_train_timesteps): the update uses the mean gradient.
                 grads = jax.tree.map(lambda g: g / (ga * n_t), grads)
                 state, _ = apply_grads(state, grads, state.extras)
                 return state, jax.tree.map(jnp.mean, outs._asdict())
 
-            state, metrics_U = jax.lax.scan(one_update, state, batches)
+            state, metrics_U = loops.scan(one_update, state, batches)
             return state, metrics_U
 
         return update

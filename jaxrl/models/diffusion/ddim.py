@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.core import loops
+
 UNetFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 SPACINGS = ("leading", "trailing", "linspace")
@@ -274,7 +276,7 @@ def sample_with_logprob(
 
     keys = jax.random.split(step_key, num_inference_steps)
     xs = (timesteps, keys, step_noise)
-    final, (lat, nxt, logp) = jax.lax.scan(step, initial_latents, xs)
+    final, (lat, nxt, logp) = loops.scan(step, initial_latents, xs)
     return Samples(
         latents=jnp.swapaxes(lat, 0, 1),
         next_latents=jnp.swapaxes(nxt, 0, 1),
