@@ -1,11 +1,17 @@
 """The attention kernels equal XLA's reference attention (values and gradients) for every mask the
-models build, GQA included, and the blockwise kernel never holds [B, N, T, S] scores."""
+models build, GQA included, and the blockwise kernel never holds [B, N, T, S] scores.
+
+Masks and every checked computation run under `jax.jit`: eagerly, each op of them would compile
+a program of its own."""
+
+import functools
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jaxprs import primitive_names
 
 from jaxrl.models.attention import attend, block_size, blockwise_attention, resolve_impl
@@ -70,19 +76,30 @@ MASKS = {
 }
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def dense_mask(kind, seq_len):
+    """`MASKS[kind](seq_len)`."""
+    return MASKS[kind](seq_len)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def padded_packed_masks(seq_len):
+    """The kernels' `AttentionMask` of the "packed_padded" rows."""
+    return attention_masks(padding_mask(seq_len), segment_ids(seq_len))
+
+
 def values_and_grads(fn, q, k, v, w):
-    """fn(q, k, v) and the gradients of sum(fn(q, k, v) * w), in one jitted call."""
-
-    def run(q, k, v, w):
-        out, pullback = jax.vjp(fn, q, k, v)
-        return out, pullback(w.astype(out.dtype))
-
-    return jax.jit(run)(q, k, v, w)
+    """fn(q, k, v) and the gradients of sum(fn(q, k, v) * w)."""
+    out, pullback = jax.vjp(fn, q, k, v)
+    return out, pullback(w.astype(out.dtype))
 
 
 def assert_values_and_grads(fn, ref, q, k, v, w, atol):
-    out, grads = values_and_grads(fn, q, k, v, w)
-    ref_out, ref_grads = values_and_grads(ref, q, k, v, w)
+    @jax.jit  # both in one program
+    def run(q, k, v, w):
+        return values_and_grads(fn, q, k, v, w), values_and_grads(ref, q, k, v, w)
+
+    (out, grads), (ref_out, ref_grads) = run(q, k, v, w)
     np.testing.assert_allclose(
         np.asarray(out, np.float32), np.asarray(ref_out, np.float32), atol=atol, rtol=atol
     )
@@ -97,7 +114,7 @@ def assert_values_and_grads(fn, ref, q, k, v, w, atol):
 def test_blockwise_equals_reference(mask_kind, num_kv):
     seq_len = 37  # three blocks of 16 (the last partly padding)
     q, k, v, w = qkv(seq_len, num_kv)
-    mask = MASKS[mask_kind](seq_len)
+    mask = dense_mask(mask_kind, seq_len)
     assert_values_and_grads(
         lambda q, k, v: blockwise_attention(q, k, v, mask, max_block=16),
         lambda q, k, v: reference(q, k, v, mask, None),
@@ -118,7 +135,7 @@ def test_blockwise_skips_the_blocks_of_earlier_documents():
     segments = jnp.asarray(
         [[1] * 20 + [2] * 35 + [3] * 18 + [0] * 7, [1] * 40 + [2] * 40], jnp.int32
     )
-    mask = attention_mask_BTS(None, segments)
+    mask = jax.jit(attention_mask_BTS)(None, segments)
     q, k, v, w = qkv(seq_len, 2)
     assert_values_and_grads(
         lambda q, k, v: blockwise_attention(q, k, v, mask, max_block=16),
@@ -129,8 +146,9 @@ def test_blockwise_skips_the_blocks_of_earlier_documents():
         w,
         atol=1e-5,
     )
-    poisoned = v.at[:, :16].set(jnp.nan)
-    out = blockwise_attention(q, k, poisoned, mask, max_block=16)
+    out = jax.jit(
+        lambda q, k, v: blockwise_attention(q, k, v.at[:, :16].set(jnp.nan), mask, max_block=16)
+    )(q, k, v)
     assert np.isfinite(np.asarray(out[:, 48:])).all()
     assert np.isnan(np.asarray(out[:, 16:20])).any()  # block 1 still visits block 0
 
@@ -142,7 +160,7 @@ def test_blockwise_skips_the_blocks_of_earlier_documents():
 def test_sliding_window_equals_reference(window, mask_kind):
     seq_len = 45
     q, k, v, w = qkv(seq_len, 2, seed=1)
-    mask = MASKS[mask_kind](seq_len)
+    mask = dense_mask(mask_kind, seq_len)
     assert_values_and_grads(
         lambda q, k, v: blockwise_attention(q, k, v, mask, window=window, max_block=8),
         lambda q, k, v: reference(q, k, v, mask, window),
@@ -159,8 +177,8 @@ def test_score_scale_equals_reference(impl):
     """Gemma's query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5, with a window."""
     seq_len, scale, window = 37, 0.2, 5
     q, k, v, w = qkv(seq_len, 2, seed=3)
-    dense = MASKS["packed_padded"](seq_len)
-    masks = attention_masks(padding_mask(seq_len), segment_ids(seq_len))
+    dense = dense_mask("packed_padded", seq_len)
+    masks = padded_packed_masks(seq_len)
     assert_values_and_grads(
         lambda q, k, v: attend(q, k, v, masks, window, impl, scale=scale),
         lambda q, k, v: jax.nn.dot_product_attention(
@@ -184,7 +202,7 @@ def test_score_scale_equals_reference(impl):
             attend(q, k, v, masks, window, impl) - attend(q, k, v, masks, window, impl, scale=scale)
         )
     )(q, k, v)
-    assert float(jnp.max(jnp.abs(gap))) > 0.1  # the scale matters
+    assert np.abs(np.asarray(gap)).max() > 0.1  # the scale matters
 
 
 def softcapped_reference(q, k, v, mask, window, scale, cap):
@@ -215,10 +233,10 @@ def test_softcap_equals_reference(impl, mask_kind):
     """Gemma 2's attn_logit_softcapping, values and gradients, GQA, a window across blocks."""
     seq_len, scale, window, cap = 37 if impl != "splash" else 140, 0.5, 20, 1.0
     q, k, v, w = qkv(seq_len, 2, seed=4)
-    dense = MASKS[mask_kind](seq_len)
+    dense = dense_mask(mask_kind, seq_len)
     masks = dense
     if mask_kind == "packed_padded":
-        masks = attention_masks(padding_mask(seq_len), segment_ids(seq_len))
+        masks = padded_packed_masks(seq_len)
     max_block = 16 if impl == "blockwise" else None
 
     def ours(q, k, v, softcap=cap):
@@ -234,7 +252,7 @@ def test_softcap_equals_reference(impl, mask_kind):
         q, k, v, w, atol=1e-5,
     )  # fmt: skip
     gap = jax.jit(lambda q, k, v: ours(q, k, v) - ours(q, k, v, None))(q, k, v)
-    assert float(jnp.max(jnp.abs(gap))) > 0.1  # the cap bends the scores
+    assert np.abs(np.asarray(gap)).max() > 0.1  # the cap bends the scores
 
 
 def test_softcap_dispatch(monkeypatch):
@@ -255,7 +273,7 @@ def test_one_block_runs_without_loops(mask_kind):
     left-padded positions, also with sinks) give what the loop gives when it visits nothing."""
     seq_len = 37
     q, k, v, w = qkv(seq_len, 2, seed=3)
-    mask = MASKS[mask_kind](seq_len)
+    mask = dense_mask(mask_kind, seq_len)
     assert_values_and_grads(
         lambda q, k, v: blockwise_attention(q, k, v, mask),
         lambda q, k, v: reference(q, k, v, mask, None),
@@ -280,7 +298,7 @@ def test_one_block_runs_without_loops(mask_kind):
 @pytest.mark.parametrize("seq_len", [1, 7, 17, 129])
 def test_lengths_not_multiple_of_the_block(seq_len):
     q, k, v, w = qkv(seq_len, 2, seed=seq_len)
-    mask = MASKS["padding"](seq_len) if seq_len > 8 else None
+    mask = dense_mask("padding", seq_len) if seq_len > 8 else None
     assert_values_and_grads(
         lambda q, k, v: blockwise_attention(q, k, v, mask, max_block=16),
         lambda q, k, v: reference(q, k, v, mask, None),
@@ -296,18 +314,18 @@ def test_lengths_not_multiple_of_the_block(seq_len):
 def test_bf16_within_bf16_tolerance():
     seq_len = 33
     q, k, v, w = qkv(seq_len, 2, dtype=jnp.bfloat16, seed=3)
-    mask = MASKS["packed_padded"](seq_len)
-    out = blockwise_attention(q, k, v, mask, max_block=16)
+    mask = dense_mask("packed_padded", seq_len)
+
+    @jax.jit
+    def out_and_f32_reference(q, k, v):
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        return blockwise_attention(q, k, v, mask, max_block=16), reference(*f32, mask, None)
+
+    out, want = out_and_f32_reference(q, k, v)
     assert out.dtype == jnp.bfloat16
     # Against the f32 reference on the same (bf16-rounded) inputs: bf16 output rounding plus the
     # bf16 probabilities of the value matmul (which the XLA reference rounds the same way).
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    np.testing.assert_allclose(
-        np.asarray(out, np.float32),
-        jax.jit(reference, static_argnums=4)(*f32, mask, None),
-        atol=2e-2,
-        rtol=2e-2,
-    )
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=2e-2, rtol=2e-2)
     assert_values_and_grads(
         lambda q, k, v: blockwise_attention(q, k, v, mask, max_block=16),
         lambda q, k, v: reference(q, k, v, mask, None),
@@ -347,14 +365,19 @@ def test_traced_sliding_flag_through_the_layer_dispatch():
     )
     seq_len = 21
     q, k, v, _ = qkv(seq_len, 2, seed=4)
-    mask = MASKS["padding"](seq_len)
+    mask = dense_mask("padding", seq_len)
+
+    @functools.partial(jax.jit, static_argnums=3)
+    def reference_and_static_flag(q, k, v, flag):
+        want = reference(q, k, v, mask, 6 if flag else None)
+        return want, dot_product_attention(q, k, v, mask, flag, config)  # a Python bool
+
     for flag in (True, False):
         got = jax.jit(lambda q, k, v, s: dot_product_attention(q, k, v, mask, s, config))(
             q, k, v, jnp.asarray(flag)
         )
-        want = reference(q, k, v, mask, 6 if flag else None)
+        want, static = reference_and_static_flag(q, k, v, flag)
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
-        static = dot_product_attention(q, k, v, mask, flag, config)
         np.testing.assert_allclose(static, want, atol=1e-5, rtol=1e-5)
 
 
@@ -387,10 +410,13 @@ def test_dispatch_defaults_and_forced_impls():
     q, k, v, _ = qkv(19, 2, seed=5)
     assert resolve_impl(None, q) == ("cudnn" if jax.default_backend() == "gpu" else "blockwise")
     assert resolve_impl("xla", q) == "xla"
-    mask = MASKS["packed"](19)
-    want = reference(q, k, v, mask, 4)
-    for impl in (None, "blockwise", "xla"):
-        np.testing.assert_allclose(attend(q, k, v, mask, 4, impl), want, atol=1e-5, rtol=1e-5)
+    mask = dense_mask("packed", 19)
+    impls = (None, "blockwise", "xla")
+    want, *got = jax.jit(
+        lambda q, k, v: [reference(q, k, v, mask, 4)] + [attend(q, k, v, mask, 4, i) for i in impls]
+    )(q, k, v)
+    for out in got:
+        np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
 
 
 def test_self_attention_only():
@@ -404,7 +430,7 @@ def test_self_attention_only():
 def test_cudnn_equals_reference(mask_kind):
     seq_len = 64
     q, k, v, w = qkv(seq_len, 2, dtype=jnp.bfloat16, seed=6)
-    mask = MASKS[mask_kind](seq_len)
+    mask = dense_mask(mask_kind, seq_len)
     assert_values_and_grads(
         lambda q, k, v: attend(q, k, v, mask, None, "cudnn"),
         lambda q, k, v: reference(q, k, v, mask, None),
@@ -423,10 +449,10 @@ def test_cudnn_equals_reference(mask_kind):
 def test_splash_equals_reference(mask_kind, window):
     seq_len = 140
     q, k, v, w = qkv(seq_len, 2, seed=7)
-    dense = MASKS[mask_kind](seq_len)
+    dense = dense_mask(mask_kind, seq_len)
     masks = {
         "causal": None,
-        "packed_padded": attention_masks(padding_mask(seq_len), segment_ids(seq_len)),
+        "packed_padded": padded_packed_masks(seq_len),
     }[mask_kind]
     assert masks is None or masks.segments_BT is not None
     assert_values_and_grads(
@@ -442,7 +468,7 @@ def test_splash_equals_reference(mask_kind, window):
 
 def test_splash_dispatch_and_explicit_masks(monkeypatch):
     q, k, v, _ = qkv(16, 2)
-    tree = attention_masks(prefix_tree_mask(16), None)
+    tree = jax.jit(lambda: attention_masks(prefix_tree_mask(16), None))()
     assert tree.segments_BT is None  # an explicit mask is dense only
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     assert resolve_impl(None, q) == "splash"
@@ -465,8 +491,9 @@ def test_splash_model_on_a_mesh_equals_reference():
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
     )  # fmt: skip
     ids = jax.random.randint(jax.random.key(1), (4, 130), 3, 64)
-    seg = jnp.concatenate([segment_ids(130), segment_ids(130)[::-1]])
-    want = models.from_config(hf, scan_layers=True, attention_impl="xla")(ids, segment_ids=seg)
+    seg = jnp.asarray(np.concatenate([segment_ids(130), segment_ids(130)[::-1]]))
+    reference_model = models.from_config(hf, scan_layers=True, attention_impl="xla")
+    want = nnx.jit(lambda m, ids, seg: m(ids, segment_ids=seg))(reference_model, ids, seg)
     mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)
     model = models.from_config(hf, mesh=mesh, scan_layers=True, attention_impl="splash")
     got = jax.jit(lambda ids, seg: model(ids, segment_ids=seg))(ids, seg)
@@ -483,7 +510,6 @@ def test_right_padded_rows_run_unmasked_exactly(family, impl):
     gradients, equal those of the masked call (sliding window included: mistral's is 3); reward
     scores at the last real token likewise."""
     import transformers
-    from flax import nnx
 
     from jaxrl import models
     from jaxrl.data import collate_sft
@@ -525,10 +551,15 @@ def test_right_padded_rows_run_unmasked_exactly(family, impl):
         return
     hf.num_labels = 1
     scorer = models.from_config(hf, task="sequence_classification", attention_impl=impl)
-    pairs = {k: v.reshape(2, 2, *v.shape[1:]) for k, v in batch.items()}  # [B, 2, T]
-    _, scores = pair_scores(scorer, pairs)
-    rows = jnp.concatenate([batch["input_ids"][0::2], batch["input_ids"][1::2]])
-    mask = jnp.concatenate([batch["attention_mask"][0::2], batch["attention_mask"][1::2]])
-    pos = jnp.concatenate([batch["positions"][0::2], batch["positions"][1::2]])
-    want_scores = scorer(rows, mask, pos, mask)[:, 0]
+
+    @nnx.jit
+    def scores_and_masked_scores(scorer, batch):
+        pairs = {k: v.reshape(2, 2, *v.shape[1:]) for k, v in batch.items()}  # [B, 2, T]
+        _, scores = pair_scores(scorer, pairs)
+        rows = jnp.concatenate([batch["input_ids"][0::2], batch["input_ids"][1::2]])
+        mask = jnp.concatenate([batch["attention_mask"][0::2], batch["attention_mask"][1::2]])
+        pos = jnp.concatenate([batch["positions"][0::2], batch["positions"][1::2]])
+        return scores, scorer(rows, mask, pos, mask)[:, 0]
+
+    scores, want_scores = scores_and_masked_scores(scorer, batch)
     np.testing.assert_allclose(np.asarray(scores), np.asarray(want_scores), atol=1e-6)
