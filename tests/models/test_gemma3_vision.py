@@ -97,6 +97,12 @@ def _torch_logits(model, ids, mask, token_type_ids=None, pixels=None):
     return out.logits.float().numpy()
 
 
+@nnx.jit
+def _forward(model, *args, **kwargs):
+    """`model(*args, **kwargs)` compiled as one program (eagerly, each op compiles its own)."""
+    return model(*args, **kwargs)
+
+
 def _max_diff(a, b, mask) -> float:
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b)) * mask[..., None]))
 
@@ -119,22 +125,28 @@ def test_logits_match_transformers(ref, want, load):
     _, path = ref
     model = from_pretrained(path, vision=True, **load)
     ids, mask, types, pixels, per_row = _batch()
-    ids_j, mask_j = jnp.asarray(ids), jnp.asarray(mask)
-    got = model(ids_j, mask_j, pixel_values=jnp.asarray(pixels), token_type_ids=jnp.asarray(types))
+
+    @nnx.jit  # the five forwards in one program
+    def forwards(model, ids, mask, types, pixels, per_row):
+        return (
+            model(ids, mask, pixel_values=pixels, token_type_ids=types),
+            model(ids, mask, pixel_values=per_row, token_type_ids=types),
+            # Trainers call without a padding mask (right padding: causal attention is exact).
+            model(ids, pixel_values=per_row, token_type_ids=types),
+            model(ids, mask, pixel_values=pixels),
+            model(ids, mask),
+        )
+
+    got, rows, unmasked, causal, text = forwards(
+        model, *(jnp.asarray(x) for x in (ids, mask, types, pixels, per_row))
+    )
     assert _max_diff(got, want["images"], mask) < 1e-5
     # The image block's bidirectional attention and the images themselves matter here.
     assert _max_diff(want["images"], want["causal"], mask) > 1e-2
     assert _max_diff(want["images"], want["text"], mask) > 1e-2
-    rows = model(
-        ids_j, mask_j, pixel_values=jnp.asarray(per_row), token_type_ids=jnp.asarray(types)
-    )
     assert _max_diff(rows, want["images"], mask) < 1e-5
-    # Trainers call without a padding mask (right padding: causal attention is exact).
-    unmasked = model(ids_j, pixel_values=jnp.asarray(per_row), token_type_ids=jnp.asarray(types))
     assert _max_diff(unmasked, want["images"], mask) < 1e-5
-    causal = model(ids_j, mask_j, pixel_values=jnp.asarray(pixels))
     assert _max_diff(causal, want["causal"], mask) < 1e-5
-    text = model(ids_j, mask_j)
     assert _max_diff(text, want["text"], mask) < 1e-5
 
 
@@ -201,7 +213,9 @@ def test_save_reload_round_trip(ref, tmp_path):
     _, path = ref
     model = from_pretrained(path, vision=True)
     graphdef, params = nnx.split(model)
-    model = nnx.merge(graphdef, jax.tree.map(lambda x: x * 1.01 + 0.001, params))
+    model = nnx.merge(
+        graphdef, jax.jit(lambda p: jax.tree.map(lambda x: x * 1.01 + 0.001, p))(params)
+    )
     save_pretrained(model, tmp_path)
     saved, source = _tensors(tmp_path), _tensors(path)
     assert set(saved) == set(source)
@@ -212,7 +226,9 @@ def test_save_reload_round_trip(ref, tmp_path):
     ]
     reloaded = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
     ids, mask, types, pixels, _ = _batch()
-    got = model(jnp.asarray(ids), jnp.asarray(mask), pixel_values=pixels, token_type_ids=types)
+    got = _forward(
+        model, jnp.asarray(ids), jnp.asarray(mask), pixel_values=pixels, token_type_ids=types
+    )
     assert _max_diff(got, _torch_logits(reloaded, ids, mask, types, pixels), mask) < 1e-5
 
     # The released Gemma 3 files name SigLIP as transformers v4 did (`vision_tower.vision_model.`)
@@ -223,8 +239,8 @@ def test_save_reload_round_trip(ref, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every weight used
         again = from_pretrained(tmp_path / "v4", vision=True)
-    got_again = again(
-        jnp.asarray(ids), jnp.asarray(mask), pixel_values=pixels, token_type_ids=types
+    got_again = _forward(  # compiled as `got` was: bit-exact
+        again, jnp.asarray(ids), jnp.asarray(mask), pixel_values=pixels, token_type_ids=types
     )
     np.testing.assert_array_equal(np.asarray(got_again), np.asarray(got))
 
@@ -240,7 +256,9 @@ def test_sharded_and_lora(ref):
     assert fc1.get_value().sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
     got = jax.jit(lambda m: m(jnp.asarray(ids), pixel_values=per_row, token_type_ids=types))(model)
     single = from_pretrained(path, vision=True)
-    want = single(jnp.asarray(ids), pixel_values=jnp.asarray(per_row), token_type_ids=types)
+    want = _forward(
+        single, jnp.asarray(ids), pixel_values=jnp.asarray(per_row), token_type_ids=types
+    )
     assert _max_diff(got, want, mask) < 1e-5
 
     lora.apply_lora(single, lora.LoraConfig(r=2, target_modules=["q_proj"]), nnx.Rngs(0))
