@@ -4,6 +4,7 @@ to block size, scanning and mesh, forwards that never drop, and the kernels that
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -111,10 +112,11 @@ def test_train_forward_and_every_gradient_equal_torch_under_the_same_masks(
     key = jax.random.key(11)
     ids, right, _ = padded_batch(seq_len=11)
     B, T = ids.shape
+    masks = expected_masks(config, key, B, T)
     ref.model.train()
     try:
         # Logits of a right-padded batch, on the real positions.
-        queue = torch_with_masks(monkeypatch, expected_masks(config, key, B, T))
+        queue = torch_with_masks(monkeypatch, masks)
         positions = np.maximum(np.cumsum(right, axis=1) - 1, 0)
         padded_ids = np.where(right == 1, ids, 0)
         with torch.no_grad():
@@ -126,20 +128,23 @@ def test_train_forward_and_every_gradient_equal_torch_under_the_same_masks(
         assert not queue  # every site drew its mask
         graphdef, params = nnx.split(model)
 
-        @functools.partial(jax.jit, static_argnums=3)
-        def forward(params, ids, mask, drop):
-            with md.model_dropout(key if drop else None):
-                return nnx.merge(graphdef, params)(ids, mask)
+        @jax.jit
+        def forward(params, ids, mask):  # with dropout, and clean
+            model = nnx.merge(graphdef, params)
+            with md.model_dropout(key):
+                dropped = model(ids, mask)
+            with md.model_dropout(None):
+                return dropped, model(ids, mask)
 
         padded = jnp.asarray(padded_ids), jnp.asarray(right)
-        got, clean = (np.asarray(forward(params, *padded, drop)) for drop in (True, False))
+        got, clean = (np.asarray(x) for x in forward(params, *padded))
         real = right[..., None].astype(bool)
         diff = np.abs(np.where(real, got - want, 0)).max()
         assert diff <= 1e-5, diff
         assert np.abs(np.where(real, clean - want, 0)).max() > 1e-3  # dropout did something
 
         # Every weight's gradient, unpadded rows.
-        queue = torch_with_masks(monkeypatch, expected_masks(config, key, B, T))
+        queue = torch_with_masks(monkeypatch, masks)
         ref.model.zero_grad()
         out = ref.model(input_ids=torch.from_numpy(ids).long())
         (out.logits.float() ** 2).mean().backward()
@@ -172,7 +177,7 @@ def _attention_inputs(B=2, T=21, N=4, K=2, H=8, seed=0):
     segments = np.zeros((B, T), np.int32)
     segments[0, :9], segments[0, 9:17] = 1, 2
     segments[1, : T - 4] = 1
-    mask = attention_mask_BTS(None, jnp.asarray(segments))
+    mask = jax.jit(attention_mask_BTS)(None, jnp.asarray(segments))
     return q, k, v, dout, mask, segments
 
 
@@ -199,18 +204,14 @@ def test_blockwise_and_xla_dropout_equal_the_explicit_reference(window):
     (padding, packed documents, GQA, a sliding window)."""
     q, k, v, dout, mask, segments = _attention_inputs()
     key, rate = jax.random.key(5), 0.4
-    real = jnp.asarray(segments > 0)[:, :, None, None]
+    real = (segments > 0)[:, :, None, None]
 
-    def run(fn):
-        @jax.jit
-        def values_and_grads(q, k, v):
-            out, vjp = jax.vjp(fn, q, k, v)
-            return (out * real, *vjp(dout * real))
+    def values_and_grads(fn, q, k, v, dout):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return (out * real, *vjp(dout * real))
 
-        return values_and_grads(q, k, v)
-
-    want = run(lambda q, k, v: _reference(q, k, v, mask, window, key, rate))
     impls = {
+        "reference": lambda q, k, v: _reference(q, k, v, mask, window, key, rate),
         "blockwise8": lambda q, k, v: attention.blockwise_attention(
             q, k, v, mask, window=window, max_block=8, dropout=(key, rate)
         ),
@@ -218,23 +219,33 @@ def test_blockwise_and_xla_dropout_equal_the_explicit_reference(window):
             q, k, v, mask, window=window, dropout=(key, rate)
         ),
         "xla": lambda q, k, v: attention.attend(q, k, v, mask, window, "xla", dropout=(key, rate)),
+        "clean": lambda q, k, v: attention.blockwise_attention(q, k, v, mask, window=window),
     }
-    for name, fn in impls.items():
-        for label, a, b in zip(("out", "dq", "dk", "dv"), run(fn), want, strict=True):
+    # All in one program (eagerly: one per op).
+    got = jax.jit(
+        lambda *inputs: {name: values_and_grads(fn, *inputs) for name, fn in impls.items()}
+    )(q, k, v, dout)
+    want, clean = got.pop("reference"), got.pop("clean")
+    for name, results in got.items():
+        for label, a, b in zip(("out", "dq", "dk", "dv"), results, want, strict=True):
             np.testing.assert_allclose(a, b, atol=1e-5, err_msg=f"{name} {label}")
-    clean = run(lambda q, k, v: attention.blockwise_attention(q, k, v, mask, window=window))
-    assert np.abs(np.asarray(clean[0] - want[0])).max() > 0.1
+    assert np.abs(np.asarray(clean[0]) - np.asarray(want[0])).max() > 0.1
 
 
 def test_attention_mask_is_a_function_of_global_indices():
     """The keep mask of any block equals that block of the full mask (so every block size,
     kernel and shard sees the same mask), and drops about `rate` of the entries."""
-    key, rate = jax.random.key(9), 0.3
-    full = np.asarray(md.attention_dropout_mask(key, rate, 3, 4, 40, 40))
-    b, n = jnp.arange(1, 3)[:, None, None, None], jnp.arange(2, 4)[None, :, None, None]
-    k0, k1 = md.attention_row_keys(key, b, n)
-    q, s = jnp.arange(17, 29)[:, None], jnp.arange(5, 38)[None, :]
-    part = np.asarray(md.attention_keep(k0, k1, q, s, rate))
+    rate = 0.3
+
+    @jax.jit  # one program (eagerly: one per op)
+    def full_and_part(key):
+        full = md.attention_dropout_mask(key, rate, 3, 4, 40, 40)
+        b, n = jnp.arange(1, 3)[:, None, None, None], jnp.arange(2, 4)[None, :, None, None]
+        k0, k1 = md.attention_row_keys(key, b, n)
+        q, s = jnp.arange(17, 29)[:, None], jnp.arange(5, 38)[None, :]
+        return full, md.attention_keep(k0, k1, q, s, rate)
+
+    full, part = (np.asarray(x) for x in full_and_part(jax.random.key(9)))
     np.testing.assert_array_equal(part, full[1:3, 2:4, 17:29, 5:38])
     assert abs((1 - full.mean()) - rate) < 0.01
     assert not np.array_equal(full[0, 0], full[0, 1]) and not np.array_equal(full[0], full[1])
@@ -280,19 +291,34 @@ def test_forwards_outside_training_never_drop(dropout_ref, tmp_path):
     (tmp_path / "zero" / "config.json").write_text(json.dumps(config))
     ids, right, _ = padded_batch()
     ids, right = jnp.asarray(np.where(right == 1, ids, 0)), jnp.asarray(right)
-    want = np.asarray(from_pretrained(tmp_path / "zero")(ids, right))
-    np.testing.assert_array_equal(np.asarray(model(ids, right)), want)
-    with md.model_dropout(None):
-        np.testing.assert_array_equal(np.asarray(model(ids, right)), want)
-    with md.model_dropout(jax.random.key(0)):
-        assert np.abs(np.asarray(model(ids, right)) - want).max() > 1e-3
 
-    cache = init_cache(model.config, 3, 9)
-    view = CacheView(jnp.zeros((), jnp.int32), jnp.ones((3, 9), bool), prefill=True)
-    positions = jnp.broadcast_to(jnp.arange(9), (3, 9))
-    h, _ = model.cached_hidden_states(ids, positions, cache, view)
-    with md.model_dropout(jax.random.key(0)):
-        h_train, _ = model.cached_hidden_states(ids, positions, cache, view)
+    def dropout_context(mode):
+        """No context (mode "unset"), `model_dropout(None)` ("none") or a key's ("key")."""
+        if mode == "unset":
+            return contextlib.nullcontext()
+        return md.model_dropout(None if mode == "none" else jax.random.key(0))
+
+    # Jitted (one program; eagerly one per op), the context entered while tracing.
+    @functools.partial(nnx.jit, static_argnums=1)
+    def forward(model, mode):
+        with dropout_context(mode):
+            return model(ids, right)
+
+    @functools.partial(nnx.jit, static_argnums=1)
+    def cached_hidden_states(model, mode):
+        cache = init_cache(model.config, 3, 9)
+        view = CacheView(jnp.zeros((), jnp.int32), jnp.ones((3, 9), bool), prefill=True)
+        positions = jnp.broadcast_to(jnp.arange(9), (3, 9))
+        with dropout_context(mode):
+            return model.cached_hidden_states(ids, positions, cache, view)[0]
+
+    want = np.asarray(forward(from_pretrained(tmp_path / "zero"), "unset"))
+    np.testing.assert_array_equal(np.asarray(forward(model, "unset")), want)
+    np.testing.assert_array_equal(np.asarray(forward(model, "none")), want)
+    assert np.abs(np.asarray(forward(model, "key")) - want).max() > 1e-3
+
+    h = cached_hidden_states(model, "unset")
+    h_train = cached_hidden_states(model, "key")
     np.testing.assert_array_equal(np.asarray(h_train), np.asarray(h))
 
 
