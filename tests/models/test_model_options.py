@@ -128,13 +128,17 @@ def test_packed_segments_match_separate_sequences(family, hf_causal):
     ids[1, :5], ids[2, :3] = doc_a, doc_b  # each document alone, right padded
     segment_ids = np.zeros((3, 10), np.int32)
     segment_ids[0, :5], segment_ids[0, 5:8], segment_ids[1, :5], segment_ids[2, :3] = 1, 2, 1, 1
-    # Default positions restart at every segment (GPT-2's learned positions depend on it).
-    got = np.asarray(_forward(model, jnp.asarray(ids), segment_ids=jnp.asarray(segment_ids)))
+
+    @nnx.jit  # both forwards in one program
+    def forwards(model, ids, segment_ids):
+        # Default positions restart at every segment (GPT-2's learned positions depend on it).
+        return model(ids, segment_ids=segment_ids), model(ids[:1])
+
+    got, unpacked = (np.asarray(x) for x in forwards(model, ids, segment_ids))
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got[0, :5], got[1, :5], atol=1e-5)
     np.testing.assert_allclose(got[0, 5:8], got[2, :3], atol=1e-5)
     # Without segment ids the second document attends to the first and differs.
-    unpacked = np.asarray(_forward(model, jnp.asarray(ids[:1])))
     assert np.abs(unpacked[0, 5:8] - got[2, :3]).max() > 1e-3
 
 
@@ -214,17 +218,22 @@ def test_prefix_tree_mask_matches_separate_sequences(family, hf_causal):
         [{"prompt_input_ids": p, "chosen_input_ids": c, "rejected_input_ids": r}], 14, 0
     )
     mask = jnp.asarray(prefix_tree_mask(shared["branch_ids"]))
-    got = np.asarray(
-        _forward(model, jnp.asarray(shared["input_ids"]), mask, jnp.asarray(shared["positions"]))
-    )[0]
-    chosen = np.asarray(_forward(model, jnp.asarray([p + c])))[0]
-    rejected = np.asarray(_forward(model, jnp.asarray([p + r])))[0]
+
+    @nnx.jit  # the four forwards in one program
+    def forwards(model, ids, mask, positions, chosen_ids, rejected_ids):
+        return (
+            model(ids, mask, positions)[0],
+            model(chosen_ids)[0],
+            model(rejected_ids)[0],
+            model(ids, None, positions),  # without the mask
+        )
+
+    rows = np.array([p + c]), np.array([p + r])  # chosen, rejected
+    outputs = forwards(model, shared["input_ids"], mask, shared["positions"], *rows)
+    got, chosen, rejected, unmasked = (np.asarray(x) for x in outputs)
     np.testing.assert_allclose(got[:7], chosen, atol=1e-5)
     np.testing.assert_allclose(got[7:12], rejected[4:], atol=1e-5)
     # Without the mask the rejected branch would attend to the chosen tokens and differ.
-    unmasked = np.asarray(
-        _forward(model, jnp.asarray(shared["input_ids"]), None, shared["positions"])
-    )
     assert np.abs(unmasked[0, 7:12] - rejected[4:]).max() > 1e-3
     with pytest.raises(ValueError, match="explicit `positions`"):
         model(jnp.asarray(shared["input_ids"]), mask)
