@@ -538,9 +538,10 @@ def test_right_padded_rows_run_unmasked_exactly(family, impl):
         logps_BT = lm_forward(nnx.merge(graphdef, params), mb, None, with_stats=False)
         return jnp.sum(logps_BT * mb["loss_mask"]), logps_BT
 
-    run = jax.jit(jax.value_and_grad(loss_and_logps, has_aux=True))
-    (_, got), got_grads = run(params, batch)
-    (_, want), want_grads = run(params, masked)
+    run = jax.value_and_grad(loss_and_logps, has_aux=True)
+    ((_, got), got_grads), ((_, want), want_grads) = jax.jit(
+        lambda params, batch, masked: (run(params, batch), run(params, masked))
+    )(params, batch, masked)  # one program
     scored = np.asarray(batch["loss_mask"]) > 0
     assert scored.sum() == sum(lengths) - len(lengths)
     np.testing.assert_allclose(np.asarray(got)[scored], np.asarray(want)[scored], atol=1e-6)
