@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxprs import equations
 
 from jaxrl.core.logprobs import resolve_chunk_size, shift_targets, token_logprobs
 
@@ -278,18 +279,12 @@ def test_forward_alone_keeps_no_logits(inputs):
 
 def _vocab_reduction_names(jaxpr) -> list[str]:
     """Reductions of any kind over a `[..., V]` operand, in a jaxpr and the jaxprs nested in it."""
-    names = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name.startswith(("reduce", "argm")) and any(
-            getattr(v.aval, "shape", ())[-1:] == (V,) for v in eqn.invars
-        ):
-            names.append(eqn.primitive.name)
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    names += _vocab_reduction_names(inner)
-    return names
+    return [
+        eqn.primitive.name
+        for eqn in equations(jaxpr)
+        if eqn.primitive.name.startswith(("reduce", "argm"))
+        and any(getattr(v.aval, "shape", ())[-1:] == (V,) for v in eqn.invars)
+    ]
 
 
 def _head_fn(targets, with_stats=True):
