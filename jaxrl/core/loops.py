@@ -2,10 +2,11 @@
 
 Many of jaxrl's scans run once in common settings: one micro-batch (no gradient accumulation),
 one log-prob chunk or one attention block for rows up to 128 tokens, one minibatch. A scan of
-length 1 still becomes a while loop that JAX traces twice (the scan, then its lowering as a
-loop, forward and transposed) and XLA compiles as a loop; calling the body once gives the same
-values from the same ops, with a smaller program (a tiny DPO step: ~15% less compile time) and
-no loop bookkeeping when it runs.
+length 1 still becomes a loop that JAX traces twice (the scan, then its lowering as a while loop)
+and lowers; calling the body once gives the same values from the same ops. XLA removes a
+one-trip loop itself when its bounds are constants, so there the saving is JAX's tracing and
+lowering; the attention's key-block `fori_loop` has traced bounds, which XLA keeps as a loop,
+and running one block without it took the DPO trainer tests' compile time from 56 to 48 s.
 """
 
 from __future__ import annotations
