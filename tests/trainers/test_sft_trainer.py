@@ -36,8 +36,17 @@ def run(tmp_path, tokenizer, data, **kw):
     return trainer, train_logs(trainer)
 
 
-def test_golden_one_step(tmp_path, tokenizer, sft_data):
-    _, logs = run(tmp_path, tokenizer, sft_data[0], max_steps=1)
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, tokenizer, sft_data):
+    """One 4-step run at 8 rows per device on one device: the reference of the golden numbers,
+    the accumulation and mesh comparisons, and the recompilation check (one trainer compiled
+    once instead of once per test)."""
+    return run(tmp_path_factory.mktemp("full"), tokenizer, sft_data[0], max_steps=4)
+
+
+def test_golden_one_step(full_run):
+    # Step 1's loss and gradient norm come before any update: the same in a run of any length.
+    logs = full_run[1]
     loss, gn = logs[0]["loss"], logs[0]["grad_norm"]
     print(f"GOLDEN_LOSS = {loss!r}\nGOLDEN_GRAD_NORM = {gn!r}")
     # Random-init next-token loss is close to log(vocab) = log(16).
@@ -47,14 +56,15 @@ def test_golden_one_step(tmp_path, tokenizer, sft_data):
 
 
 @pytest.mark.slow
-def test_accumulation_is_token_weighted(tmp_path, tokenizer, sft_data):
+def test_accumulation_is_token_weighted(tmp_path, tokenizer, sft_data, full_run):
     # Examples have different lengths (2- and 3-digit sums), so micro-batches hold different
     # token counts: a mean of micro-batch means would differ from the full-batch loss.
-    _, full = run(tmp_path / "a", tokenizer, sft_data[0], per_device_train_batch_size=8)
+    full = full_run[1]
     _, accum = run(
-        tmp_path / "b",
+        tmp_path,
         tokenizer,
         sft_data[0],
+        max_steps=4,
         per_device_train_batch_size=1,
         gradient_accumulation_steps=8,
     )
@@ -64,12 +74,13 @@ def test_accumulation_is_token_weighted(tmp_path, tokenizer, sft_data):
 
 
 @pytest.mark.slow
-def test_mesh_shapes_give_same_metrics(tmp_path, tokenizer, sft_data):
-    _, one = run(tmp_path / "a", tokenizer, sft_data[0], per_device_train_batch_size=8)
+def test_mesh_shapes_give_same_metrics(tmp_path, tokenizer, sft_data, full_run):
+    one = full_run[1]
     _, sharded = run(
-        tmp_path / "b",
+        tmp_path,
         tokenizer,
         sft_data[0],
+        max_steps=4,
         per_device_train_batch_size=2,
         mesh_data=2,
         mesh_fsdp=2,
@@ -81,8 +92,8 @@ def test_mesh_shapes_give_same_metrics(tmp_path, tokenizer, sft_data):
 
 
 @pytest.mark.slow
-def test_no_recompilation_across_steps(tmp_path, tokenizer, sft_data):
-    trainer, logs = run(tmp_path, tokenizer, sft_data[0], max_steps=4)
+def test_no_recompilation_across_steps(full_run):
+    trainer, logs = full_run
     assert len(logs) == 4
     assert trainer._jit_train_step._cache_size() == 1
 
