@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from onpolicy_utils import StopAt
-from trainer_utils import base_args, tiny_config, train_logs
+from trainer_utils import base_args, killed_after_checkpoint, tiny_config, train_logs
 
 from jaxrl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from jaxrl.callbacks.base import DefaultFlowCallback, TrainerControl, TrainerState
@@ -181,7 +180,7 @@ def test_neftune_trains_differently_but_evaluates_identically(tmp_path, tokenize
 
 @pytest.mark.slow
 def test_neftune_resume_is_bit_exact(tmp_path, tokenizer, sft_data):
-    """Kill after step 2 (a checkpoint), resume: steps 3-4 (noise, loss, token count) are those of
+    """Killed after step 2 (a checkpoint), resumed: steps 3-4 (noise, loss, token count) are those of
     the uninterrupted run."""
     kw = dict(
         max_steps=4,
@@ -194,7 +193,7 @@ def test_neftune_resume_is_bit_exact(tmp_path, tokenizer, sft_data):
     )
     data = sft_data[0].select(range(32))
     full = sft(tmp_path / "a", tokenizer, data, **kw)
-    sft(tmp_path / "b", tokenizer, data, callbacks=[StopAt(2)], **kw)
+    killed_after_checkpoint(tmp_path / "a", 2, tmp_path / "b")
     resumed = sft(tmp_path / "b", tokenizer, data, resume_from_checkpoint=True, **kw)
     want = train_logs(full)[2:]
     got = [h for h in train_logs(resumed) if h["step"] > 2]

@@ -7,8 +7,13 @@ one-row-per-device layout) work; TRL's refusals are mirrored."""
 import datasets
 import numpy as np
 import pytest
-from onpolicy_utils import StopAt
-from trainer_utils import base_args, tiny_config, train_logs, trl_train_logs
+from trainer_utils import (
+    base_args,
+    killed_after_checkpoint,
+    tiny_config,
+    train_logs,
+    trl_train_logs,
+)
 
 from jaxrl import DPOConfig, SFTConfig, SFTTrainer
 from jaxrl.config import ConfigError
@@ -267,7 +272,7 @@ def test_resume_is_bit_exact(tmp_path, tokenizer):
     full = _trainer(tmp_path / "a", tokenizer, data, **kw)
     full_shapes = _record_rows(full)
     full.train()
-    _trainer(tmp_path / "b", tokenizer, data, callbacks=[StopAt(2)], **kw).train()
+    killed_after_checkpoint(tmp_path / "a", 2, tmp_path / "b")
     resumed = _trainer(tmp_path / "b", tokenizer, data, resume_from_checkpoint=True, **kw)
     shapes = _record_rows(resumed)
     resumed.train()

@@ -1,5 +1,8 @@
 """Helpers shared by the trainer tests (importable by name: pytest puts this dir on sys.path)."""
 
+import shutil
+from pathlib import Path
+
 import numpy as np
 from transformers import Qwen2Config
 
@@ -41,6 +44,14 @@ def base_args(tmp_path, **kw) -> dict:
     )
     args.update(kw)
     return args
+
+
+def killed_after_checkpoint(run_dir, step: int, out) -> None:
+    """Make `out` what a run killed right after saving checkpoint `step` leaves: a copy of that
+    checkpoint of the uninterrupted run in `run_dir` (the same run up to there, so the same
+    bytes), without building and compiling a third trainer just to stop it."""
+    name = f"checkpoint-{step}"
+    shutil.copytree(Path(run_dir) / "checkpoints" / name, Path(out) / "checkpoints" / name)
 
 
 def per_batch_mean(values, batch_size: int, reduce=np.mean) -> float:
