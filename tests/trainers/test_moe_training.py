@@ -73,17 +73,31 @@ def test_gpt_oss_sft_matches_trl_with_aux_loss(tmp_path, tokenizer):
     assert_logs_match(ours, theirs, ("loss", "num_tokens", "aux_loss"), steps=2)
 
 
-@pytest.mark.parametrize("prefix_sharing", [False, True])
-def test_dpo_matches_trl_with_aux_loss(tmp_path, tokenizer, moe_dir, prefix_sharing):
+DPO_COMMON = dict(
+    per_device_train_batch_size=8, max_steps=2, learning_rate=1e-3, beta=0.1, max_length=64,
+    router_aux_loss_coef=COEF,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trl_dpo_logs(tmp_path_factory, tokenizer, moe_dir):
+    """TRL's DPO run on the MoE model: one reference for both layouts of ours."""
     import trl
 
-    _, ours, theirs = _ours_and_theirs(
-        DPOTrainer, DPOConfig, trl.DPOTrainer, trl.DPOConfig, _pairs(), tmp_path, tokenizer,
-        moe_dir, per_device_train_batch_size=8, max_steps=2, learning_rate=1e-3, beta=0.1,
-        max_length=64, router_aux_loss_coef=COEF,
-        ours_only={"prefix_sharing": prefix_sharing},
+    return trl_train_logs(
+        trl.DPOTrainer, trl.DPOConfig, moe_dir, tokenizer, _pairs(),
+        tmp_path_factory.mktemp("trl_dpo"), **DPO_COMMON,
+    )[1]  # fmt: skip
+
+
+@pytest.mark.parametrize("prefix_sharing", [False, True])
+def test_dpo_matches_trl_with_aux_loss(tmp_path, tokenizer, moe_dir, trl_dpo_logs, prefix_sharing):
+    trainer = jaxrl_trainer(
+        DPOTrainer, DPOConfig, moe_dir, tokenizer, _pairs(), tmp_path,
+        prefix_sharing=prefix_sharing, **DPO_COMMON,
     )  # fmt: skip
-    assert_logs_match(ours, theirs, (*DPO_METRICS, "aux_loss"), steps=2)
+    trainer.train()
+    assert_logs_match(train_logs(trainer), trl_dpo_logs, (*DPO_METRICS, "aux_loss"), steps=2)
 
 
 def test_coefficient_follows_trl(tmp_path, tokenizer, moe_dir):
