@@ -172,31 +172,45 @@ def _steps(out: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_overwrite_and_resume_keep_one_runs_results(tmp_path):
+def test_overwrite_resume_kill_and_damaged_checkpoint_continue_one_run(tmp_path, caplog, capsys):
+    """Three former tests, continuing one 4-step run saving at steps 2 and 4 (in `out`), copied as
+    it finished (to `damaged`) so that it is trained once:
+
+    Part 1 (`out`; was test_overwrite_and_resume_keep_one_runs_results): the output-dir guard
+    keeps one run's results: a second run is refused and changes nothing, a resume continues the
+    same run (no line twice), an overwrite starts afresh with the old checkpoints gone, and the
+    lock is released.
+    Part 2 (`out`; was test_kill_before_first_checkpoint_then_resume_has_no_duplicate_lines):
+    the overwrite's run is the 2-step run without saves that part needs; a kill before its first
+    checkpoint followed by a resume restarts from scratch with no line twice.
+    Part 3 (`damaged`; was test_resume_falls_back_past_a_damaged_newest_checkpoint): a resume
+    falls back past a damaged newest checkpoint (steps 3 and 4 re-run from step 2, no line twice,
+    the damaged directory set aside); with every checkpoint damaged, a clear error naming the
+    directory.
+    """
     data = _data(tmp_path)
     out = tmp_path / "out"
     save = ["--save_strategy", "steps", "--save_steps", "2", "--max_steps", "4"]
     assert _run(out, *data, *save) == 0
     assert _steps(out) == [1, 2, 3, 4]
-    # Refused without a choice; the first run's results are untouched.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+
+    # Part 1. Refused without a choice; the first run's results are untouched.
     assert _run(out, *data, *save) == 2
     assert _steps(out) == [1, 2, 3, 4] and (out / "checkpoints" / "checkpoint-4").is_dir()
     # Resume continues the same run (nothing left to do at step 4: no new step lines).
     assert _run(out, *data, *save, "--resume_from_checkpoint", "true") == 0
     assert _steps(out) == [1, 2, 3, 4]
     # Overwrite starts afresh: the old step directories are gone, not mixed with new ones.
-    assert _run(out, *data, "--max_steps", "1", "--overwrite_output_dir", "true") == 0
-    assert _steps(out) == [1] and not (out / "checkpoints" / "checkpoint-4").exists()
+    assert _run(out, *data, "--max_steps", "2", "--overwrite_output_dir", "true") == 0
+    assert _steps(out) == [1, 2] and not (out / "checkpoints" / "checkpoint-4").exists()
     assert not (out / "jaxrl.lock").exists()
 
-
-@pytest.mark.slow
-def test_kill_before_first_checkpoint_then_resume_has_no_duplicate_lines(tmp_path):
-    data = _data(tmp_path)
-    out = tmp_path / "out"
-    # What a run killed (SIGKILL) after logging 2 steps but before any save leaves behind:
-    # metrics lines, no checkpoint, and a lock whose holder is gone.
-    assert _run(out, *data, "--max_steps", "2") == 0
+    # Part 2. What a run killed (SIGKILL) after logging 2 steps but before any save leaves
+    # behind: metrics lines, no checkpoint, and a lock whose holder is gone. The overwrite's run
+    # above is that run (`--max_steps 2`, BASE saves nothing), less the kill.
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
     shutil.rmtree(out / "final")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)  # fmt: skip
     lock = {"pid": int(dead.stdout), "host": socket.gethostname(), "started": 0}
@@ -204,16 +218,12 @@ def test_kill_before_first_checkpoint_then_resume_has_no_duplicate_lines(tmp_pat
     assert _run(out, *data, "--max_steps", "3", "--resume_from_checkpoint", "true") == 0
     assert _steps(out) == [1, 2, 3]  # restarted from scratch: no line twice
 
-
-@pytest.mark.slow
-def test_resume_falls_back_past_a_damaged_newest_checkpoint(tmp_path, caplog, capsys):
-    data = _data(tmp_path)
-    out = tmp_path / "out"
-    save = ["--save_strategy", "steps", "--save_steps", "2", "--max_steps", "4"]
-    assert _run(out, *data, *save, "--max_steps", "4") == 0
+    # Part 3, on the copy of the finished 4-step run.
+    out = damaged
     want = _steps(out)
     (out / "checkpoints" / "checkpoint-4" / "metadata" / "metadata").write_text('{"trunc')
     shutil.rmtree(out / "final")
+    caplog.clear()
     assert _run(out, *data, *save, "--resume_from_checkpoint", "true") == 0
     assert "checkpoints/checkpoint-4 is damaged" in caplog.text
     assert _steps(out) == want  # steps 3 and 4 re-run from step 2, lines not duplicated

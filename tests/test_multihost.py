@@ -1,7 +1,8 @@
 """Multi-host, proven on one machine: 2 processes x 4 CPU devices over loopback
 (`jax.distributed` with a local coordinator on 127.0.0.1) against 1 process x 8 devices.
 
-Checks: per-host data loading gives the same per-step metrics and eval as one process (DPO);
+Checks: per-host data loading gives the same per-step metrics and eval as one process (DPO; the
+one process is this test process, which has the same 8 devices and XLA flags as a subprocess);
 only process 0 writes metrics.jsonl and the export; a SIGTERM to one process makes both save
 the same step and exit 143; a resume on 2 processes continues bit for bit (orbax save and
 restore across both), with length buckets chosen alike on every host without talking.
@@ -16,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from xla_flags import with_devices
@@ -29,6 +31,16 @@ COMMON = ["--logging_steps", "1", "--eval_strategy", "no", "--disable_tqdm", "tr
 COMMON += ["--eval_on_start", "false"]
 COMMON += ["--mesh_data", "-1", "--mesh_fsdp", "1", "--per_device_train_batch_size", "1"]
 COMMON += ["--lr_scheduler_type", "constant", "--seed", "0"]
+
+
+def run_here(out: Path, flags: list[str]) -> int:
+    """`jaxrl.train` as the 1-process run, in this process: the same 8 CPU devices and XLA_FLAGS
+    as a `launch(out, flags, 1)` subprocess (conftest sets them), without its ~7 s `import
+    jaxrl`. The matmul precision is the CLI's default, not the one conftest sets for the tests."""
+    from jaxrl.train import main
+
+    with jax.default_matmul_precision(None):
+        return main([*COMMON, *flags, "--output_dir", str(out)])
 
 
 def _free_port() -> int:
@@ -166,8 +178,14 @@ def test_dpo_two_processes_match_one(tmp_path):
         "true",
     ]
     ref, out = tmp_path / "one", tmp_path / "two"
-    assert wait_all(launch(ref, flags, 1), ref) == [0]
-    assert wait_all(launch(out, flags, 2), out) == [0, 0]
+    two = launch(out, flags, 2)  # the 1-process run goes here meanwhile
+    try:
+        assert run_here(ref, flags) == 0
+    except BaseException:
+        for p in two:
+            p.kill()
+        raise
+    assert wait_all(two, out) == [0, 0]
     keys = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen")
     assert_same_metrics(step_rows(out), step_rows(ref), keys)
     evals = [

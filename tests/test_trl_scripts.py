@@ -7,19 +7,15 @@ mapped (`--dtype`, `--attn_implementation`) or rejected with exit status 2 and a
 """
 
 import json
-import os
 import re
 import runpy
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from xla_flags import with_devices
 
 from jaxrl.data import task
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = task.asset_path("sft_model")
 
 
@@ -44,41 +40,24 @@ def _data(tmp_path: Path, name: str) -> Path:
     return out
 
 
-def _run(runs: list[tuple[Path, list[str]]]) -> tuple[subprocess.CompletedProcess, list[str]]:
-    """Runs each (script, flags) as `python script.py FLAGS` does (runpy as __main__ with that
-    argv), one after another in one process (one `import jaxrl`); the process and each run's
-    stdout."""
-    env = dict(os.environ, XLA_FLAGS=with_devices(1))
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    driver = (
-        "import json, runpy, sys\n"
-        "for argv in json.loads(sys.argv[1]):\n"
-        "    print(SEP, flush=True)\n"
-        "    sys.argv = argv\n"
-        "    runpy.run_path(argv[0], run_name='__main__')\n"
-    ).replace("SEP", repr(SEP))
-    argvs = [[str(script), *flags] for script, flags in runs]
-    proc = subprocess.run(
-        [sys.executable, "-c", driver, json.dumps(argvs)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    return proc, proc.stdout.split(SEP + "\n")[1:]
+def _run_here(script: Path, flags: list[str], monkeypatch) -> None:
+    """Runs `python script.py FLAGS` in this process: the script as __main__ with that argv (as
+    the rejection test below does). An exception (any failure) fails the test with its traceback.
+    """
+    monkeypatch.setattr(sys, "argv", [str(script), *flags])
+    runpy.run_path(str(script), run_name="__main__")
 
 
-SEP = "==== next script ===="
 NAMES = ["sft", "dpo", "reward"]
 
 
 @pytest.mark.slow
-def test_trl_script_trains_and_exports(tmp_path):
-    """The three scripts, one after another in one process (one test: they share it)."""
+def test_trl_script_trains_and_exports(tmp_path, monkeypatch, capsys):
+    """The three scripts, one after another in this process (it has imported jaxrl and
+    transformers already; one test, as they once shared one subprocess)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    runs = []
     for name in NAMES:
         (tmp_path / name).mkdir()
         flags = [
@@ -95,12 +74,13 @@ def test_trl_script_trains_and_exports(tmp_path):
             "--no_gradient_checkpointing",
             # The export is the scripts' save_model; a checkpoint of the 2 steps would only cost.
             "--save_strategy", "no",
+            # One device of this process's 8, as `python script.py` with one CPU device trains
+            # (jaxrl's default mesh, fsdp over every device, would spread the batch of 4 over 8).
+            "--mesh_fsdp", "1",
         ]  # fmt: skip
-        runs.append((_port(tmp_path / name, name), flags))
-    proc, stdouts = _run(runs)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(stdouts) == len(NAMES)
-    for name, stdout in zip(NAMES, stdouts, strict=True):
+        capsys.readouterr()
+        _run_here(_port(tmp_path / name, name), flags, monkeypatch)
+        stdout = capsys.readouterr().out
         out = tmp_path / name / "out"
         assert "Training completed" in stdout and "Model saved" in stdout, name
         saved = json.loads((out / "jaxrl_config.json").read_text())
