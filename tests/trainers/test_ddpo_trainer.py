@@ -334,7 +334,10 @@ def test_resume_is_exact_and_lora_trains_only_adapters(sd, tmp_path):
     """Killed after epoch 1 and resumed == uninterrupted, bit for bit (metrics.jsonl), with
     per-prompt stat tracking (host state in the checkpoint) and async rewards."""
     kw = dict(
-        num_epochs=3,
+        # Two sampled batches of 2 per epoch, as `small_trainer`: the same compiled programs
+        # (a persistent compilation cache hit where that ran first), and async scoring that
+        # overlaps sampling.
+        **{**TWO_BATCHES, "num_epochs": 3},
         per_prompt_stat_tracking=True,
         per_prompt_stat_tracking_min_count=2,
         async_reward_computation=True,
