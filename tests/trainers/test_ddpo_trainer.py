@@ -7,9 +7,6 @@ import dataclasses
 import functools
 import itertools
 import json
-import os
-import subprocess
-import sys
 
 import chex
 import jax
@@ -72,6 +69,77 @@ def fresh(pipeline):
 def make(pipeline, tmp_path, reward=jpeg_compressibility, **kw):
     cfg = DDPOConfig(**{**SMALL, "logdir": str(tmp_path), **kw})
     return DDPOTrainer(cfg, reward, cycling_prompts(), fresh(pipeline))
+
+
+def recording(reward_fn, threads):
+    """`reward_fn` that appends the name of the thread scoring each batch to `threads`."""
+
+    def reward(images, prompts, metadata):
+        import threading
+
+        threads.append(threading.current_thread().name)
+        return reward_fn(images, prompts, metadata)
+
+    return reward
+
+
+# One epoch of SMALL's 4 samples drawn as two batches of 2: the same update program (4 samples,
+# two updates of train_batch_size 2) as SMALL, and two reward calls per epoch, so that async
+# scoring of the first batch overlaps the sampling of the second.
+TWO_BATCHES = dict(num_epochs=1, sample_batch_size=2, sample_num_batches_per_epoch=2)
+
+
+@pytest.fixture(scope="module")
+def small_trainer(sd, tmp_path_factory):
+    """One trainer (built with async rewards) shared by the one-epoch tests below: each new
+    trainer traces and compiles its sample and update programs again (~20 s)."""
+    threads = []
+    reward = recording(jpeg_compressibility, threads)
+    tr = make(
+        sd, tmp_path_factory.mktemp("small"), reward, **TWO_BATCHES, async_reward_computation=True
+    )
+    tr.reward_threads = threads
+    return tr
+
+
+@pytest.fixture(scope="module")
+def small_run(small_trainer):
+    """The epoch-0 `step` of `small_trainer` twice from the same initial state: first scoring
+    rewards synchronously, then asynchronously. Each run: its metrics, rewards, the sampled
+    batch (spied on `_generate_samples`), the threads that scored it, and the state after it.
+
+    The sync run sets the trainer's reward executor aside: `async_reward_computation=False` is
+    exactly `_executor = None` (DDPOTrainer.__init__), so that run takes the code path of a trainer
+    built without async rewards (test_advantages_per_prompt_and_global checks that such a trainer
+    has no executor), and both runs share one compiled sample and update program."""
+    tr = small_trainer
+    tr._ensure_state()
+    state0 = tr.train_state
+    generate = tr._generate_samples
+    runs, captured = {}, {}
+
+    def spy(*a, **kw):
+        out = generate(*a, **kw)
+        captured["samples"] = dict(out[0])
+        return out
+
+    executor = tr._executor
+    assert executor is not None  # async_reward_computation=True made one
+    for name, ex in (("sync", None), ("async", executor)):
+        captured.clear()
+        tr._generate_samples, tr._executor, tr.train_state = spy, ex, state0
+        n = len(tr.reward_threads)
+        metrics = tr.step(0, 0)
+        runs[name] = dict(
+            metrics=metrics,
+            rewards=np.asarray(tr.last_rewards),
+            samples=captured["samples"],
+            threads=tr.reward_threads[n:],
+            state=tr.train_state,
+        )
+    tr._generate_samples, tr._executor = generate, executor
+    runs["state0"] = state0
+    return runs
 
 
 def test_config_checks():
@@ -150,22 +218,14 @@ def _mean_tree(trees):
 
 
 @pytest.mark.slow
-def test_step_metrics_equal_hand_computation(sd, tmp_path):
-    tr = make(sd, tmp_path)
-    tr._ensure_state()
-    params0, rest = tr.train_state.params, tr.train_state.frozen["unet"]
-    captured = {}
-    generate = tr._generate_samples
-
-    def spy(*a, **kw):
-        out = generate(*a, **kw)
-        captured["samples"] = dict(out[0])
-        return out
-
-    tr._generate_samples = spy
-    metrics = tr.step(0, 0)
-    s = captured["samples"]
-    rewards = np.asarray(tr.last_rewards)
+def test_step_metrics_equal_hand_computation(small_trainer, small_run):
+    """The synchronous epoch of `small_run` (4 samples in two sampled batches, two updates of
+    2): its metrics == the pure pieces by hand; calculate_loss == the pure pieces."""
+    tr, run = small_trainer, small_run["sync"]
+    params0, rest = small_run["state0"].params, small_run["state0"].frozen["unet"]
+    # The state right after this epoch (the shared trainer may since have run another).
+    tr.train_state = run["state"]
+    metrics, s, rewards = run["metrics"], dict(run["samples"]), run["rewards"]
     np.testing.assert_allclose(metrics["reward_mean"], rewards.mean(), rtol=1e-6)
     np.testing.assert_allclose(metrics["reward_std"], rewards.std(), rtol=1e-6)
     s.pop("prompt_ids")
@@ -214,7 +274,7 @@ def test_step_metrics_equal_hand_computation(sd, tmp_path):
     assert float(kl) < 1e-9 and float(cf) == 0.0
 
 
-def test_advantages_per_prompt_and_global(sd, tmp_path):
+def test_advantages_per_prompt_and_global(sd, small_trainer, tmp_path):
     tr = make(
         sd,
         tmp_path,
@@ -229,34 +289,28 @@ def test_advantages_per_prompt_and_global(sd, tmp_path):
     ref = PerPromptStatTracker(4, 2)
     np.testing.assert_allclose(got, ref.update(prompts, rewards), rtol=1e-6)
     np.testing.assert_allclose(got, [-1, -1, 1, 1], atol=1e-5)  # per prompt, not global
-    tr_global = make(sd, tmp_path / "g")
+    # Without per-prompt tracking (the shared one-epoch trainer): global normalisation.
+    assert small_trainer.stat_tracker is None
     np.testing.assert_allclose(
-        tr_global._advantages(ids, rewards), normalize_rewards(rewards), rtol=1e-6
+        small_trainer._advantages(ids, rewards), normalize_rewards(rewards), rtol=1e-6
     )
+    # async_reward_computation=False (the default, as here) sets up no reward executor: the
+    # sync run of `small_run` takes this path.
+    assert tr._executor is None
 
 
 @pytest.mark.slow
-def test_async_rewards_equal_sync(sd, tmp_path):
-    threads = []
-
-    def reward(images, prompts, metadata):
-        import threading
-
-        threads.append(threading.current_thread().name)
-        return jpeg_compressibility(images, prompts, metadata)
-
-    # Two batches of 2: the same 4 samples per epoch (and update program) as SMALL.
-    kw = dict(num_epochs=1, sample_batch_size=2, sample_num_batches_per_epoch=2)
-    sync = make(sd, tmp_path / "s", reward, **kw)
-    m_sync = sync.step(0, 0)
-    n_sync = len(threads)
-    asy = make(sd, tmp_path / "a", reward, **kw, async_reward_computation=True)
-    m_async = asy.step(0, 0)
-    assert all(t == "MainThread" for t in threads[:n_sync])
-    assert all(t != "MainThread" for t in threads[n_sync:]) and len(threads) == 2 * n_sync
-    np.testing.assert_array_equal(sync.last_rewards, asy.last_rewards)
-    for k in m_sync:
-        np.testing.assert_allclose(float(m_async[k]), float(m_sync[k]), rtol=1e-6, err_msg=k)
+def test_async_rewards_equal_sync(small_run):
+    """`small_run`'s two runs of one epoch (two reward calls each): sync scores on the main
+    thread, async on worker threads, with the same rewards and metrics."""
+    sync, asy = small_run["sync"], small_run["async"]
+    assert len(sync["threads"]) == 2 and all(t == "MainThread" for t in sync["threads"])
+    assert len(asy["threads"]) == 2 and all(t != "MainThread" for t in asy["threads"])
+    np.testing.assert_array_equal(sync["rewards"], asy["rewards"])
+    for k in sync["metrics"]:
+        np.testing.assert_allclose(
+            float(asy["metrics"][k]), float(sync["metrics"][k]), rtol=1e-6, err_msg=k
+        )
 
 
 class _Killed(Exception):
@@ -280,7 +334,10 @@ def test_resume_is_exact_and_lora_trains_only_adapters(sd, tmp_path):
     """Killed after epoch 1 and resumed == uninterrupted, bit for bit (metrics.jsonl), with
     per-prompt stat tracking (host state in the checkpoint) and async rewards."""
     kw = dict(
-        num_epochs=3,
+        # Two sampled batches of 2 per epoch, as `small_trainer`: the same compiled programs
+        # (a persistent compilation cache hit where that ran first), and async scoring that
+        # overlaps sampling.
+        **{**TWO_BATCHES, "num_epochs": 3},
         per_prompt_stat_tracking=True,
         per_prompt_stat_tracking_min_count=2,
         async_reward_computation=True,
@@ -374,14 +431,19 @@ def test_mesh_equals_one_device(sd, sd_path, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_reward_rises(sd_path, tmp_path):
+def test_cli_reward_rises(sd_path, tmp_path, monkeypatch):
+    """`python -m jaxrl.train --algo ddpo` with its tiny defaults: the reward rises over 6 epochs,
+    the model and the one checkpoint are written. Run in-process through `jaxrl.train.main` (the
+    module's `__main__` adds only a GC setting and `sys.exit` of its status; the subprocess entry
+    itself is tested in tests/test_train_cli.py): a subprocess cost ~6 s of imports."""
+    from jaxrl import train
+
     # The tiny pipeline the CLI builds on first use under $JAXRL_CACHE: the module's, built.
-    env = {**os.environ, "JAXRL_CACHE": str(sd_path.parent)}
-    cmd = [sys.executable, "-m", "jaxrl.train", "--algo", "ddpo", "--logdir", str(tmp_path)]
-    cmd += ["--mesh_fsdp", "1"]  # one device: 8 fake CPU devices on 2 cores only slow it down
-    cmd += ["--save_freq", "6"]  # one checkpoint, after the 6th and last epoch (not every one)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    monkeypatch.setenv("JAXRL_CACHE", str(sd_path.parent))
+    argv = ["--algo", "ddpo", "--logdir", str(tmp_path)]
+    argv += ["--mesh_fsdp", "1"]  # one device: 8 fake CPU devices on 2 cores only slow it down
+    argv += ["--save_freq", "6"]  # one checkpoint, after the 6th and last epoch (not every one)
+    assert train.main(argv) == 0
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward_mean"] for r in rows if "reward_mean" in r]
     assert len(rewards) == 6

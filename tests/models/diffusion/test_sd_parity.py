@@ -3,6 +3,8 @@ and the UNet save -> diffusers load round trip."""
 
 from __future__ import annotations
 
+import functools
+
 import diffusers
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,31 @@ def run_unet(unet, sample, t, context):
     return unet(sample, t, context)
 
 
+# One jitted VAE decode and text-encoder call for the module's tests: a new lambda per call site
+# would trace and compile the same program again.
+vae_decode = nnx.jit(lambda m, z: m.decode(z))
+run_text = nnx.jit(lambda m, x: m(x))
+
+
+@functools.cache
+def loaded_unet(path):
+    """`load_unet(path)` (f32, one device) once per path in this module's process: each load
+    traces the UNet's constructor abstractly (~2 s). The tests only read it."""
+    return load_unet(path)
+
+
+@functools.cache
+def loaded_vae(path):
+    """`load_vae(path)` once per path, as `loaded_unet`."""
+    return load_vae(path)
+
+
+@functools.cache
+def loaded_unet_out(path, seed: int = 0) -> np.ndarray:
+    """`loaded_unet(path)` on `unet_inputs(seed)`."""
+    return np.asarray(run_unet(loaded_unet(path), *unet_inputs(seed)))
+
+
 def torch_unet(model, sample, t, context) -> np.ndarray:
     with torch.no_grad():
         out = model(torch.from_numpy(sample), torch.from_numpy(t), torch.from_numpy(context))
@@ -38,10 +65,8 @@ def torch_unet(model, sample, t, context) -> np.ndarray:
 @pytest.mark.slow
 def test_unet_matches_diffusers(flavour, request):
     ref, path = request.getfixturevalue(flavour)
-    unet = load_unet(path)
-    sample, t, context = unet_inputs()
-    ours = np.asarray(run_unet(unet, sample, t, context))
-    want = torch_unet(ref, sample, t, context)
+    ours = loaded_unet_out(path)
+    want = torch_unet(ref, *unet_inputs())
     assert np.abs(want).max() > 0.1
     np.testing.assert_allclose(ours, want, atol=1e-4, rtol=0)
 
@@ -66,16 +91,15 @@ def test_unet_loads_sharded(sd1_unet):
     unet = load_unet(path, mesh=mesh)
     kernel = unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_q.kernel[...]
     assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
-    sample, t, context = unet_inputs()
-    want = np.asarray(run_unet(load_unet(path), sample, t, context))
-    np.testing.assert_allclose(np.asarray(run_unet(unet, sample, t, context)), want, atol=1e-5)
+    # == the same UNet loaded onto one device (test_unet_matches_diffusers checks that one).
+    want = loaded_unet_out(path)
+    np.testing.assert_allclose(np.asarray(run_unet(unet, *unet_inputs())), want, atol=1e-5)
 
 
 @pytest.mark.slow
 def test_unet_save_roundtrip(sd2_unet, tmp_path):
     ref, path = sd2_unet
-    unet = load_unet(path)
-    save_unet(unet, tmp_path / "unet")
+    save_unet(loaded_unet(path), tmp_path / "unet")
     back = diffusers.UNet2DConditionModel.from_pretrained(tmp_path / "unet").eval()
     sample, t, context = unet_inputs(2)
     np.testing.assert_array_equal(
@@ -98,7 +122,7 @@ def test_unet_rejects_unsupported_config(sd1_unet, tmp_path):
 
 def test_vae_matches_diffusers(tiny_vae):
     ref, path = tiny_vae
-    vae = load_vae(path)
+    vae = loaded_vae(path)
     rng = np.random.default_rng(0)
     images = rng.uniform(-1, 1, (2, 3, 16, 16)).astype(np.float32)
     latents = rng.standard_normal((2, 4, 8, 8)).astype(np.float32)
@@ -108,7 +132,7 @@ def test_vae_matches_diffusers(tiny_vae):
     mean, logvar = nnx.jit(lambda m, x: m.encode(x))(vae, images)
     np.testing.assert_allclose(np.asarray(mean), dist.mean.numpy(), atol=1e-4)
     np.testing.assert_allclose(np.asarray(logvar), dist.logvar.numpy(), atol=1e-4)
-    ours = nnx.jit(lambda m, z: m.decode(z))(vae, latents)
+    ours = vae_decode(vae, latents)
     np.testing.assert_allclose(np.asarray(ours), decoded, atol=1e-4)
 
 
@@ -118,7 +142,7 @@ def test_clip_text_matches_transformers(tiny_clip_text):
     ids = np.random.default_rng(0).integers(3, 100, (2, 20))
     with torch.no_grad():
         want = ref(torch.from_numpy(ids)).last_hidden_state.numpy()
-    ours = nnx.jit(lambda m, x: m(x))(model, ids)
+    ours = run_text(model, ids)
     np.testing.assert_allclose(np.asarray(ours), want, atol=1e-4)
 
 
@@ -168,7 +192,7 @@ def test_load_pipeline_directory(sd1_unet, tiny_vae, tiny_clip_text, tmp_path):
     ).input_ids
     with torch.no_grad():
         want = pipe.text_encoder(torch.tensor(ids))[0].numpy()
-    ours = nnx.jit(lambda m, x: m(x))(sd.text_encoder, np.asarray(ids))
+    ours = run_text(sd.text_encoder, np.asarray(ids))
     np.testing.assert_allclose(np.asarray(ours), want, atol=1e-4)
     ref = diffusers.DDIMScheduler.from_config(pipe.scheduler.config)
     ref.set_timesteps(10)
@@ -222,9 +246,9 @@ def test_vae_legacy_attention_names(tiny_vae, tmp_path):
         old[key] = value
     assert any(".proj_attn." in k for k in old)
     save_file(old, tmp_path / "vae" / "diffusion_pytorch_model.safetensors")
-    latents = np.random.default_rng(3).standard_normal((1, 4, 8, 8)).astype(np.float32)
-    decode = nnx.jit(lambda m, z: m.decode(z))
+    # Two latents, as test_vae_matches_diffusers: the same compiled decode.
+    latents = np.random.default_rng(3).standard_normal((2, 4, 8, 8)).astype(np.float32)
     np.testing.assert_array_equal(
-        np.asarray(decode(load_vae(tmp_path / "vae"), latents)),
-        np.asarray(decode(load_vae(path), latents)),
+        np.asarray(vae_decode(load_vae(tmp_path / "vae"), latents)),
+        np.asarray(vae_decode(loaded_vae(path), latents)),
     )

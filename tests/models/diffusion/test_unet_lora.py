@@ -3,6 +3,8 @@ export that `StableDiffusionPipeline.load_lora_weights` reproduces, reload, and 
 
 from __future__ import annotations
 
+import functools
+
 import diffusers
 import jax
 import jax.numpy as jnp
@@ -37,6 +39,17 @@ def inputs(seed: int = 0):
     )
 
 
+@functools.cache
+def _loaded(path):
+    return load_unet(path)
+
+
+def base_unet(path):
+    """A fresh copy of `load_unet(path)` (add_lora and load_lora_weights change the UNet in
+    place): the load, which traces the UNet's constructor (~2 s), is done once per path."""
+    return nnx.clone(_loaded(path))
+
+
 def randomize_up(unet, seed: int = 0) -> None:
     key = jax.random.key(seed)
     for path, param in nnx.to_flat_state(nnx.state(unet, LoRAParam)):
@@ -48,14 +61,14 @@ def randomize_up(unet, seed: int = 0) -> None:
 @pytest.fixture(scope="module")
 def lora_unet(sd1_unet):
     _, path = sd1_unet
-    unet = add_lora(load_unet(path), rank=4, seed=0)
+    unet = add_lora(base_unet(path), rank=4, seed=0)
     randomize_up(unet)
     return unet
 
 
 def test_add_lora_targets_and_identity_init(sd1_unet):
     ref, path = sd1_unet
-    base = load_unet(path)
+    base = base_unet(path)
     x = inputs()
     want = np.asarray(run_unet(base, *x))
     unet = add_lora(base, rank=4)
@@ -107,7 +120,7 @@ def test_reload_peft_and_trl_formats(sd1_unet, lora_unet, tmp_path):
     x = inputs(2)
     want = np.asarray(run_unet(lora_unet, *x))
     save_lora_weights(lora_unet, tmp_path / "peft")
-    reloaded = load_lora_weights(load_unet(path), tmp_path / "peft")
+    reloaded = load_lora_weights(base_unet(path), tmp_path / "peft")
     np.testing.assert_allclose(np.asarray(run_unet(reloaded, *x)), want, atol=1e-6)
 
     # TRL 0.7.2 saves with `unet.save_attn_procs` (attention-processor key names).
@@ -118,7 +131,7 @@ def test_reload_peft_and_trl_formats(sd1_unet, lora_unet, tmp_path):
         which = "down" if ".lora_A." in key else "up"
         legacy[f"{module}.processor.to_{proj}_lora.{which}.weight"] = torch.from_numpy(value.copy())
     torch.save(legacy, tmp_path / "pytorch_lora_weights.bin")
-    old = load_lora_weights(load_unet(path), tmp_path / "pytorch_lora_weights.bin")
+    old = load_lora_weights(base_unet(path), tmp_path / "pytorch_lora_weights.bin")
     np.testing.assert_allclose(np.asarray(run_unet(old, *x)), want, atol=1e-6)
 
 
