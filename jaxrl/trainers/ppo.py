@@ -1198,9 +1198,16 @@ class PPOTrainer(TrainLoop):
         metrics["env/reward_mean"] = float(scores_B.mean())
         metrics["env/reward_std"] = float(scores_B.std(ddof=1)) if scores_B.size > 1 else 0.0
         metrics["time/ppo/generate"], metrics["time/ppo/score"] = t_gen, t_score
-        # The minibatch permutations of later steps come from NumPy's global generator.
+        # The minibatch permutations of later steps come from NumPy's global generator. Placed
+        # as the state's copy was (the train state's sharding): a plain `jnp.asarray` (one
+        # device, no mesh) changed the optimise step's input type, so every run traced and
+        # compiled that step a second time at step 2.
+        rng = self.train_state.extras["numpy_rng"]
         self.train_state = self.train_state.replace(
-            extras={**self.train_state.extras, "numpy_rng": jnp.asarray(_numpy_rng_state())}
+            extras={
+                **self.train_state.extras,
+                "numpy_rng": jax.device_put(_numpy_rng_state(), rng.sharding),
+            }
         )
         return metrics
 

@@ -160,7 +160,16 @@ def adaptive_run(hf_model_dir, tokenizer, tmp_path_factory):
     return trainer
 
 
-def test_adaptive_coefficient_follows_trls_controller(adaptive_run):
+def test_adaptive_controller_and_eval(adaptive_run):
+    """The adaptive run's two checks in one test, so that the run is built once (as a module
+    fixture shared by two tests, xdist ran it on both workers): the controller follows TRL's
+    step by step, then evaluation applies the bonus but never moves it (evaluate() runs after
+    the controller check, on the trained state, as before)."""
+    check_adaptive_coefficient_follows_trls_controller(adaptive_run)
+    check_eval_applies_the_bonus_but_never_moves_the_controller(adaptive_run)
+
+
+def check_adaptive_coefficient_follows_trls_controller(adaptive_run):
     """Each step applies the coefficient the previous step left, gated to 0 when that step's
     entropy exceeded the target (+inf before the first step), then moves it by delta from its
     own window entropy, the token-weighted entropy of both micro-batches (the logged
@@ -195,7 +204,7 @@ def test_adaptive_coefficient_follows_trls_controller(adaptive_run):
     assert ctrl["micro_steps"] == 0 and not ctrl["window"].any()
 
 
-def test_eval_applies_the_bonus_but_never_moves_the_controller(adaptive_run):
+def check_eval_applies_the_bonus_but_never_moves_the_controller(adaptive_run):
     trainer = adaptive_run
     a = trainer.args
     before = jax.device_get(trainer.train_state.extras)

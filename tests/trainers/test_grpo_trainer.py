@@ -99,31 +99,41 @@ def test_num_iterations_reuses_generations(hf_model_dir, tokenizer, tmp_path):
     assert "old_logps" in trainer.rollout
 
 
+RESUME = dict(max_steps=4, save_strategy="steps", save_steps=2)
+
+
 @pytest.mark.slow
-def test_one_prefill_per_prompt_batch(hf_model_dir, tokenizer, tmp_path):
-    trainer, _ = make(hf_model_dir, tokenizer, tmp_path)
-    trainer._ensure_state()
+def test_default_run_one_prefill_no_reference_and_resume(hf_model_dir, tokenizer, tmp_path):
+    """Three checks on one uninterrupted run of the default settings (4 steps, checkpoints at 2
+    and 4), one test so that the run is built once (three tests built a trainer of these
+    settings each; a module fixture shared by them was built on both xdist workers when
+    worksteal split them): (1) one prefill per prompt batch (was
+    test_one_prefill_per_prompt_batch, on a 1-step run of the same settings); (2) beta=0: no
+    reference params, when the state is built and after training (was the first half of
+    test_reference_only_when_beta_and_sync); (3) killed after step 2 and resumed, a run logs
+    what the uninterrupted one logged (test_resume_gives_the_same_metrics)."""
+    full, _ = make(hf_model_dir, tokenizer, tmp_path / "a", **RESUME)
+    full._ensure_state()
+    assert full.train_state.frozen == {}  # (2)
     seen = []
-    prefill = trainer.rollout_sampler._prefill
+    prefill = full.rollout_sampler._prefill
 
     def spy(params, ids, mask, rng, config, group_size):
         seen.append((ids.shape[0], group_size))
         return prefill(params, ids, mask, rng, config, group_size)
 
-    trainer.rollout_sampler._prefill = spy
-    trainer.train()
-    assert seen == [(2, 4)]  # 2 prompts prefilled once, their caches shared by 4 completions
-    assert trainer.rollout["input_ids"].shape[0] == 8
-
-
-@pytest.mark.slow
-def test_resume_gives_the_same_metrics(hf_model_dir, tokenizer, tmp_path):
-    kw = dict(max_steps=4, save_strategy="steps", save_steps=2)
-    full, _ = make(hf_model_dir, tokenizer, tmp_path / "a", **kw)
+    full.rollout_sampler._prefill = spy
     full.train()
-    part, _ = make(hf_model_dir, tokenizer, tmp_path / "b", callbacks=[StopAt(2)], **kw)
+    # (1) Each step's generation: 2 prompts prefilled once, their caches shared by 4
+    # completions.
+    assert seen == [(2, 4)] * 4
+    assert full.rollout["input_ids"].shape[0] == 8
+    assert full.train_state.frozen == {}  # (2)
+
+    # (3)
+    part, _ = make(hf_model_dir, tokenizer, tmp_path / "b", callbacks=[StopAt(2)], **RESUME)
     part.train()
-    resumed, _ = make(hf_model_dir, tokenizer, tmp_path / "b", **kw)
+    resumed, _ = make(hf_model_dir, tokenizer, tmp_path / "b", **RESUME)
     resumed.train(resume_from_checkpoint=True)
     a = train_logs(full)[2:]
     b = [x for x in train_logs(resumed) if x["step"] > 2]
@@ -135,9 +145,8 @@ def test_resume_gives_the_same_metrics(hf_model_dir, tokenizer, tmp_path):
 
 @pytest.mark.slow
 def test_reference_only_when_beta_and_sync(hf_model_dir, tokenizer, tmp_path):
-    trainer, _ = make(hf_model_dir, tokenizer, tmp_path / "a")
-    trainer._ensure_state()
-    assert trainer.train_state.frozen == {}
+    # beta=0 (no reference params) is checked on the default run of
+    # test_default_run_one_prefill_no_reference_and_resume.
     trainer, _ = make(
         hf_model_dir,
         tokenizer,

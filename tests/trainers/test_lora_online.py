@@ -48,6 +48,14 @@ def _online(cls, config_cls, model, tokenizer, tmp_path, model_kw=None, **kw):
     )
 
 
+def _logits(model) -> np.ndarray:
+    """The model's logits on IDS (f32) from one jitted program: called eagerly, every operation
+    of the forward compiled a program of its own."""
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda s: nnx.merge(graphdef, s)(IDS, np.ones_like(IDS)))
+    return np.asarray(forward(state), np.float32)
+
+
 def _peft_logits(base_dir: str, adapter_dir: str) -> np.ndarray:
     import torch
     from peft import PeftModel
@@ -106,7 +114,7 @@ def test_grpo_lora_trains_only_the_adapter_with_the_base_as_reference(
     assert log["kl"] > 1e-3
 
     # The exported adapter gives our logits under PEFT; the merged export under transformers.
-    ours = np.asarray(trainer.current_model()(IDS, np.ones_like(IDS)), np.float32)
+    ours = _logits(trainer.current_model())
     out = trainer.save_model(str(tmp_path / "adapter"))
     assert lora.ADAPTER_WEIGHTS in os.listdir(out) and "model.safetensors" not in os.listdir(out)
     np.testing.assert_allclose(ours, _peft_logits(hf_model_dir, out), atol=2e-4, rtol=1e-4)
@@ -241,7 +249,7 @@ def test_ppo_lora_trains_adapter_and_value_head_against_the_base(tmp_path, token
     ]
     assert all(changed)  # every adapter matrix and the value head moved
 
-    ours = np.asarray(trainer.model.pretrained_model(IDS, np.ones_like(IDS)), np.float32)
+    ours = _logits(trainer.model.pretrained_model)
     out = str(tmp_path / "adapter")
     trainer.save_pretrained(out)
     np.testing.assert_allclose(ours, _peft_logits(hf_model_dir, out), atol=2e-4, rtol=1e-4)

@@ -11,17 +11,21 @@ batch's completions are recorded as the trainer scores them and the loss is reco
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import numpy as np
 import pytest
-from onpolicy_utils import prompt_rows, recompute_logps
+from flax import nnx
+from onpolicy_utils import prompt_rows
 from trainer_utils import base_args
 
+from jaxrl import models
 from jaxrl.trainers.evaluation import hf_eval_loss
 from jaxrl.trainers.grpo import GRPOTrainer
 from jaxrl.trainers.grpo_config import GRPOConfig
+from jaxrl.trainers.onpolicy import completion_logprobs
 from jaxrl.trainers.rloo import RLOOTrainer
 from jaxrl.trainers.rloo_config import RLOOConfig
 
@@ -73,6 +77,16 @@ def record_eval_batches(trainer) -> list[dict]:
     return batches
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def completion_logps(graphdef, params, batch: dict) -> jax.Array:
+    """Completion log-probs (f32) of a freshly loaded model split as `(graphdef, params)`: the
+    weights are an argument, so one program per batch shape serves the policy and the
+    reference of both fixtures (onpolicy_utils.recompute_logps loads the model and compiles a
+    program with its weights baked in on every call: 12 loads and programs here)."""
+    model = nnx.merge(graphdef, params)
+    return completion_logprobs(model, batch, temperature=1.0, chunk_size=128)
+
+
 def run_eval(trainer_cls, hf_model_dir, tokenizer, out, **kw):
     trainer = make(trainer_cls, hf_model_dir, tokenizer, out, **kw)
     trainer.train()
@@ -80,9 +94,14 @@ def run_eval(trainer_cls, hf_model_dir, tokenizer, out, **kw):
     metrics = trainer.evaluate()
     assert len(batches) == len(HF_WEIGHTS)  # the premise: 3 eval batches
     policy_dir = trainer.save_model(str(out / "policy"))
-    for batch in batches:  # independent f32 forwards of the evaluated policy and the reference
-        batch["policy_logps"] = recompute_logps(policy_dir, batch).astype(np.float64)
-        batch["ref_logps"] = recompute_logps(hf_model_dir, batch).astype(np.float64)
+    # Independent f32 forwards of the evaluated policy (as saved) and the reference, loaded
+    # from disk.
+    policy = nnx.split(models.from_pretrained(policy_dir))
+    ref = nnx.split(models.from_pretrained(hf_model_dir))
+    for batch in batches:
+        rows = {k: batch[k] for k in ("input_ids", "attention_mask", "completion_mask")}
+        batch["policy_logps"] = np.asarray(completion_logps(*policy, rows), np.float64)
+        batch["ref_logps"] = np.asarray(completion_logps(*ref, rows), np.float64)
     return trainer, metrics, batches
 
 

@@ -89,7 +89,20 @@ def hooked_run(hf_model_dir, tokenizer, tmp_path_factory):
     return trainer, hooks, out
 
 
-def test_nan_reward_metrics_are_dropped_from_the_log_not_raised(hooked_run):
+def test_hooked_run(hooked_run):
+    """The hooked run's five checks, in one test so that the run is built once (as a module
+    fixture of five tests, xdist built it on both workers when they were split), in the order
+    they ran as tests: NaN reward metrics dropped from the log, log_metric's mean of every
+    value, log_extra's columns, eval's NaN reward metrics as None (runs evaluate()), and a NaN
+    loss or undeclared metric still stopping the run."""
+    check_nan_reward_metrics_are_dropped_from_the_log_not_raised(hooked_run)
+    check_log_metric_logs_the_mean_of_every_value(hooked_run)
+    check_log_extra_columns_are_kept_like_trls_completion_logs(hooked_run)
+    check_eval_logs_nan_reward_metrics_as_none(hooked_run)
+    check_nan_loss_and_undeclared_metrics_still_stop_the_run(hooked_run)
+
+
+def check_nan_reward_metrics_are_dropped_from_the_log_not_raised(hooked_run):
     trainer, hooks, out = hooked_run
     (log,) = train_logs(trainer)
     assert log["step"] == 2
@@ -102,21 +115,21 @@ def test_nan_reward_metrics_are_dropped_from_the_log_not_raised(hooked_run):
     assert record["rewards/never/mean"] is None  # JSON null, as TRL's loggers get
 
 
-def test_log_metric_logs_the_mean_of_every_value(hooked_run):
+def check_log_metric_logs_the_mean_of_every_value(hooked_run):
     trainer, _, _ = hooked_run
     (log,) = train_logs(trainer)
     assert log["custom/index"] == pytest.approx(np.mean(range(8)))  # not the last value (7)
     assert log["custom/nan"] is None  # a user metric may be NaN too (TRL drops it)
 
 
-def test_log_extra_columns_are_kept_like_trls_completion_logs(hooked_run):
+def check_log_extra_columns_are_kept_like_trls_completion_logs(hooked_run):
     trainer, hooks, _ = hooked_run
     # TRL's `_logs["extra"]`: the latest generation_batch_size values of each column.
     assert list(trainer.completion_extras) == ["length"]
     assert list(trainer.completion_extras["length"]) == [int(v) for v in hooks.calls[-1]]
 
 
-def test_eval_logs_nan_reward_metrics_as_none(hooked_run):
+def check_eval_logs_nan_reward_metrics_as_none(hooked_run):
     trainer, _, _ = hooked_run
     metrics = trainer.evaluate()
     assert math.isnan(metrics["eval_rewards/never/mean"])
@@ -128,7 +141,7 @@ def test_eval_logs_nan_reward_metrics_as_none(hooked_run):
     assert logged["eval_greedy/custom/index"] == pytest.approx(0.5)
 
 
-def test_nan_loss_and_undeclared_metrics_still_stop_the_run(hooked_run):
+def check_nan_loss_and_undeclared_metrics_still_stop_the_run(hooked_run):
     trainer, _, _ = hooked_run
     values = {
         "loss": math.nan,
@@ -191,12 +204,14 @@ def test_clip_extrema_are_nan_when_every_row_is_masked():
     B, T = 4, 3
     logps = jnp.log(jnp.full((B, T), 0.5))
     adv = jnp.array([1.0, -1.0, 1.0, -1.0])
-    _, aux = grpo_loss(logps, adv, jnp.zeros((B, T)), loss_type="dapo")
+    # Jitted: called eagerly, each of the losses' operations compiled a program of its own.
+    grpo = jax.jit(lambda mask: grpo_loss(logps, adv, mask, loss_type="dapo"))
+    _, aux = grpo(jnp.zeros((B, T)))
     assert jnp.isnan(aux["min"]["clip_ratio/low_min"])
     assert jnp.isnan(aux["max"]["clip_ratio/high_max"])
-    _, aux = grpo_loss(logps, adv, jnp.ones((B, T)).at[0].set(0), loss_type="dapo")
+    _, aux = grpo(jnp.ones((B, T)).at[0].set(0))
     assert aux["min"]["clip_ratio/low_min"] == 0.0
-    _, aux = rloo_loss(logps, adv, jnp.ones((B, T)), example_mask_B=jnp.zeros(B))
+    _, aux = jax.jit(rloo_loss)(logps, adv, jnp.ones((B, T)), example_mask_B=jnp.zeros(B))
     assert jnp.isnan(aux["min"]["clip_ratio/low_min"])
     assert jnp.isnan(aux["max"]["clip_ratio/high_max"])
 
