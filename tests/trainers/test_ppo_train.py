@@ -179,6 +179,9 @@ def test_train_callable_reward_and_exact_resume(hf_model_dir, tmp_path):
     first = next(m for m in _metrics(full) if m["step"] == 1)
     assert TRL_KEYS <= set(first), TRL_KEYS - set(first)
     assert int(trainer.train_state.extras["ppo_step"]) == 4
+    # One optimise program for the whole run: the state's inputs keep their types and
+    # placements from step to step (a host-refreshed RNG state once changed them at step 2).
+    assert trainer._jit_optimise._cache_size() == 1
     trainer.save_model()
     assert {"model.safetensors", "config.json"} <= set(os.listdir(full / "final"))
 
