@@ -181,19 +181,22 @@ def make_ppo_update(
 
         return loops.scan(backward_step, state, batches_N)
 
+    # Jitted (a nested call XLA inlines) so that the skip branch's `eval_shape` finds the run
+    # branch's trace in jit's cache instead of tracing the epoch's forward and backward again.
+    run_epoch_jit = jax.jit(run_epoch)
+
     def update(state: TrainState, rollout: dict, perms_EB: jax.Array):
         def epoch(carry, perm_B):
             state, stopped = carry
 
-            def run(state):
-                return run_epoch(state, rollout, perm_B)
-
-            def skip(state):
-                _, (out_shape, gn_shape) = jax.eval_shape(run, state)
+            def skip(state, rollout, perm_B):
+                _, (out_shape, gn_shape) = jax.eval_shape(run_epoch_jit, state, rollout, perm_B)
                 zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (out_shape, gn_shape))
                 return state, zeros
 
-            state, (out_N, grad_norm_N) = jax.lax.cond(stopped, skip, run, state)
+            state, (out_N, grad_norm_N) = jax.lax.cond(
+                stopped, skip, run_epoch_jit, state, rollout, perm_B
+            )
             ran = jnp.logical_not(stopped)
             if early_stopping:
                 last_policykl = out_N["sum"]["policy/policykl"][-1, -1]

@@ -156,12 +156,21 @@ def test_ratio_threshold_zeroes_loss_but_optimizer_steps(setup):
     s = setup
     tx = optax.sgd(1.0)
     loss_fn = make_ppo_loss_fn(s["apply"], ratio_threshold=0.5, **LOSS_KW)  # ratio 1 > 0.5
+    traced = []
+
+    def counted_loss_fn(*args):
+        traced.append(1)
+        return loss_fn(*args)
+
     update = make_ppo_update(
-        loss_fn, tx, batch_size=B, mini_batch_size=B, gradient_accumulation_steps=1,
+        counted_loss_fn, tx, batch_size=B, mini_batch_size=B, gradient_accumulation_steps=1,
         early_stopping=False, target_kl=1.0,
     )  # fmt: skip
     state = TrainState.create(_copy(s["params"]), tx, seed=0)
     new_state, out = jax.jit(update)(state, _rollout(s), jnp.arange(B, dtype=jnp.int32)[None])
+    # The epoch (forward and backward) is traced once: the early-stopping skip branch takes its
+    # output shapes from that trace instead of tracing the epoch again.
+    assert len(traced) == 1
     assert int(new_state.step) == 1
     assert float(out["sum"]["ratio_skipped"].sum()) == 1.0
     assert float(out["sum"]["loss/total"].sum()) == 0.0
