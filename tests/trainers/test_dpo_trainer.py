@@ -40,53 +40,41 @@ def dpo(tmp_path, model, tokenizer, data, eval_data=None, callbacks=None, **kw):
     return trainer, train_logs(trainer)
 
 
-TRL_COMMON = dict(
-    per_device_train_batch_size=8, max_steps=3, learning_rate=1e-3, beta=0.1, max_length=64
-)
-
-
-@pytest.fixture(scope="module")
-def trl_dpo_logs(tmp_path_factory, tokenizer, hf_model_dir, pref_data):
-    """TRL's DPOTrainer on 8 pairs (`TRL_COMMON`): one run for both layouts of the parity test
-    (TRL's run does not depend on jaxrl's `prefix_sharing`)."""
+@pytest.mark.slow
+def test_matches_trl_dpo_trainer(tmp_path, tokenizer, hf_model_dir, pref_data):
+    """A few full-batch f32 steps: same losses, rewards and log-probs as TRL, for jaxrl's two-row
+    layout and when jaxrl runs each pair as one prefix-shared row. (Formerly parametrized over
+    `prefix_sharing`; merged so TRL's run, which does not depend on jaxrl's layout, runs once:
+    each layout's run is still compared with it on every metric at every step.)"""
     import trl
 
-    out = tmp_path_factory.mktemp("dpo_trl")
     data = pref_data[0].select(range(8))
+    common = dict(
+        per_device_train_batch_size=8, max_steps=3, learning_rate=1e-3, beta=0.1, max_length=64
+    )
     _, theirs = trl_train_logs(
-        trl.DPOTrainer, trl.DPOConfig, hf_model_dir, tokenizer, data, out, **TRL_COMMON
+        trl.DPOTrainer, trl.DPOConfig, hf_model_dir, tokenizer, data, tmp_path / "trl", **common
     )
-    return theirs
-
-
-@pytest.mark.parametrize("prefix_sharing", [False, True])
-@pytest.mark.slow
-def test_matches_trl_dpo_trainer(
-    tmp_path, tokenizer, hf_model_dir, pref_data, prefix_sharing, trl_dpo_logs
-):
-    """A few full-batch f32 steps: same losses, rewards and log-probs as TRL (also when jaxrl
-    runs each pair as one prefix-shared row)."""
-    data = pref_data[0].select(range(8))
-    common = TRL_COMMON
-    theirs = trl_dpo_logs
-    _, ours = dpo(
-        tmp_path / "ours",
-        hf_model_dir,
-        tokenizer,
-        data,
-        **common,
-        max_prompt_length=32,
-        prefix_sharing=prefix_sharing,
-    )
-    assert len(ours) == len(theirs) == 3
-    for step, (o, t) in enumerate(zip(ours, theirs, strict=True)):
-        for key in TRL_METRICS:
-            if step == 0 and key == "rewards/accuracies":
-                continue  # rewards are 0 up to float noise at step 1: the sign is arbitrary
-            np.testing.assert_allclose(
-                o[key], t[key], rtol=2e-4, atol=2e-5, err_msg=f"{key} at step {step + 1}"
-            )
-        np.testing.assert_allclose(o["grad_norm"], t["grad_norm"], rtol=2e-3)
+    for prefix_sharing in (False, True):
+        _, ours = dpo(
+            tmp_path / f"ours_{prefix_sharing}",
+            hf_model_dir,
+            tokenizer,
+            data,
+            **common,
+            max_prompt_length=32,
+            prefix_sharing=prefix_sharing,
+        )
+        assert len(ours) == len(theirs) == 3
+        for step, (o, t) in enumerate(zip(ours, theirs, strict=True)):
+            where = f"at step {step + 1}, prefix_sharing={prefix_sharing}"
+            for key in TRL_METRICS:
+                if step == 0 and key == "rewards/accuracies":
+                    continue  # rewards are 0 up to float noise at step 1: the sign is arbitrary
+                np.testing.assert_allclose(
+                    o[key], t[key], rtol=2e-4, atol=2e-5, err_msg=f"{key} {where}"
+                )
+            np.testing.assert_allclose(o["grad_norm"], t["grad_norm"], rtol=2e-3, err_msg=where)
 
 
 @pytest.fixture(scope="module")

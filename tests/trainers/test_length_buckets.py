@@ -265,7 +265,12 @@ def test_lora_dropout_does_not_depend_on_the_buckets(tmp_path):
         )
         trainer.args.train_sampling_strategy = "sequential"
         runs[name] = trainer
+        lengths = record_step_lengths(trainer)
         trainer.train()
+        # The bucketed run did use three buckets (else the comparison below could not fail).
+        assert lengths == (
+            [trainer.seq_len] * 3 if buckets is None else [*BUCKETS, trainer.seq_len]
+        )
     for got, want in zip(*map(train_logs, (runs["buckets"], runs["static"])), strict=True):
         for k in ("loss", "grad_norm"):
             np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=1e-6, err_msg=k)
