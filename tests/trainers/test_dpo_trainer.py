@@ -40,11 +40,12 @@ def dpo(tmp_path, model, tokenizer, data, eval_data=None, callbacks=None, **kw):
     return trainer, train_logs(trainer)
 
 
-@pytest.mark.parametrize("prefix_sharing", [False, True])
 @pytest.mark.slow
-def test_matches_trl_dpo_trainer(tmp_path, tokenizer, hf_model_dir, pref_data, prefix_sharing):
-    """A few full-batch f32 steps: same losses, rewards and log-probs as TRL (also when jaxrl
-    runs each pair as one prefix-shared row)."""
+def test_matches_trl_dpo_trainer(tmp_path, tokenizer, hf_model_dir, pref_data):
+    """A few full-batch f32 steps: same losses, rewards and log-probs as TRL, for jaxrl's two-row
+    layout and when jaxrl runs each pair as one prefix-shared row. (Formerly parametrized over
+    `prefix_sharing`; merged so TRL's run, which does not depend on jaxrl's layout, runs once:
+    each layout's run is still compared with it on every metric at every step.)"""
     import trl
 
     data = pref_data[0].select(range(8))
@@ -54,24 +55,35 @@ def test_matches_trl_dpo_trainer(tmp_path, tokenizer, hf_model_dir, pref_data, p
     _, theirs = trl_train_logs(
         trl.DPOTrainer, trl.DPOConfig, hf_model_dir, tokenizer, data, tmp_path / "trl", **common
     )
-    _, ours = dpo(
-        tmp_path / "ours",
-        hf_model_dir,
-        tokenizer,
-        data,
-        **common,
-        max_prompt_length=32,
-        prefix_sharing=prefix_sharing,
-    )
-    assert len(ours) == len(theirs) == 3
-    for step, (o, t) in enumerate(zip(ours, theirs, strict=True)):
-        for key in TRL_METRICS:
-            if step == 0 and key == "rewards/accuracies":
-                continue  # rewards are 0 up to float noise at step 1: the sign is arbitrary
-            np.testing.assert_allclose(
-                o[key], t[key], rtol=2e-4, atol=2e-5, err_msg=f"{key} at step {step + 1}"
-            )
-        np.testing.assert_allclose(o["grad_norm"], t["grad_norm"], rtol=2e-3)
+    for prefix_sharing in (False, True):
+        _, ours = dpo(
+            tmp_path / f"ours_{prefix_sharing}",
+            hf_model_dir,
+            tokenizer,
+            data,
+            **common,
+            max_prompt_length=32,
+            prefix_sharing=prefix_sharing,
+        )
+        assert len(ours) == len(theirs) == 3
+        for step, (o, t) in enumerate(zip(ours, theirs, strict=True)):
+            where = f"at step {step + 1}, prefix_sharing={prefix_sharing}"
+            for key in TRL_METRICS:
+                if step == 0 and key == "rewards/accuracies":
+                    continue  # rewards are 0 up to float noise at step 1: the sign is arbitrary
+                np.testing.assert_allclose(
+                    o[key], t[key], rtol=2e-4, atol=2e-5, err_msg=f"{key} {where}"
+                )
+            np.testing.assert_allclose(o["grad_norm"], t["grad_norm"], rtol=2e-3, err_msg=where)
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory, tokenizer, hf_model_dir, pref_data):
+    """`dpo(...)` with the defaults and `max_steps=2` on `pref_data[0]`: the full-precision,
+    live-reference, two-row, unaccumulated single-device baseline that the int8, precomputed
+    and accumulation/mesh tests each compare against (the same config in each; built once)."""
+    out = tmp_path_factory.mktemp("dpo_default")
+    return dpo(out, hf_model_dir, tokenizer, pref_data[0], max_steps=2)
 
 
 @pytest.mark.slow
@@ -96,8 +108,10 @@ def test_metric_names_eval_prefix_and_learning(tmp_path, tokenizer, hf_model_dir
 
 
 @pytest.mark.slow
-def test_int8_reference_close_to_full_precision(tmp_path, tokenizer, hf_model_dir, pref_data):
-    full, full_logs = dpo(tmp_path / "a", hf_model_dir, tokenizer, pref_data[0], max_steps=2)
+def test_int8_reference_close_to_full_precision(
+    tmp_path, tokenizer, hf_model_dir, pref_data, default_run
+):
+    _, full_logs = default_run
     q, q_logs = dpo(
         tmp_path / "b",
         hf_model_dir,
@@ -117,16 +131,19 @@ def test_int8_reference_close_to_full_precision(tmp_path, tokenizer, hf_model_di
 @pytest.mark.slow
 @pytest.mark.parametrize("prefix_sharing", [False, True])
 def test_precomputed_reference_equals_live_reference(
-    tmp_path, tokenizer, hf_model_dir, pref_data, prefix_sharing
+    tmp_path, tokenizer, hf_model_dir, pref_data, prefix_sharing, default_run
 ):
-    _, live = dpo(
-        tmp_path / "live",
-        hf_model_dir,
-        tokenizer,
-        pref_data[0],
-        max_steps=2,
-        prefix_sharing=prefix_sharing,
-    )
+    if prefix_sharing:
+        _, live = dpo(
+            tmp_path / "live",
+            hf_model_dir,
+            tokenizer,
+            pref_data[0],
+            max_steps=2,
+            prefix_sharing=True,
+        )
+    else:  # the live two-row run (prefix_sharing=False is the default) is `default_run`'s
+        _, live = default_run
     pre, pre_logs = dpo(
         tmp_path / "pre",
         hf_model_dir,
@@ -270,18 +287,19 @@ def test_explicit_ref_model(tmp_path, tokenizer, hf_model_dir, pref_data):
 
 @pytest.mark.slow
 def test_bema_buffers_survive_resume(tmp_path, tokenizer, hf_model_dir, pref_data):
+    """A run killed after step 2 leaves what the uninterrupted run saved then (its step-2
+    checkpoint, BEMA buffers included): resumed from it, steps 3-4 rebuild the uninterrupted
+    run's buffers exactly."""
     kw = dict(max_steps=4, learning_rate=1e-2, save_strategy="steps", save_steps=2)
     full = BEMACallback(update_freq=1, lag=1)
     dpo(tmp_path / "full", hf_model_dir, tokenizer, pref_data[0], callbacks=[full], **kw)
-    first = BEMACallback(update_freq=1, lag=1)
-    dpo(tmp_path / "run", hf_model_dir, tokenizer, pref_data[0], callbacks=[first], **kw)
     resumed = BEMACallback(update_freq=1, lag=1)
     trainer = DPOTrainer(
         hf_model_dir,
         args=DPOConfig(
             **base_args(
-                tmp_path / "run",
-                resume_from_checkpoint=str(tmp_path / "run" / "checkpoints" / "checkpoint-2"),
+                tmp_path / "resumed",
+                resume_from_checkpoint=str(tmp_path / "full" / "checkpoints" / "checkpoint-2"),
                 **kw,
             )
         ),
@@ -295,10 +313,10 @@ def test_bema_buffers_survive_resume(tmp_path, tokenizer, hf_model_dir, pref_dat
 
 @pytest.mark.slow
 def test_same_metrics_with_accumulation_and_on_a_2x2x2_mesh(
-    tmp_path, tokenizer, hf_model_dir, pref_data
+    tmp_path, tokenizer, hf_model_dir, pref_data, default_run
 ):
     keys = ("loss", "grad_norm", "rewards/margins", "logps/chosen", "logits/chosen")
-    _, base = dpo(tmp_path / "a", hf_model_dir, tokenizer, pref_data[0], max_steps=2)
+    _, base = default_run
     _, accum = dpo(
         tmp_path / "b",
         hf_model_dir,

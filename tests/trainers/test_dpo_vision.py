@@ -7,6 +7,8 @@ does not run) on images are errors; the CLI trains on a dataset directory with i
 
 The tiny model and processor are `test_sft_vision`'s (28 x 28 images, 4 tokens each)."""
 
+import functools
+
 import datasets
 import numpy as np
 import pytest
@@ -87,7 +89,11 @@ def _assert_trl_logs(ours, theirs):
 @pytest.fixture(scope="module")
 def conversational_runs(vlm_dir, tmp_path_factory):  # noqa: F811
     """TRL's and jaxrl's 2 full-batch steps on 4 conversational pairs (1 and 2 images); jaxrl's
-    batch of 4 is 2 accumulated micro-batches on 2 devices."""
+    batch of 4 is 2 accumulated micro-batches on 2 devices. jaxrl's reference is an explicit
+    `ref_model` (the same checkpoint, loaded again with its vision tower), TRL's its implicit
+    copy of the model: one jaxrl run serves both the TRL parity test and the explicit
+    reference's check in `test_reference_model_variants` (the implicit frozen-copy reference on
+    images is compared with TRL's in `test_standard_pairs_with_zero_one_and_two_images_match_trl`)."""
     import trl
 
     out = tmp_path_factory.mktemp("dpo_vision")
@@ -95,15 +101,19 @@ def conversational_runs(vlm_dir, tmp_path_factory):  # noqa: F811
     trl_trainer, theirs = trl_train_logs(
         trl.DPOTrainer, trl.DPOConfig, vlm_dir, _processor(vlm_dir), data, out / "trl", **COMMON
     )
-    ours = _dpo(vlm_dir, out / "ours", data, **SPLIT)
+    ours = DPOTrainer(
+        vlm_dir, ref_model=vlm_dir, args=DPOConfig(**base_args(out / "ours", **SPLIT)),
+        train_dataset=data, processing_class=_processor(vlm_dir),
+    )  # fmt: skip
     ours.train()
     return data, (ours, train_logs(ours)), (trl_trainer, theirs)
 
 
 def test_conversational_matches_trl(conversational_runs):
-    """Loss, every metric and the grad norm at both steps (jaxrl accumulating over 2 devices,
-    TRL one batch on one); step 2's rewards hold the reference log-probs (with the same images),
-    its log-probs the trained policy's. The trained models evaluate alike."""
+    """Loss, every metric and the grad norm at both steps (jaxrl accumulating over 2 devices
+    with an explicit `ref_model`, TRL one batch on one with its implicit reference); step 2's
+    rewards hold the reference log-probs (with the same images), its log-probs the trained
+    policy's. The trained models evaluate alike."""
     data, (ours, logs), (trl_trainer, theirs) = conversational_runs
     _assert_trl_logs(logs, theirs)
     assert abs(logs[1]["rewards/margins"]) > 1e-3  # the reference differs from the policy
@@ -122,20 +132,16 @@ def _reference_logps(logs: list[dict], side: str) -> float:
     return logs[1][f"logps/{side}"] - logs[1][f"rewards/{side}"] / COMMON["beta"]
 
 
-def test_reference_model_variants(vlm_dir, tmp_path):  # noqa: F811
-    """An explicit `ref_model` (the same checkpoint, loaded with its vision tower) and an int8
-    reference (vision tower included, nearly) are the initial model on the images: step 2 (the
-    same 4 pairs) reads step 1's policy log-probs as its reference's."""
-    data = _pairs()
-    explicit = DPOTrainer(
-        vlm_dir, ref_model=vlm_dir, args=DPOConfig(**base_args(tmp_path / "a", **SPLIT)),
-        train_dataset=data, processing_class=_processor(vlm_dir),
-    )  # fmt: skip
-    explicit.train()
+def test_reference_model_variants(vlm_dir, tmp_path, conversational_runs):  # noqa: F811
+    """An explicit `ref_model` (the same checkpoint, loaded with its vision tower: the run of
+    `conversational_runs`, SPLIT on `_pairs()`) and an int8 reference (vision tower included,
+    nearly) are the initial model on the images: step 2 (the same 4 pairs) reads step 1's policy
+    log-probs as its reference's."""
+    data, (_, explicit_logs), _ = conversational_runs
     int8 = _dpo(vlm_dir, tmp_path / "b", data, ref_model_quantization="int8", **SPLIT)
     int8.train()
     for side in ("chosen", "rejected"):
-        logs = train_logs(explicit)
+        logs = explicit_logs
         np.testing.assert_allclose(_reference_logps(logs, side), logs[0][f"logps/{side}"], 1e-6)
         logs = train_logs(int8)
         got, want = _reference_logps(logs, side), logs[0][f"logps/{side}"]
@@ -202,14 +208,21 @@ def _torch_forward(model, processor, data):
         return batch, model.eval()(**inputs).logits.float()
 
 
+@functools.cache
+def _torch_model(path):
+    """The checkpoint's transformers model, loaded once per process (only run forward, in eval
+    mode, by `_torch_forward`)."""
+    import transformers
+
+    return transformers.AutoModelForImageTextToText.from_pretrained(path)
+
+
 def _torch_logps(vlm_dir, data):  # noqa: F811
     """Mean (chosen, rejected) completion log-probs of `data` under the checkpoint's
     transformers model on TRL's collated batch."""
     import torch
-    import transformers
 
-    model = transformers.AutoModelForImageTextToText.from_pretrained(vlm_dir)
-    batch, logits = _torch_forward(model, _processor(vlm_dir), data)
+    batch, logits = _torch_forward(_torch_model(vlm_dir), _processor(vlm_dir), data)
     logps = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None])
     per_row = (logps[..., 0] * batch["completion_mask"][:, 1:]).sum(-1).numpy()
     chosen, rejected = np.split(per_row, 2)

@@ -7,7 +7,6 @@ concatenated with -100 padding)."""
 import datasets
 import numpy as np
 import pytest
-from onpolicy_utils import StopAt
 from trainer_utils import base_args, tiny_config, train_logs
 
 from jaxrl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
@@ -266,7 +265,12 @@ def test_lora_dropout_does_not_depend_on_the_buckets(tmp_path):
         )
         trainer.args.train_sampling_strategy = "sequential"
         runs[name] = trainer
+        lengths = record_step_lengths(trainer)
         trainer.train()
+        # The bucketed run did use three buckets (else the comparison below could not fail).
+        assert lengths == (
+            [trainer.seq_len] * 3 if buckets is None else [*BUCKETS, trainer.seq_len]
+        )
     for got, want in zip(*map(train_logs, (runs["buckets"], runs["static"])), strict=True):
         for k in ("loss", "grad_norm"):
             np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=1e-6, err_msg=k)
@@ -283,7 +287,8 @@ def test_sft_packing_keeps_the_static_length(tmp_path):
 @pytest.mark.slow
 def test_resume_with_buckets_is_bit_exact(tmp_path):
     """Kill after step 2 (a checkpoint) and resume: step 3 (another bucket) is the uninterrupted
-    run's, bit for bit."""
+    run's, bit for bit. A run killed after step 2 leaves what the uninterrupted one saved then
+    (its step-2 checkpoint), so the resume starts from that checkpoint."""
     data = sft_rows(0)
     kw = dict(
         max_steps=3,
@@ -295,8 +300,8 @@ def test_resume_with_buckets_is_bit_exact(tmp_path):
     )
     full = _trainer("sft", tmp_path / "a", data, **kw)
     full.train()
-    _trainer("sft", tmp_path / "b", data, callbacks=[StopAt(2)], **kw).train()
-    resumed = _trainer("sft", tmp_path / "b", data, resume_from_checkpoint=True, **kw)
+    checkpoint = tmp_path / "a" / "checkpoints" / "checkpoint-2"
+    resumed = _trainer("sft", tmp_path / "b", data, resume_from_checkpoint=str(checkpoint), **kw)
     lengths = record_step_lengths(resumed)
     resumed.train()
     assert lengths == expected_lengths(resumed, 3)[2:]
