@@ -3,9 +3,12 @@ hand recomputation of the rollout log-probs with a freshly loaded model."""
 
 from __future__ import annotations
 
+import functools
+
 import datasets
 import jax
 import numpy as np
+from flax import nnx
 
 from jaxrl import models
 from jaxrl.callbacks.base import TrainerCallback
@@ -37,14 +40,21 @@ class RecordingReward:
         return [float(t.count("1")) if t else None for t in texts]
 
 
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def split_model_logps(graphdef, params, batch: dict, temperature: float = 1.0) -> jax.Array:
+    """Completion log-probs (f32) of a model split as `(graphdef, params)`: the weights are an
+    argument, so one program per batch shape serves every model of the same config (a policy,
+    its reference, a reloaded export) instead of one program per model with its weights baked
+    in."""
+    model = nnx.merge(graphdef, params)
+    return completion_logprobs(model, batch, temperature=temperature, chunk_size=128)
+
+
 def recompute_logps(model_dir: str, rollout: dict, temperature: float = 1.0) -> np.ndarray:
     """Completion log-probs of the rollout rows under the model saved at `model_dir` (f32)."""
-    model = models.from_pretrained(model_dir)
+    graphdef, params = nnx.split(models.from_pretrained(model_dir))
     batch = {k: rollout[k] for k in ("input_ids", "attention_mask", "completion_mask")}
-    logps = jax.jit(
-        lambda b: completion_logprobs(model, b, temperature=temperature, chunk_size=128)
-    )(batch)
-    return np.asarray(logps)
+    return np.asarray(split_model_logps(graphdef, params, batch, temperature))
 
 
 class StopAt(TrainerCallback):
