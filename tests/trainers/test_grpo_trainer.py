@@ -9,8 +9,8 @@ import chex
 import jax
 import numpy as np
 import pytest
-from onpolicy_utils import RecordingReward, StopAt, prompt_rows, recompute_logps
-from trainer_utils import base_args, train_logs
+from onpolicy_utils import RecordingReward, prompt_rows, recompute_logps
+from trainer_utils import base_args, killed_after_checkpoint, train_logs
 
 from jaxrl.config import ConfigError
 from jaxrl.losses.grpo import grpo_advantages, grpo_loss
@@ -130,9 +130,8 @@ def test_default_run_one_prefill_no_reference_and_resume(hf_model_dir, tokenizer
     assert full.rollout["input_ids"].shape[0] == 8
     assert full.train_state.frozen == {}  # (2)
 
-    # (3)
-    part, _ = make(hf_model_dir, tokenizer, tmp_path / "b", callbacks=[StopAt(2)], **RESUME)
-    part.train()
+    # (3) From the uninterrupted run's step-2 checkpoint: what a run killed then leaves.
+    killed_after_checkpoint(tmp_path / "a", 2, tmp_path / "b")
     resumed, _ = make(hf_model_dir, tokenizer, tmp_path / "b", **RESUME)
     resumed.train(resume_from_checkpoint=True)
     a = train_logs(full)[2:]
