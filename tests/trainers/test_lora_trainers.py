@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from trainer_utils import base_args, train_logs
+from trainer_utils import base_args, killed_after_checkpoint, train_logs
 
 from jaxrl import lora, models
 from jaxrl.callbacks.bema import BEMACallback
@@ -215,8 +215,9 @@ def test_lora_resume_is_exact_and_checkpoint_has_no_base(
     kw = dict(max_steps=4, learning_rate=1e-2, save_strategy="steps", save_steps=2)
     full = _sft(tmp_path / "full", hf_model_dir, tokenizer, sft_data, peft_config=cfg, **kw)
     full.train()
-    run = _sft(tmp_path / "run", hf_model_dir, tokenizer, sft_data, peft_config=cfg, **kw)
-    run.train()
+    # The interrupted run is the uninterrupted one up to its step-2 save (same config, same
+    # seed): a copy of `full`'s checkpoint-2 is what it leaves, without training it again.
+    killed_after_checkpoint(tmp_path / "full", 2, tmp_path / "run")
     ckpt = tmp_path / "run" / "checkpoints" / "checkpoint-2"
     # The resumed trainer restores into a tree without frozen["base"] (it reloads the base from
     # the model path), so this also checks that the checkpoint holds no base weights.
