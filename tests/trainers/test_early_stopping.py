@@ -3,7 +3,7 @@ after `early_stopping_patience` evaluations without an improvement larger than t
 and the callback's counter survives a resume through the checkpoint's `stateful_callbacks`."""
 
 import pytest
-from trainer_utils import base_args
+from trainer_utils import base_args, killed_after_checkpoint
 
 from jaxrl import EarlyStoppingCallback, SFTConfig, SFTTrainer
 
@@ -56,15 +56,16 @@ def test_an_improvement_resets_the_counter(tmp_path, hf_model_dir, sft_data):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("restore", "stop_step"), [(True, 4), (False, 5)])
-def test_counter_survives_resume_only_when_restored(
-    tmp_path, hf_model_dir, sft_data, restore, stop_step
-):
+def test_counter_survives_resume_only_when_restored(tmp_path, hf_model_dir, sft_data):
     """Patience 3: an uninterrupted run stops at step 4. Interrupted after step 2 (counter 1,
     saved in `stateful_callbacks`), the resumed run stops at step 4 again when the state is
-    restored, and at step 5 with a fresh counter (the best metric comes back either way)."""
+    restored, and at step 5 with a fresh counter (the best metric comes back either way).
+
+    Both resumed runs (restore=True and restore=False, once two parametrized tests that each
+    trained the same interrupted run) start from copies of one interrupted run's step-2
+    checkpoint, each in its own output dir."""
     first = sft(
-        tmp_path,
+        tmp_path / "first",
         hf_model_dir,
         sft_data,
         [EarlyStoppingCallback(3, NEVER)],
@@ -75,18 +76,21 @@ def test_counter_survives_resume_only_when_restored(
     first.train()
     saved = first.state.stateful_callbacks["EarlyStoppingCallback"]
     assert saved["attributes"] == {"early_stopping_patience_counter": 1}
-    stopper = EarlyStoppingCallback(3, NEVER)
-    resumed = sft(
-        tmp_path,
-        hf_model_dir,
-        sft_data,
-        [stopper],
-        save_strategy="steps",
-        save_steps=1,
-        restore_callback_states_from_checkpoint=restore,
-    )
-    resumed.train(resume_from_checkpoint=True)
-    assert resumed.state.global_step == stop_step
+    for restore, stop_step in ((True, 4), (False, 5)):
+        out = tmp_path / f"restore_{restore}"
+        killed_after_checkpoint(tmp_path / "first", 2, out)
+        stopper = EarlyStoppingCallback(3, NEVER)
+        resumed = sft(
+            out,
+            hf_model_dir,
+            sft_data,
+            [stopper],
+            save_strategy="steps",
+            save_steps=1,
+            restore_callback_states_from_checkpoint=restore,
+        )
+        resumed.train(resume_from_checkpoint=True)
+        assert resumed.state.global_step == stop_step, restore
 
 
 def test_needs_a_metric_and_evaluations(tmp_path, hf_model_dir, sft_data):

@@ -17,20 +17,28 @@ def _eval_args(tmp_path, **kw):
     return base_args(tmp_path, max_steps=1, per_device_eval_batch_size=8, **kw)
 
 
-def test_sft_predictions_are_hf_logits_and_labels(tmp_path, tokenizer, hf_model_dir, sft_data):
+def test_sft_predictions_and_prediction_loss_only(tmp_path, tokenizer, hf_model_dir, sft_data):
+    """The full evaluation's predictions are HF's logits and labels; then HF's
+    `prediction_loss_only` (once its own test, which built a second trainer of this same config
+    for its full evaluation): evaluate() skips `compute_metrics` (the loss and the trainer's own
+    metrics stay, equal to the full evaluation's) and predict() returns no predictions."""
     import torch
     from transformers import AutoModelForCausalLM
 
     seen = []
-    trainer = SFTTrainer(
-        hf_model_dir,
-        args=SFTConfig(**_eval_args(tmp_path)),
-        eval_dataset=sft_data[1].select(range(12)),
-        processing_class=tokenizer,
-        compute_metrics=lambda pred: seen.append(pred) or {"n": len(pred.label_ids)},
-    )
+
+    def sft_trainer(**kw):
+        return SFTTrainer(
+            hf_model_dir,
+            args=SFTConfig(**_eval_args(tmp_path / str(kw), **kw)),
+            eval_dataset=sft_data[1].select(range(12)),
+            processing_class=tokenizer,
+            compute_metrics=lambda pred: seen.append(pred) or {"n": len(pred.label_ids)},
+        )
+
+    trainer = sft_trainer()
     metrics = trainer.evaluate()
-    assert metrics["eval_n"] == 12
+    assert len(seen) == 1 and metrics["eval_n"] == 12
     logits, labels = seen[0]
     n, t = labels.shape
     assert logits.shape == (n, t, 16) and logits.dtype == np.float32
@@ -55,6 +63,17 @@ def test_sft_predictions_are_hf_logits_and_labels(tmp_path, tokenizer, hf_model_
         scored = targets[lo : lo + 8] != -100
         per_batch.append(np.mean(pred_ids[lo : lo + 8][scored] == targets[lo : lo + 8][scored]))
     assert metrics["eval_mean_token_accuracy"] == pytest.approx(np.mean(per_batch), abs=1e-6)
+
+    # prediction_loss_only: no compute_metrics call, the same loss and trainer metrics.
+    full = metrics
+    loss_only = sft_trainer(prediction_loss_only=True)
+    loss_only_metrics = loss_only.evaluate()
+    assert len(seen) == 1 and "eval_n" not in loss_only_metrics
+    for key in ("eval_loss", "eval_mean_token_accuracy", "eval_entropy"):
+        assert loss_only_metrics[key] == pytest.approx(full[key], abs=1e-7)
+    out = loss_only.predict(sft_data[1].select(range(12)))
+    assert out.predictions is None and out.label_ids is None
+    assert out.metrics["test_loss"] == pytest.approx(full["eval_loss"], abs=1e-7)
 
 
 @pytest.mark.slow
@@ -168,29 +187,3 @@ def test_reward_compute_metrics_gets_pair_scores(tmp_path, tokenizer, hf_model_d
     assert min_reward == pytest.approx(metrics["eval_min_reward"], rel=1e-6)
     out = trainer.predict(pref_data[1].select(range(3)))
     np.testing.assert_allclose(out.predictions, scores[:3], rtol=1e-6)
-
-
-def test_prediction_loss_only(tmp_path, tokenizer, hf_model_dir, sft_data):
-    """HF's `prediction_loss_only`: evaluate() skips `compute_metrics` (the loss and the trainer's
-    own metrics stay, equal to a full evaluation's) and predict() returns no predictions."""
-    calls = []
-
-    def trainer(**kw):
-        return SFTTrainer(
-            hf_model_dir,
-            args=SFTConfig(**_eval_args(tmp_path / str(kw), **kw)),
-            eval_dataset=sft_data[1].select(range(12)),
-            processing_class=tokenizer,
-            compute_metrics=lambda pred: calls.append(pred) or {"n": len(pred.label_ids)},
-        )
-
-    full = trainer().evaluate()
-    assert len(calls) == 1 and full["eval_n"] == 12
-    loss_only = trainer(prediction_loss_only=True)
-    metrics = loss_only.evaluate()
-    assert len(calls) == 1 and "eval_n" not in metrics
-    for key in ("eval_loss", "eval_mean_token_accuracy", "eval_entropy"):
-        assert metrics[key] == pytest.approx(full[key], abs=1e-7)
-    out = loss_only.predict(sft_data[1].select(range(12)))
-    assert out.predictions is None and out.label_ids is None
-    assert out.metrics["test_loss"] == pytest.approx(full["eval_loss"], abs=1e-7)

@@ -9,9 +9,10 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from trainer_utils import base_args, train_logs
+from trainer_utils import base_args, killed_after_checkpoint, train_logs
 
 from jaxrl import lora, models
+from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.callbacks.bema import BEMACallback
 from jaxrl.config import DPOConfig, RewardConfig, SFTConfig
 from jaxrl.core import quant
@@ -215,9 +216,18 @@ def test_lora_resume_is_exact_and_checkpoint_has_no_base(
     kw = dict(max_steps=4, learning_rate=1e-2, save_strategy="steps", save_steps=2)
     full = _sft(tmp_path / "full", hf_model_dir, tokenizer, sft_data, peft_config=cfg, **kw)
     full.train()
-    run = _sft(tmp_path / "run", hf_model_dir, tokenizer, sft_data, peft_config=cfg, **kw)
-    run.train()
+    # The interrupted run is the uninterrupted one up to its step-2 save (same config, same
+    # seed): a copy of `full`'s checkpoint-2 is what it leaves, without training it again.
+    killed_after_checkpoint(tmp_path / "full", 2, tmp_path / "run")
     ckpt = tmp_path / "run" / "checkpoints" / "checkpoint-2"
+
+    class StepsRun(TrainerCallback):
+        steps: list = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps.append(state.global_step)
+
+    steps_run = StepsRun()
     # The resumed trainer restores into a tree without frozen["base"] (it reloads the base from
     # the model path), so this also checks that the checkpoint holds no base weights.
     resumed = _sft(
@@ -226,11 +236,15 @@ def test_lora_resume_is_exact_and_checkpoint_has_no_base(
         tokenizer,
         sft_data,
         peft_config=cfg,
+        callbacks=[steps_run],
         resume_from_checkpoint=str(ckpt),
         overwrite_output_dir=False,
         **kw,
     )
     resumed.train()
+    # It resumed: only steps 3-4 ran (a fresh run of this seeded config would match the losses
+    # and params below too, so this is what shows the checkpoint was restored).
+    assert steps_run.steps == [3, 4]
     want = [h["loss"] for h in train_logs(full)][2:]
     got = [h["loss"] for h in train_logs(resumed)][-2:]
     np.testing.assert_array_equal(got, want)
