@@ -24,8 +24,18 @@ SCANNED = [
 CASES = [
     pytest.param(*c, marks=() if c in FAST else pytest.mark.slow)
     # gemma3_vlm is gemma3's language model behind another loader (tests/models/test_image_text.py)
-    for c in [(family, False) for family in FAMILIES if family != "gemma3_vlm"] + SCANNED
+    # Each family's scanned case right after its unscanned one, so that both tend to run on one
+    # xdist worker and share transformers' reference runs (`_hf_run`).
+    for c in [
+        case
+        for family in FAMILIES
+        if family != "gemma3_vlm"
+        for case in [(family, False)] + [(f, s) for f, s in SCANNED if f == family]
+    ]
 ]
+assert sorted(c.values for c in CASES) == sorted(
+    [(f, False) for f in FAMILIES if f != "gemma3_vlm"] + SCANNED
+)  # the reordering keeps every case
 
 
 def expected_mask(ids_BN: np.ndarray, eos: int) -> np.ndarray:
@@ -47,19 +57,41 @@ def emitted_eos(free_run_BN: np.ndarray) -> tuple[int, int, int]:
     raise AssertionError("unreachable: step 0 always qualifies")
 
 
+# transformers' outputs per (reference checkpoint, min_new_tokens): the scanned and unscanned
+# cases of a family compare against the same reference model on the same prompts, so its
+# `generate` runs once per worker, not once per case (the outputs are deterministic greedy runs).
+_HF_RUNS: dict[tuple[str, int | None], tuple[np.ndarray, np.ndarray, int]] = {}
+
+
+def _hf_run(ref, prompts, min_new: int | None) -> tuple[np.ndarray, np.ndarray, int]:
+    """(ids, raw logits, eos) of transformers' greedy run: the free run (`min_new` None, eos
+    unused) or the run stopping at the free run's `emitted_eos` id with `min_new`."""
+    key = (str(ref.path), min_new)
+    if key not in _HF_RUNS:
+        if min_new is None:
+            ids, logits = hf_generate(ref.model, prompts, max_new_tokens=N_NEW, do_sample=False)
+            eos = -1
+        else:
+            eos = emitted_eos(_hf_run(ref, prompts, None)[0])[2]
+            ids, logits = hf_generate(
+                ref.model,
+                prompts,
+                max_new_tokens=N_NEW,
+                do_sample=False,
+                eos_token_id=eos,
+                min_new_tokens=min_new,
+            )
+        _HF_RUNS[key] = (ids, logits, eos)
+    ids, logits, eos = _HF_RUNS[key]
+    return ids.copy(), logits.copy(), eos
+
+
 def check_against_transformers(ref, sampler: Sampler, min_new_values: tuple[int, ...]) -> None:
     prompts = ragged_prompts(seed=1)
-    free_run, _ = hf_generate(ref.model, prompts, max_new_tokens=N_NEW, do_sample=False)
+    free_run, _, _ = _hf_run(ref, prompts, None)
     eos_row, eos_step, eos = emitted_eos(free_run)
     for min_new in min_new_values:
-        want_ids, want_logits = hf_generate(
-            ref.model,
-            prompts,
-            max_new_tokens=N_NEW,
-            do_sample=False,
-            eos_token_id=eos,
-            min_new_tokens=min_new,
-        )
+        want_ids, want_logits, _ = _hf_run(ref, prompts, min_new)
         config = GenerationConfig(
             max_new_tokens=N_NEW, min_new_tokens=min_new, eos_token_id=eos, pad_token_id=PAD
         )

@@ -53,14 +53,24 @@ def hf_greedy(model, prompts, pad, **kwargs) -> tuple[np.ndarray, np.ndarray]:
     return hf_generate(model, prompts, pad=pad, max_new_tokens=N_NEW, do_sample=False, **kwargs)
 
 
-@pytest.mark.parametrize("penalty", [1.3, 0.7])
-def test_greedy_repetition_penalty_matches_transformers_generate(llama, sampler, penalty):
-    # Each prompt ends with the first two tokens the model continues it with, so that the
-    # penalty on prompt tokens changes the completions.
+@pytest.fixture(scope="module")
+def extended_prompts(llama):
+    """Each prompt ends with the first two tokens the model continues it with, so that the
+    penalty on prompt tokens changes the completions; and transformers' greedy completions of
+    them without a penalty. Penalty-independent, so built once for both penalties."""
     prompts = ragged_prompts(seed=1)
     plain, _ = hf_greedy(llama.model, prompts, pad=0, eos_token_id=None)
     prompts = [p + plain[i, :2].tolist() for i, p in enumerate(prompts)]
     plain, _ = hf_greedy(llama.model, prompts, pad=0, eos_token_id=None)
+    return prompts, plain
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_greedy_repetition_penalty_matches_transformers_generate(
+    llama, sampler, extended_prompts, penalty
+):
+    prompts = [list(p) for p in extended_prompts[0]]
+    plain = extended_prompts[1].copy()
     free, _ = hf_greedy(llama.model, prompts, pad=0, eos_token_id=None, repetition_penalty=penalty)
     assert (free != plain).any()  # the penalty changes the greedy completions
     width = max(map(len, prompts))
