@@ -61,8 +61,14 @@ def test_sinks_match_transformers_values_and_gradients(impl):
             )
         return attention.attend(q, k, v, jnp.asarray(dense), window, impl, sinks=sinks)
 
-    out, vjp = jax.vjp(ours, q, k, v, sinks)
-    grads = vjp(jnp.asarray(cot))
+    # One jitted program for the forward and the backward (eagerly, every primitive of the
+    # blockwise kernel and its vjp compiled on its own: ~15 s of the test).
+    @jax.jit
+    def out_and_grads(q, k, v, sinks, cot):
+        out, vjp = jax.vjp(ours, q, k, v, sinks)
+        return out, vjp(cot)
+
+    out, grads = out_and_grads(q, k, v, sinks, jnp.asarray(cot))
 
     tq, tk, tv, ts = (torch.tensor(x, requires_grad=True) for x in (q, k, v, sinks))
     want = _torch_sink_attention(tq, tk, tv, torch.from_numpy(dense), ts)
@@ -98,8 +104,12 @@ def test_blockwise_sinks_with_dropout_equal_the_xla_path():
         def f(q, k, v, sinks):
             return attention.attend(q, k, v, dense, None, impl, dropout=dropout, sinks=sinks)
 
-        out, vjp = jax.vjp(f, q, k, v, sinks)
-        return out, vjp(cot)
+        @jax.jit  # one program, not one per primitive of the kernel and its vjp (eager: ~12 s)
+        def out_and_grads(q, k, v, sinks):
+            out, vjp = jax.vjp(f, q, k, v, sinks)
+            return out, vjp(cot)
+
+        return out_and_grads(q, k, v, sinks)
 
     (want, want_grads), (got, got_grads) = run("xla"), run("blockwise")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
