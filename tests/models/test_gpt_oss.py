@@ -169,9 +169,11 @@ def test_mxfp4_checkpoint_loads_dequantized_and_saves_plain(hf_causal, tmp_path)
     ours = from_pretrained(tmp_path / "mxfp4")
     dequantized = from_pretrained(tmp_path / "plain")
     ids, right, _ = padded_batch()
-    got = np.asarray(ours(jnp.asarray(ids), jnp.asarray(right)))
+    # One jitted forward for both (same config, so one program) instead of op by op.
+    forward = nnx.jit(lambda model, ids, mask: model(ids, mask))
+    got = np.asarray(forward(ours, jnp.asarray(ids), jnp.asarray(right)))
     np.testing.assert_array_equal(
-        got, np.asarray(dequantized(jnp.asarray(ids), jnp.asarray(right)))
+        got, np.asarray(forward(dequantized, jnp.asarray(ids), jnp.asarray(right)))
     )
 
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
