@@ -61,8 +61,14 @@ def test_sinks_match_transformers_values_and_gradients(impl):
             )
         return attention.attend(q, k, v, jnp.asarray(dense), window, impl, sinks=sinks)
 
-    out, vjp = jax.vjp(ours, q, k, v, sinks)
-    grads = vjp(jnp.asarray(cot))
+    # One jitted program for the forward and the backward (eagerly, every primitive of the
+    # blockwise kernel and its vjp compiled on its own: ~15 s of the test).
+    @jax.jit
+    def out_and_grads(q, k, v, sinks, cot):
+        out, vjp = jax.vjp(ours, q, k, v, sinks)
+        return out, vjp(cot)
+
+    out, grads = out_and_grads(q, k, v, sinks, jnp.asarray(cot))
 
     tq, tk, tv, ts = (torch.tensor(x, requires_grad=True) for x in (q, k, v, sinks))
     want = _torch_sink_attention(tq, tk, tv, torch.from_numpy(dense), ts)
@@ -98,8 +104,12 @@ def test_blockwise_sinks_with_dropout_equal_the_xla_path():
         def f(q, k, v, sinks):
             return attention.attend(q, k, v, dense, None, impl, dropout=dropout, sinks=sinks)
 
-        out, vjp = jax.vjp(f, q, k, v, sinks)
-        return out, vjp(cot)
+        @jax.jit  # one program, not one per primitive of the kernel and its vjp (eager: ~12 s)
+        def out_and_grads(q, k, v, sinks):
+            out, vjp = jax.vjp(f, q, k, v, sinks)
+            return out, vjp(cot)
+
+        return out_and_grads(q, k, v, sinks)
 
     (want, want_grads), (got, got_grads) = run("xla"), run("blockwise")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
@@ -159,9 +169,11 @@ def test_mxfp4_checkpoint_loads_dequantized_and_saves_plain(hf_causal, tmp_path)
     ours = from_pretrained(tmp_path / "mxfp4")
     dequantized = from_pretrained(tmp_path / "plain")
     ids, right, _ = padded_batch()
-    got = np.asarray(ours(jnp.asarray(ids), jnp.asarray(right)))
+    # One jitted forward for both (same config, so one program) instead of op by op.
+    forward = nnx.jit(lambda model, ids, mask: model(ids, mask))
+    got = np.asarray(forward(ours, jnp.asarray(ids), jnp.asarray(right)))
     np.testing.assert_array_equal(
-        got, np.asarray(dequantized(jnp.asarray(ids), jnp.asarray(right)))
+        got, np.asarray(forward(dequantized, jnp.asarray(ids), jnp.asarray(right)))
     )
 
     theirs = transformers.AutoModelForCausalLM.from_pretrained(

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 
 from jaxrl.models import (
     SequenceClassificationModel,
@@ -14,6 +15,10 @@ from jaxrl.models import (
 )
 from jaxrl.models.config import config_from_hf
 from tests.models.conftest import padded_batch
+
+# Jitted: op by op, each of the model's operations compiles on its own (MoE and GPT-OSS most).
+_scores = nnx.jit(lambda model, ids, mask: model(ids, mask))
+_token_scores = nnx.jit(lambda model, ids, mask: model.token_scores(ids, mask))
 
 
 def _torch_scores(model, ids, mask):
@@ -45,17 +50,17 @@ def test_scores_match_transformers_and_round_trip(family, hf_seq_cls, tmp_path):
     ids, right, left = padded_batch(seed=1)
     for mask in (right, left):
         expected = _torch_scores(ref.model, ids, mask)
-        got = model(jnp.asarray(np.where(mask == 1, ids, 0)), jnp.asarray(mask))
+        got = _scores(model, jnp.asarray(np.where(mask == 1, ids, 0)), jnp.asarray(mask))
         assert got.shape == (3, 1)
         np.testing.assert_allclose(np.asarray(got), expected, atol=1e-4)
 
     # Per-token scores at the last real token are the sequence scores.
-    tokens = model.token_scores(jnp.asarray(ids), jnp.asarray(right))
+    tokens = _token_scores(model, jnp.asarray(ids), jnp.asarray(right))
     assert tokens.shape == (3, ids.shape[1], 1)
     last = right.sum(1) - 1
     np.testing.assert_allclose(
         np.asarray(tokens)[np.arange(3), last],
-        np.asarray(model(jnp.asarray(ids), jnp.asarray(right))),
+        np.asarray(_scores(model, jnp.asarray(ids), jnp.asarray(right))),
         atol=1e-5,
     )
 
