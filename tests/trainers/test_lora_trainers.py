@@ -222,7 +222,8 @@ def test_lora_resume_is_exact_and_checkpoint_has_no_base(
     ckpt = tmp_path / "run" / "checkpoints" / "checkpoint-2"
 
     class StepsRun(TrainerCallback):
-        steps: list = []
+        def __init__(self):
+            self.steps = []
 
         def on_step_end(self, args, state, control, **kwargs):
             self.steps.append(state.global_step)
