@@ -64,9 +64,10 @@ def _processor(path):
     return AutoProcessor.from_pretrained(path)
 
 
-def _dpo(path, out, data, eval_data=None, **args):
+def _dpo(path, out, data, eval_data=None, ref_model=None, **args):
     return DPOTrainer(
         path,
+        ref_model=ref_model,
         args=DPOConfig(**base_args(out, **args)),
         train_dataset=data,
         eval_dataset=eval_data,
@@ -101,10 +102,7 @@ def conversational_runs(vlm_dir, tmp_path_factory):  # noqa: F811
     trl_trainer, theirs = trl_train_logs(
         trl.DPOTrainer, trl.DPOConfig, vlm_dir, _processor(vlm_dir), data, out / "trl", **COMMON
     )
-    ours = DPOTrainer(
-        vlm_dir, ref_model=vlm_dir, args=DPOConfig(**base_args(out / "ours", **SPLIT)),
-        train_dataset=data, processing_class=_processor(vlm_dir),
-    )  # fmt: skip
+    ours = _dpo(vlm_dir, out / "ours", data, ref_model=vlm_dir, **SPLIT)
     ours.train()
     return data, (ours, train_logs(ours)), (trl_trainer, theirs)
 
