@@ -51,6 +51,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 # the suite's ~5,600 programs (a cold full suite took 50 min instead of ~17).
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -66,7 +67,16 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+TRAINER_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainers")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Slow tests first (otherwise in collection order): under xdist the long end-to-end runs
-    start early instead of leaving one worker busy with them after the other has finished."""
+    """The trainers' end-to-end runs (everything under tests/trainers/) count as slow, as do the
+    tests marked so elsewhere: the fast tier (`-m "not slow"`) is the models, losses, core, data,
+    generation and configuration checks. Slow tests run first (otherwise in collection order):
+    under xdist the long end-to-end runs start early instead of leaving one worker busy with them
+    after the other has finished."""
+    for item in items:
+        if str(item.path).startswith(TRAINER_TESTS + os.sep):
+            item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
