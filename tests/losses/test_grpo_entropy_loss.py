@@ -6,6 +6,7 @@ the LM head gives its entropies (`token_logprobs(..., entropy_grad=True)`; see
 `trl_reference.py` for how TRL's methods run here)."""
 
 import collections
+import functools
 import math
 import types
 
@@ -121,41 +122,61 @@ class TRLRun:
         return self.trainer._metrics["train"]
 
 
-def _ours(logps, old, adv, mask, entropies, num_micro, *, loss_type, coef, quantile=1.0):
-    """One `make_train_step` (SGD, lr 1) whose params are offsets on the log-probs and the
-    entropies, so the update is minus the gradient w.r.t. both. The count of a token-normalised
-    type is the generation batch's tokens / steps_per_generation, as `GRPOTrainer` passes it."""
+@functools.cache
+def _steps(loss_type, num_micro, quantile):
+    """One jitted program per loss type, accumulation split and entropy quantile running
+    `make_train_step` (SGD, lr 1) once per coefficient in `coefs`, whose params are offsets on the
+    log-probs and the entropies, so each update is minus the gradient w.r.t. both. A coefficient is
+    a traced argument (the adaptive test's six coefficients share one program); a None one is the
+    bonus off (its own trace: `grpo_loss(entropy_coef=None)`). Several steps in one program compile
+    once instead of once each. The count of a token-normalised type is the generation batch's
+    tokens / steps_per_generation, as `GRPOTrainer` passes it."""
+    tx = optax.sgd(1.0)
 
-    def loss_fn(params, state, mb, rng, extras):
-        lp = mb["logps"] + params["lp"][mb["rows"]]
-        ent = mb["ent"] + params["ent"][mb["rows"]]
-        emask = high_entropy_mask(ent, mb["mask"], quantile) if quantile < 1.0 else None
-        loss_sum, aux = grpo_loss(
-            lp,
-            mb["adv"],
-            mb["mask"],
-            old_per_token_logps_BT=mb["old"],
-            loss_type=loss_type,
-            epsilon_high=EPS_HIGH.get(loss_type, 0.28),
-            max_completion_length=L_MAX,
-            entropies_BT=ent,
-            entropy_mask_BT=emask,
-            entropy_coef=coef,
-            token_count=mask.sum() / num_micro if loss_type in TOKEN_NORMALISED else None,
-        )
-        return loss_sum, (aux, extras)
+    def loss_fn_for(coef, token_count):
+        def loss_fn(params, state, mb, rng, extras):
+            lp = mb["logps"] + params["lp"][mb["rows"]]
+            ent = mb["ent"] + params["ent"][mb["rows"]]
+            emask = high_entropy_mask(ent, mb["mask"], quantile) if quantile < 1.0 else None
+            loss_sum, aux = grpo_loss(
+                lp,
+                mb["adv"],
+                mb["mask"],
+                old_per_token_logps_BT=mb["old"],
+                loss_type=loss_type,
+                epsilon_high=EPS_HIGH.get(loss_type, 0.28),
+                max_completion_length=L_MAX,
+                entropies_BT=ent,
+                entropy_mask_BT=emask,
+                entropy_coef=coef,
+                token_count=token_count if loss_type in TOKEN_NORMALISED else None,
+            )
+            return loss_sum, (aux, extras)
 
+        return loss_fn
+
+    def steps(state, batch, token_count, coefs):
+        out = []
+        for coef in coefs:
+            new_state, metrics = make_train_step(loss_fn_for(coef, token_count), tx)(state, batch)
+            out.append((jax.tree.map(jnp.negative, new_state.params), metrics))
+        return out
+
+    return jax.jit(steps)
+
+
+def _ours(logps, old, adv, mask, entropies, num_micro, *, loss_type, coefs, quantile=1.0):
+    """`(loss, grad lp, grad entropies, metrics)` of one optimizer step per coefficient."""
     batch = dict(logps=logps, old=old, adv=adv, mask=mask, ent=entropies, rows=np.arange(B))
     batch = {
         k: jnp.asarray(v).reshape(num_micro, B // num_micro, *v.shape[1:]) for k, v in batch.items()
     }
     tx = optax.sgd(1.0)
     params = {"lp": jnp.zeros((B, T)), "ent": jnp.zeros((B, T))}
-    state, metrics = jax.jit(make_train_step(loss_fn, tx))(
-        TrainState.create(params, tx, seed=0), batch
-    )
-    grads = jax.tree.map(lambda x: -np.asarray(x), state.params)
-    return float(metrics["loss"]), grads["lp"], grads["ent"], jax.device_get(metrics)
+    state = TrainState.create(params, tx, seed=0)
+    token_count = np.float32(mask.sum() / num_micro)
+    out = jax.device_get(_steps(loss_type, num_micro, quantile)(state, batch, token_count, coefs))
+    return [(float(m["loss"]), g["lp"], g["ent"], m) for g, m in out]
 
 
 FAST = [(lt, 2) for lt in LOSS_TYPES] + [("dapo", 1), ("grpo", 1), ("dapo", 3), ("grpo", 3)]
@@ -173,8 +194,9 @@ def test_static_bonus_matches_trl(loss_type, num_micro):
     coef = 0.3
     trl = TRLRun(loss_type, num_micro, coef=coef)
     t_loss, t_glp, t_gent = trl.step(logps, old, adv, mask, ent, num_micro)
-    loss, glp, gent, metrics = _ours(
-        logps, old, adv, mask, ent, num_micro, loss_type=loss_type, coef=coef
+    # The step with the bonus and the step without it (coef None), in one program.
+    (loss, glp, gent, metrics), (no_bonus, *_) = _ours(
+        logps, old, adv, mask, ent, num_micro, loss_type=loss_type, coefs=(coef, None)
     )
     np.testing.assert_allclose(loss, t_loss, **TOL)
     np.testing.assert_allclose(glp, t_glp, **TOL)
@@ -185,7 +207,6 @@ def test_static_bonus_matches_trl(loss_type, num_micro):
     # (GRPOTrainer multiplies that metric's count by them).
     policy_loss = metrics["policy_loss"] / (num_micro if loss_type in TOKEN_NORMALISED else 1)
     np.testing.assert_allclose(policy_loss, np.mean(trl.metrics["policy_loss"]), **TOL)
-    no_bonus, *_ = _ours(logps, old, adv, mask, ent, num_micro, loss_type=loss_type, coef=None)
     assert abs(no_bonus - metrics["loss"]) > 1e-3  # the bonus changes the loss
     if loss_type not in TOKEN_NORMALISED:
         np.testing.assert_allclose(metrics["policy_loss"], no_bonus, **TOL)
@@ -196,8 +217,8 @@ def test_bonus_follows_the_top_entropy_mask(loss_type):
     logps, old, adv, mask, ent = _inputs(1)
     trl = TRLRun(loss_type, 2, coef=0.5, quantile=0.4)
     t_loss, t_glp, t_gent = trl.step(logps, old, adv, mask, ent, 2)
-    loss, glp, gent, _ = _ours(
-        logps, old, adv, mask, ent, 2, loss_type=loss_type, coef=0.5, quantile=0.4
+    ((loss, glp, gent, _),) = _ours(
+        logps, old, adv, mask, ent, 2, loss_type=loss_type, coefs=(0.5,), quantile=0.4
     )
     np.testing.assert_allclose(loss, t_loss, **TOL)
     np.testing.assert_allclose(glp, t_glp, **TOL)
@@ -209,13 +230,24 @@ def test_bonus_follows_the_top_entropy_mask(loss_type):
 def test_masked_entropy_is_the_mean_over_the_loss_tokens():
     ent = jnp.array([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]])
     mask = jnp.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    assert float(masked_entropy(ent, mask)) == pytest.approx(2.0)
     emask = jnp.array([[0.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
-    assert float(masked_entropy(ent, mask, entropy_mask_BT=emask)) == pytest.approx(2.5)
-    assert float(masked_entropy(ent, mask, example_mask_B=jnp.array([1.0, 0.0]))) == 1.5
-    assert float(masked_entropy(ent, jnp.zeros_like(mask))) == 0.0  # TRL's clamp(min=1)
-    with pytest.raises(ValueError, match="entropies_BT"):
-        grpo_loss(ent, jnp.ones(2), mask, entropy_coef=0.1)
+
+    @jax.jit  # one program for the four means, not one per primitive and shape
+    def means(ent, mask, emask, example_mask):
+        return (
+            masked_entropy(ent, mask),
+            masked_entropy(ent, mask, entropy_mask_BT=emask),
+            masked_entropy(ent, mask, example_mask_B=example_mask),
+            masked_entropy(ent, jnp.zeros_like(mask)),
+        )
+
+    plain, top, example, empty = map(float, means(ent, mask, emask, jnp.array([1.0, 0.0])))
+    assert plain == pytest.approx(2.0)
+    assert top == pytest.approx(2.5)
+    assert example == 1.5
+    assert empty == 0.0  # TRL's clamp(min=1)
+    with pytest.raises(ValueError, match="entropies_BT"):  # raised while tracing: no compiles
+        jax.eval_shape(lambda: grpo_loss(ent, jnp.ones(2), mask, entropy_coef=0.1))
 
 
 def test_adaptive_controller_matches_trl_over_several_windows():
@@ -243,7 +275,9 @@ def test_adaptive_controller_matches_trl_over_several_windows():
         t_loss, _, t_gent = trl.step(logps, old, adv, mask, ent, 2)
         apply = entropy_bonus_coef(coef, last, target)
         applied.append(float(apply))
-        loss, _, gent, _ = _ours(logps, old, adv, mask, ent, 2, loss_type="dapo", coef=apply)
+        ((loss, _, gent, _),) = _ours(
+            logps, old, adv, mask, ent, 2, loss_type="dapo", coefs=(apply,)
+        )
         np.testing.assert_allclose(loss, t_loss, **TOL)
         np.testing.assert_allclose(gent, t_gent, **TOL)
         window = float((ent * mask).sum() / mask.sum())
@@ -304,12 +338,15 @@ def test_head_entropy_gradient_is_the_entropys_gradient(temperature, chunk, dtyp
         return stats["entropy"]
 
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
-    np.testing.assert_allclose(*jax.jit(lambda h, w: (ours(h, w), reference(h, w)))(h, w), **tol)
     f = lambda fn: lambda h, w: jnp.sum(fn(h, w) * g)  # noqa: E731
-    want = jax.jit(jax.grad(f(reference), argnums=(0, 1)))(
-        h.astype(jnp.float32), w.astype(jnp.float32)
-    )
-    got = jax.jit(jax.grad(f(ours), argnums=(0, 1)))(h, w)
+
+    @jax.jit  # the entropies and both gradients in one program instead of three
+    def run(h, w, h32, w32):
+        grad = lambda fn, *a: jax.grad(f(fn), argnums=(0, 1))(*a)  # noqa: E731
+        return (ours(h, w), reference(h, w)), grad(ours, h, w), grad(reference, h32, w32)
+
+    entropies, got, want = run(h, w, h.astype(jnp.float32), w.astype(jnp.float32))
+    np.testing.assert_allclose(*entropies, **tol)
     assert got[1].dtype == w.dtype
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(a, np.float32), b, **tol)
