@@ -46,28 +46,39 @@ def setup():
     )
 
 
+@pytest.fixture(scope="module")
+def rollout(setup):
+    """The update tests' rollout (the same for each), computed once per module in one program
+    (run eagerly, the two models' forwards compiled one program per primitive and shape)."""
+    return jax.jit(lambda p, ref_p: _rollout(setup, p, ref_p))(setup["params"], setup["ref_params"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["kl", "full"])
 def test_rollout_forward_matches_full_logits(setup, kind):
     s = setup
     fwd = jax.jit(make_rollout_forward(s["apply"], s["apply_ref"], kl_kind=kind, chunk_size=4))
     out = fwd(s["params"], s["ref_params"], s["ids"], s["attn"])
-    logits, values = s["apply"](s["params"])(s["ids"], s["attn"])
-    ref_logits = s["apply_ref"](s["ref_params"])(s["ids"], s["attn"])
-    lp = jax.nn.log_softmax(logits[:, :-1], -1)
-    ref_lp = jax.nn.log_softmax(ref_logits[:, :-1], -1)
-    take = lambda x: jnp.take_along_axis(x, s["ids"][:, 1:, None], -1)[..., 0]  # noqa: E731
-    np.testing.assert_allclose(out["logprobs"], take(lp), atol=1e-5)
-    np.testing.assert_allclose(out["ref_logprobs"], take(ref_lp), atol=1e-5)
-    np.testing.assert_allclose(out["values"], values[:, :-1], atol=1e-6)
-    want_kl = rl.kl_penalty(lp, ref_lp, "full") if kind == "full" else take(lp) - take(ref_lp)
+
+    @jax.jit  # the full-logit reference in one program, not one per primitive and shape
+    def reference(params, ref_params):
+        logits, values = s["apply"](params)(s["ids"], s["attn"])
+        ref_logits = s["apply_ref"](ref_params)(s["ids"], s["attn"])
+        lp = jax.nn.log_softmax(logits[:, :-1], -1)
+        ref_lp = jax.nn.log_softmax(ref_logits[:, :-1], -1)
+        take = lambda x: jnp.take_along_axis(x, s["ids"][:, 1:, None], -1)[..., 0]  # noqa: E731
+        kl = rl.kl_penalty(lp, ref_lp, "full") if kind == "full" else take(lp) - take(ref_lp)
+        return take(lp), take(ref_lp), values[:, :-1], kl
+
+    logprobs, ref_logprobs, values, want_kl = reference(s["params"], s["ref_params"])
+    np.testing.assert_allclose(out["logprobs"], logprobs, atol=1e-5)
+    np.testing.assert_allclose(out["ref_logprobs"], ref_logprobs, atol=1e-5)
+    np.testing.assert_allclose(out["values"], values, atol=1e-6)
     np.testing.assert_allclose(out["kl"], want_kl, atol=1e-5)
 
 
-def _rollout(s):
-    fwd = make_rollout_forward(s["apply"], s["apply_ref"])(
-        s["params"], s["ref_params"], s["ids"], s["attn"]
-    )
+def _rollout(s, params, ref_params):
+    fwd = make_rollout_forward(s["apply"], s["apply_ref"])(params, ref_params, s["ids"], s["attn"])
     scores = jnp.array([1.0, -0.5, 0.3, 2.0])
     rewards, _ = rl.compute_rewards(scores, fwd["kl"], s["mask"], 0.2)
     values, adv, returns = rl.compute_advantages(
@@ -92,9 +103,8 @@ def _copy(tree):
 
 
 @pytest.mark.slow
-def test_update_matches_unrolled_reference(setup):
+def test_update_matches_unrolled_reference(setup, rollout):
     s = setup
-    rollout = _rollout(s)
     tx = optax.sgd(0.5)  # linear in the gradient: compares the accumulation exactly
     perms = jnp.asarray([[2, 0, 3, 1], [1, 3, 0, 2]], jnp.int32)
     loss_fn = make_ppo_loss_fn(s["apply"], ratio_threshold=10.0, **LOSS_KW)
@@ -136,23 +146,31 @@ def test_update_matches_unrolled_reference(setup):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target_kl,epochs_run", [(-1e9, 1), (1e9, 3)])
-def test_early_stopping_skips_remaining_epochs(setup, target_kl, epochs_run):
+def test_early_stopping_skips_remaining_epochs(setup, rollout):
+    """A KL target every epoch exceeds stops after the first epoch (target -1e9: 1 of 3 ran);
+    one no epoch reaches runs all three (1e9). The target is a traced argument of one jitted
+    update (it is only compared with the measured KL), so both cases share one program."""
     s = setup
     tx = optax.adam(1e-2)
     loss_fn = make_ppo_loss_fn(s["apply"], ratio_threshold=10.0, **LOSS_KW)
-    update = make_ppo_update(
-        loss_fn, tx, batch_size=B, mini_batch_size=2, gradient_accumulation_steps=1,
-        early_stopping=True, target_kl=target_kl,
-    )  # fmt: skip
-    state = TrainState.create(_copy(s["params"]), tx, seed=0)
+
+    @jax.jit
+    def update(state, rollout, perms, target_kl):
+        return make_ppo_update(
+            loss_fn, tx, batch_size=B, mini_batch_size=2, gradient_accumulation_steps=1,
+            early_stopping=True, target_kl=target_kl,
+        )(state, rollout, perms)  # fmt: skip
+
     perms = jnp.tile(jnp.arange(B, dtype=jnp.int32), (3, 1))
-    new_state, out = jax.jit(update)(state, _rollout(s), perms)
-    assert np.asarray(out["epoch_ran"]).tolist() == [True] * epochs_run + [False] * (3 - epochs_run)
-    assert int(new_state.step) == 2 * epochs_run
+    for target_kl, epochs_run in [(-1e9, 1), (1e9, 3)]:
+        state = TrainState.create(_copy(s["params"]), tx, seed=0)
+        new_state, out = update(state, rollout, perms, target_kl)
+        ran = [True] * epochs_run + [False] * (3 - epochs_run)
+        assert np.asarray(out["epoch_ran"]).tolist() == ran, target_kl
+        assert int(new_state.step) == 2 * epochs_run, target_kl
 
 
-def test_ratio_threshold_zeroes_loss_but_optimizer_steps(setup):
+def test_ratio_threshold_zeroes_loss_but_optimizer_steps(setup, rollout):
     s = setup
     tx = optax.sgd(1.0)
     loss_fn = make_ppo_loss_fn(s["apply"], ratio_threshold=0.5, **LOSS_KW)  # ratio 1 > 0.5
@@ -167,7 +185,7 @@ def test_ratio_threshold_zeroes_loss_but_optimizer_steps(setup):
         early_stopping=False, target_kl=1.0,
     )  # fmt: skip
     state = TrainState.create(_copy(s["params"]), tx, seed=0)
-    new_state, out = jax.jit(update)(state, _rollout(s), jnp.arange(B, dtype=jnp.int32)[None])
+    new_state, out = jax.jit(update)(state, rollout, jnp.arange(B, dtype=jnp.int32)[None])
     # The epoch (forward and backward) is traced once: the early-stopping skip branch takes its
     # output shapes from that trace instead of tracing the epoch again.
     assert len(traced) == 1
