@@ -1,5 +1,7 @@
 """Chunked token log-probs equal the naive full-vocab computation (values, stats, gradients)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,7 +30,24 @@ def naive(hidden, unembed, targets, temperature=1.0, softcap=None):
     return jnp.take_along_axis(logp, targets[..., None], -1)[..., 0], stats
 
 
+# The reference as one program per shape and options (run eagerly, it compiled one per
+# primitive and shape); `naive` itself stays a plain function for the traced uses below.
+naive_jit = jax.jit(naive, static_argnums=(3, 4))
+
+
+@functools.cache
+def naive_grad(temperature, softcap):
+    """Gradient of `sum(naive log-probs x weights)` w.r.t. hidden and unembedding, jitted once
+    per temperature and soft-cap (the gradient tests' chunk sizes share it)."""
+
+    def full(h, w, targets, weights):
+        return jnp.sum(naive(h, w, targets, temperature, softcap)[0] * weights)
+
+    return jax.jit(jax.grad(full, argnums=(0, 1)))
+
+
 @pytest.fixture(scope="module")
+@jax.jit  # one program, not one per primitive and shape
 def inputs():
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     hidden = jax.random.normal(k1, (B, T, D))
@@ -43,8 +62,11 @@ def inputs():
 @pytest.mark.parametrize("chunk_size", [4, 13, 128])  # ragged (13 = 3*4 + 1), exact, larger than T
 def test_values_and_stats_match_naive(inputs, chunk_size):
     hidden, unembed, targets = inputs
-    logps, stats = token_logprobs(hidden, unembed, targets, chunk_size=chunk_size, with_stats=True)
-    ref, ref_stats = naive(hidden, unembed, targets)
+    # Jitted, as the trainers run it: one program per chunk size (eagerly, one per primitive).
+    logps, stats = jax.jit(
+        lambda h, w: token_logprobs(h, w, targets, chunk_size=chunk_size, with_stats=True)
+    )(hidden, unembed)
+    ref, ref_stats = naive_jit(hidden, unembed, targets)
     assert logps.shape == (B, T) and logps.dtype == jnp.float32
     np.testing.assert_allclose(logps, ref, atol=1e-5, rtol=1e-5)
     assert bool(jnp.all(stats["argmax_correct"] == ref_stats["argmax_correct"]))
@@ -73,22 +95,19 @@ def test_gradients_match_naive(inputs, temperature, softcap, with_stats, chunk_s
             jnp.sum(v) for k, v in stats.items() if k == "entropy"
         )
 
-    def full(h, w):
-        return jnp.sum(naive(h, w, targets, temperature, softcap)[0] * weights)
-
     g_chunked = jax.jit(jax.grad(chunked, argnums=(0, 1)))(hidden, unembed)
-    g_full = jax.grad(full, argnums=(0, 1))(hidden, unembed)
+    g_full = naive_grad(temperature, softcap)(hidden, unembed, targets, weights)
     for a, b in zip(g_chunked, g_full, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_temperature_and_softcap(inputs):
     hidden, unembed, targets = inputs
-    logps = token_logprobs(
-        hidden, unembed, targets, chunk_size=5, temperature=0.7, logit_softcap=3.0
-    )
+    logps = jax.jit(
+        lambda h, w: token_logprobs(h, w, targets, chunk_size=5, temperature=0.7, logit_softcap=3.0)
+    )(hidden, unembed)
     np.testing.assert_allclose(
-        logps, naive(hidden, unembed, targets, 0.7, 3.0)[0], atol=1e-5, rtol=1e-5
+        logps, naive_jit(hidden, unembed, targets, 0.7, 3.0)[0], atol=1e-5, rtol=1e-5
     )
 
 
@@ -97,28 +116,38 @@ def test_bf16_head_rounds_logits_like_autocast(inputs):
     are cast to bf16 and the logits rounded to bf16 before the f32 softmax."""
     hidden, unembed, targets = inputs
     w16 = unembed.astype(jnp.bfloat16)
-    logps = token_logprobs(hidden, w16, targets, chunk_size=4)
+
+    @jax.jit  # the head's log-probs and their gradients in one program
+    def ours(h, w):
+        head = lambda h, w: token_logprobs(h, w, targets, chunk_size=4)  # noqa: E731
+        return head(h, w), jax.grad(lambda h, w: head(h, w).sum(), argnums=(0, 1))(h, w)
+
+    logps, grads = ours(hidden, w16)
     assert logps.dtype == jnp.float32
-    h16 = hidden.astype(jnp.bfloat16).astype(jnp.float32)
-    logits = jnp.einsum("btd,dv->btv", h16, w16.astype(jnp.float32))
-    rounded = jax.nn.log_softmax(logits.astype(jnp.bfloat16).astype(jnp.float32), axis=-1)
-    want = jnp.take_along_axis(rounded, targets[..., None], -1)[..., 0]
+
+    @jax.jit  # the references in one program, not one per primitive and shape
+    def references(hidden, unembed, w16):
+        h16 = hidden.astype(jnp.bfloat16).astype(jnp.float32)
+        logits = jnp.einsum("btd,dv->btv", h16, w16.astype(jnp.float32))
+        rounded = jax.nn.log_softmax(logits.astype(jnp.bfloat16).astype(jnp.float32), axis=-1)
+        want = jnp.take_along_axis(rounded, targets[..., None], -1)[..., 0]
+        unrounded = naive(h16, w16, targets)[0]
+        ref_grads = jax.grad(lambda h, w: naive(h, w, targets)[0].sum(), argnums=(0, 1))(
+            hidden, unembed
+        )
+        # As TRL's fused head: the logits gradient is rounded to bf16, the hidden one is not.
+        onehot = jax.nn.one_hot(targets, V)
+        g16 = (onehot - jnp.exp(rounded)).astype(jnp.bfloat16).astype(jnp.float32)
+        dh = jnp.einsum("btv,dv->btd", g16, w16.astype(jnp.float32))
+        return want, unrounded, ref_grads, dh
+
+    want, unrounded, ref_grads, dh = references(hidden, unembed, w16)
     np.testing.assert_allclose(logps, want, atol=1e-5, rtol=1e-5)
-    unrounded = naive(h16, w16, targets)[0]
     assert float(jnp.max(jnp.abs(logps - unrounded))) > 1e-3  # the rounding is really there
-    grads = jax.grad(
-        lambda h, w: token_logprobs(h, w, targets, chunk_size=4).sum(), argnums=(0, 1)
-    )(hidden, w16)
-    ref_grads = jax.grad(lambda h, w: naive(h, w, targets)[0].sum(), argnums=(0, 1))(
-        hidden, unembed
-    )
     assert grads[0].dtype == jnp.float32 and grads[1].dtype == jnp.bfloat16
     for a, b in zip(grads, ref_grads, strict=True):
         np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=0.1, rtol=0.05)
-    # As TRL's fused head: the logits gradient is rounded to bf16, the hidden gradient is not.
-    onehot = jax.nn.one_hot(targets, V)
-    g16 = (onehot - jnp.exp(rounded)).astype(jnp.bfloat16).astype(jnp.float32)
-    dh = jnp.einsum("btv,dv->btd", g16, w16.astype(jnp.float32))
+    # The hidden-state gradient is the one from bf16-rounded logits gradients (dh).
     np.testing.assert_allclose(grads[0], dh, atol=1e-5, rtol=1e-5)
 
 
@@ -170,7 +199,7 @@ def test_sharded_batch_and_vocab_equal_unsharded(backend, monkeypatch):
     t = jax.device_put(targets, NamedSharding(mesh, PartitionSpec("data")))
     fn = jax.jit(lambda h, w, t: token_logprobs(h, w, t, chunk_size=4, with_stats=True))
     logps, stats = fn(h, w, t)
-    ref, ref_stats = naive(hidden, unembed, targets)
+    ref, ref_stats = naive_jit(hidden, unembed, targets)
     np.testing.assert_allclose(logps, ref, atol=1e-5, rtol=1e-5)
     for name in ("entropy", "logit_mean", "log_sum_sq_probs"):
         np.testing.assert_allclose(stats[name], ref_stats[name], atol=1e-5, rtol=1e-5)
@@ -313,10 +342,10 @@ def test_head_reads_the_logits_once_on_accelerators(inputs, monkeypatch, with_st
     run = _head_fn(targets, with_stats)
     names = _vocab_reduction_names(jax.make_jaxpr(run)(hidden, unembed).jaxpr)
     assert names == ["reduce"]
-    out = run(hidden, unembed)
+    out = jax.jit(run)(hidden, unembed)  # traced under the GPU backend (a new function)
     logps, stats = out if with_stats else (out, None)
     cpu_logps, cpu_stats = cpu_out if with_stats else (cpu_out, None)
-    ref, ref_stats = naive(hidden, unembed, targets)
+    ref, ref_stats = naive_jit(hidden, unembed, targets)
     np.testing.assert_allclose(logps, ref, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(logps, cpu_logps, atol=1e-6, rtol=1e-6)
     if with_stats:
@@ -345,7 +374,16 @@ def test_argmax_statistic_ties_nans_and_infinities(monkeypatch):
     rand = jax.random.normal(jax.random.key(1), (3, 7, 301)).round(1)  # many ties
     for backend in ("cpu", "gpu"):  # two passes of plain reductions; one online reduce
         monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
-        for x in (rows, rand):
-            targets = jnp.zeros(x.shape[:2], jnp.int32)
-            stats = _chunk_softmax(x, targets, True)[2]
-            np.testing.assert_array_equal(stats["argmax"], jnp.argmax(x, -1))
+
+        # One program per backend (a new function each, traced under that backend) for both
+        # inputs' statistic and jnp.argmax, instead of one per primitive and shape.
+        @jax.jit
+        def argmaxes(rows, rand):
+            return [
+                (_chunk_softmax(x, jnp.zeros(x.shape[:2], jnp.int32), True)[2]["argmax"],
+                 jnp.argmax(x, -1))
+                for x in (rows, rand)
+            ]  # fmt: skip
+
+        for got, want in argmaxes(rows, rand):
+            np.testing.assert_array_equal(got, want)

@@ -20,6 +20,7 @@ COEF = 10.0
 
 
 @pytest.fixture(scope="module")
+@jax.jit  # one program, not one per primitive and shape
 def inputs():
     k = jax.random.split(jax.random.key(3), 5)
     hidden = jax.random.normal(k[0], (B, T, D))
