@@ -5,6 +5,7 @@ log-probs and the logged metrics with ours within 1e-5; advantage tests call TRL
 `_generate_and_score_completions` on fixed completions and rewards (see `trl_reference.py`).
 """
 
+import functools
 import itertools
 
 import jax
@@ -145,9 +146,12 @@ def test_on_policy_and_options_match_trl(loss_type):
     _check_metrics(metrics, t_metrics)
 
 
-def _step_with_micro_batches(logps, old, ref, adv, mask, num_micro, **kw):
-    """One real `make_train_step` (SGD, lr 1) whose params are an offset on the log-probs:
-    the update is minus the gradient w.r.t. the log-probs."""
+@functools.cache
+def _steps_with_micro_batches(loss_type, splits, **kw):
+    """One jitted program with one real `make_train_step` (SGD, lr 1) per number of micro-batches
+    in `splits`, whose params are an offset on the log-probs: each update is minus the gradient
+    w.r.t. the log-probs. (The splits' steps in one program compile once instead of once each.)"""
+    tx = optax.sgd(1.0)
 
     def loss_fn(params, state, mb, rng, extras):
         lp = mb["logps"] + params["offset"][mb["rows"]]
@@ -157,20 +161,31 @@ def _step_with_micro_batches(logps, old, ref, adv, mask, num_micro, **kw):
             mb["mask"],
             old_per_token_logps_BT=mb["old"],
             ref_per_token_logps_BT=mb["ref"],
+            loss_type=loss_type,
             **kw,
         )
         return loss_sum, (aux, extras)
 
+    def steps(state, batch):
+        out = []
+        for num_micro in splits:
+            split = {
+                k: v.reshape(num_micro, B // num_micro, *v.shape[1:]) for k, v in batch.items()
+            }
+            new_state, metrics = make_train_step(loss_fn, tx)(state, split)
+            out.append((metrics["loss"], -new_state.params["offset"]))
+        return out
+
+    return jax.jit(steps)
+
+
+def _step_with_micro_batches(logps, old, ref, adv, mask, splits, *, loss_type, **kw):
+    """`[(loss, minus the update)]`, one optimizer step per number of micro-batches in `splits`."""
     batch = {"logps": logps, "old": old, "ref": ref, "adv": adv, "mask": mask, "rows": np.arange(B)}
-    batch = {
-        k: jnp.asarray(v).reshape(num_micro, B // num_micro, *v.shape[1:]) for k, v in batch.items()
-    }
     tx = optax.sgd(1.0)
-    params = {"offset": jnp.zeros((B, T), jnp.float32)}
-    state, metrics = jax.jit(make_train_step(loss_fn, tx))(
-        TrainState.create(params, tx, seed=0), batch
-    )
-    return float(metrics["loss"]), -np.asarray(state.params["offset"])
+    state = TrainState.create({"offset": jnp.zeros((B, T), jnp.float32)}, tx, seed=0)
+    out = _steps_with_micro_batches(loss_type, splits, **kw)(state, batch)
+    return [(float(loss), np.asarray(grad)) for loss, grad in out]
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -182,12 +197,10 @@ def test_micro_batches_match_one_batch_and_trl_accumulation(loss_type):
         epsilon_high=EPS_HIGH.get(loss_type, 0.28),
         delta=1.4,
     )
-    one_loss, one_grad = _step_with_micro_batches(
-        logps, old, ref, adv, mask, 1, max_completion_length=L_MAX, **cfg
-    )
     num_micro = 3
-    loss, grad = _step_with_micro_batches(
-        logps, old, ref, adv, mask, num_micro, max_completion_length=L_MAX, **cfg
+    # The step on one batch and the step on `num_micro` micro-batches, in one program.
+    (one_loss, one_grad), (loss, grad) = _step_with_micro_batches(
+        logps, old, ref, adv, mask, (1, num_micro), max_completion_length=L_MAX, **cfg
     )
     # TRL with `num_micro` accumulation steps: the sum of the micro-batch losses.
     size = B // num_micro
@@ -221,30 +234,40 @@ def test_example_mask_drops_padding_rows():
     logps, old, ref, adv, mask, _ = _inputs(3)
     pad = lambda x: np.concatenate([x, x[:2]])  # noqa: E731
     w = np.array([1, 1, 1, 1, 1, 1, 0, 0], np.float32)
-    for loss_type in LOSS_TYPES:
-        kw = dict(loss_type=loss_type, max_completion_length=L_MAX, beta=0.04)
-        base, aux = grpo_loss(
-            jnp.asarray(logps),
-            adv,
-            mask,
-            old_per_token_logps_BT=old,
-            ref_per_token_logps_BT=ref,
-            **kw,
-        )
-        padded_mask = pad(mask) * w[:, None]
-        padded, paux = grpo_loss(
-            jnp.asarray(pad(logps)),
-            pad(adv),
-            padded_mask,
-            old_per_token_logps_BT=pad(old),
-            ref_per_token_logps_BT=pad(ref),
-            example_mask_B=jnp.asarray(w),
-            **kw,
-        )
-        np.testing.assert_allclose(padded, base, **TOL)
-        np.testing.assert_allclose(paux["count"]["loss"], aux["count"]["loss"])
+
+    @jax.jit  # every loss type's two losses in one program, not one per primitive and shape
+    def losses(logps, old, ref, adv, mask, w):
+        out = {}
+        for loss_type in LOSS_TYPES:
+            kw = dict(loss_type=loss_type, max_completion_length=L_MAX, beta=0.04)
+            base = grpo_loss(
+                logps[:B],
+                adv[:B],
+                mask[:B],
+                old_per_token_logps_BT=old[:B],
+                ref_per_token_logps_BT=ref[:B],
+                **kw,
+            )
+            padded = grpo_loss(
+                logps,
+                adv,
+                mask * w[:, None],
+                old_per_token_logps_BT=old,
+                ref_per_token_logps_BT=ref,
+                example_mask_B=w,
+                **kw,
+            )
+            out[loss_type] = base, padded
+        return out
+
+    out = losses(pad(logps), pad(old), pad(ref), pad(adv), pad(mask), w)
+    for loss_type, ((base, aux), (padded, paux)) in out.items():
+        np.testing.assert_allclose(padded, base, err_msg=loss_type, **TOL)
+        np.testing.assert_allclose(paux["count"]["loss"], aux["count"]["loss"], err_msg=loss_type)
         for name in aux["sum"]:
-            np.testing.assert_allclose(paux["sum"][name], aux["sum"][name], err_msg=name, **TOL)
+            np.testing.assert_allclose(
+                paux["sum"][name], aux["sum"][name], err_msg=f"{loss_type} {name}", **TOL
+            )
 
 
 def test_bad_options_are_rejected():
@@ -399,7 +422,8 @@ def test_rloo_loss_matches_trl():
         )
         return loss_sum / aux["count"]["loss"], aux
 
-    (loss, aux), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(logps))
+    # One program (run eagerly, one per primitive and shape).
+    (loss, aux), grad = jax.jit(jax.value_and_grad(f, has_aux=True))(jnp.asarray(logps))
     np.testing.assert_allclose(loss, t_loss, **TOL)
     np.testing.assert_allclose(grad, t_grad, **TOL)
     assert np.abs(t_grad).max() > 1e-3
