@@ -152,6 +152,9 @@ ADAPTIVE = dict(
     learning_rate=1e-2,
     max_steps=6,
     per_device_eval_batch_size=4,
+    # For the resume check: a kill right after step 5 (saving does not change the run).
+    save_strategy="steps",
+    save_steps=5,
 )
 
 
@@ -162,13 +165,16 @@ def adaptive_run(hf_model_dir, tokenizer, tmp_path_factory):
     return trainer
 
 
-def test_adaptive_controller_and_eval(adaptive_run):
-    """The adaptive run's two checks in one test, so that the run is built once (as a module
-    fixture shared by two tests, xdist ran it on both workers): the controller follows TRL's
-    step by step, then evaluation applies the bonus but never moves it (evaluate() runs after
-    the controller check, on the trained state, as before)."""
+def test_adaptive_controller_eval_and_resume(adaptive_run, hf_model_dir, tokenizer, tmp_path):
+    """The adaptive run's three checks in one test, so that the run is built once (as a module
+    fixture shared by several tests, xdist ran it on both workers): the controller follows
+    TRL's step by step, then evaluation applies the bonus but never moves it (evaluate() runs
+    after the controller check, on the trained state, as before), then kill-and-resume from the
+    run's step-5 checkpoint is bit-exact (evaluate() moved no state, as the eval check
+    asserts, so the run's final extras are still those of its training)."""
     check_adaptive_coefficient_follows_trls_controller(adaptive_run)
     check_eval_applies_the_bonus_but_never_moves_the_controller(adaptive_run)
+    check_resume_is_bit_exact(adaptive_run, hf_model_dir, tokenizer, tmp_path)
 
 
 def check_adaptive_coefficient_follows_trls_controller(adaptive_run):
@@ -238,31 +244,26 @@ def check_eval_applies_the_bonus_but_never_moves_the_controller(adaptive_run):
     )
 
 
-@pytest.mark.slow
-def test_adaptive_resume_is_bit_exact(hf_model_dir, tokenizer, tmp_path):
-    """4 steps straight vs 2, a kill, and 2 resumed: identical logs and controller state. The
-    controller is non-trivial at the kill (coefficient 0.7 and the gate open).
+def check_resume_is_bit_exact(full, hf_model_dir, tokenizer, tmp_path):
+    """The adaptive run killed right after its step-5 checkpoint and resumed for step 6:
+    identical logs and controller state. The controller is non-trivial at the kill (a positive
+    coefficient and the gate open, so step 6 applies the restored coefficient: a resume that lost
+    the coefficient or the last window entropy would change step 6's loss or coefficient).
 
-    The killed run is the uninterrupted run's own checkpoint-2, copied (the same run up to
-    there: the same bytes) rather than a third trainer built and compiled only to stop at step
-    2; its coefficient at the kill is the one the full run logged at step 2 (the logged
-    `entropy_coef` is the state's after the step, as the adaptive test asserts)."""
-    kw = dict(
-        ADAPTIVE, entropy_target=5.0, entropy_coef_delta=0.1, max_steps=4,
-        save_strategy="steps", save_steps=2,
-    )  # fmt: skip
-    full = make(hf_model_dir, tokenizer, tmp_path / "a", **kw)
-    full.train()
-    assert train_logs(full)[1]["step"] == 2
-    assert train_logs(full)[1]["entropy_coef"] == pytest.approx(0.7)
-    killed_after_checkpoint(tmp_path / "a", 2, tmp_path / "b")
-    resumed = make(hf_model_dir, tokenizer, tmp_path / "b", **kw)
+    Was a test of its own with a 4-step run of its own (2 steps, a kill, 2 resumed) and a third
+    trainer stopped at step 2; the killed run is now the uninterrupted run's own checkpoint-5,
+    copied (the same run up to there: the same bytes)."""
+    a = full.args
+    logs = train_logs(full)
+    at_kill = logs[4]
+    assert at_kill["step"] == 5
+    assert at_kill["entropy_coef"] > 0 and at_kill["entropy"] <= a.entropy_target
+    killed_after_checkpoint(a.output_dir, 5, tmp_path / "b")
+    resumed = make(hf_model_dir, tokenizer, tmp_path / "b", **ADAPTIVE)
     resumed.train(resume_from_checkpoint=True)
-    a = train_logs(full)[2:]
-    b = [x for x in train_logs(resumed) if x["step"] > 2]
-    assert [x["step"] for x in b] == [3, 4]
-    assert a == b
-    assert [x["entropy_coef"] for x in a] == pytest.approx([0.8, 0.9])
+    b = [x for x in train_logs(resumed) if x["step"] > 5]
+    assert [x["step"] for x in b] == [6]
+    assert logs[5:] == b
     jax.tree.map(
         np.testing.assert_array_equal,
         jax.device_get(full.train_state.extras),
