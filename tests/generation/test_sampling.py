@@ -51,12 +51,20 @@ def test_top_k_1_and_tiny_top_p_are_greedy(sampler):
     assert (top_k_1.logprobs_BN < -0.1).any()
 
 
+# The plain forward as one jitted program (the graphdef static, the params an argument): one
+# compile per worker for every parametrization, where op by op each of the model's operations
+# compiled on its own (about a hundred programs).
+_plain_forward = jax.jit(
+    lambda graphdef, params, ids, mask: nnx.merge(graphdef, params)(ids, mask), static_argnums=0
+)
+
+
 def full_forward_logprobs(sampler, out, temperature):
     """log_softmax(logits / T) [B, N, V] of a plain forward over prompt + completion."""
-    model = nnx.merge(sampler.graphdef, sampler.params)
     ids = np.concatenate([out.prompt_ids_BP, out.completion_ids_BN], axis=1)
     mask = np.concatenate([out.prompt_mask_BP, out.completion_mask_BN], axis=1)
-    logits = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask)), dtype=np.float64)
+    logits = _plain_forward(sampler.graphdef, sampler.params, jnp.asarray(ids), jnp.asarray(mask))
+    logits = np.asarray(logits, dtype=np.float64)
     p = out.prompt_ids_BP.shape[1]
     scaled = logits[:, p - 1 : -1] / temperature
     scaled -= scaled.max(-1, keepdims=True)

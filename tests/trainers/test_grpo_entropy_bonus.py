@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from onpolicy_utils import RecordingReward, StopAt, prompt_rows
-from trainer_utils import base_args, train_logs
+from onpolicy_utils import RecordingReward, prompt_rows
+from trainer_utils import base_args, killed_after_checkpoint, train_logs
 
 from jaxrl import models
 from jaxrl.config import ConfigError
@@ -110,7 +110,9 @@ def test_static_bonus_loss_and_gradients_equal_trls(
         per_device_train_batch_size=8 // accum, max_grad_norm=0.0,
     )  # fmt: skip
     trainer._ensure_state()
-    p0 = jax.tree.map(jnp.array, trainer.train_state.params)  # a copy: the state is donated
+    # A host copy (the state is donated); numpy, so that neither the copy nor the subtraction
+    # below compiles one program per leaf shape (same float32 values as jnp's).
+    p0 = jax.tree.map(np.array, trainer.train_state.params)
     trainer.train()
     (log,) = train_logs(trainer)
     rollout = jax.device_get(trainer.rollout)
@@ -123,7 +125,7 @@ def test_static_bonus_loss_and_gradients_equal_trls(
     # operations would compile on its own, for both coefficients.
     value_and_grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
     (want_loss, policy), want = value_and_grad(p0, coef)
-    got = jax.tree.map(lambda a, b: a - b, p0, trainer.train_state.params)  # SGD, lr 1
+    got = jax.tree.map(lambda a, b: a - np.asarray(b), p0, trainer.train_state.params)  # SGD, lr 1
     assert log["loss"] == pytest.approx(float(want_loss), rel=1e-5, abs=1e-6)
     assert log["policy_loss"] == pytest.approx(float(np.mean(policy)), rel=1e-5, abs=1e-6)
     assert log["entropy_coef"] == pytest.approx(coef)
@@ -150,6 +152,9 @@ ADAPTIVE = dict(
     learning_rate=1e-2,
     max_steps=6,
     per_device_eval_batch_size=4,
+    # For the resume check: a kill right after step 5 (saving does not change the run).
+    save_strategy="steps",
+    save_steps=5,
 )
 
 
@@ -160,13 +165,16 @@ def adaptive_run(hf_model_dir, tokenizer, tmp_path_factory):
     return trainer
 
 
-def test_adaptive_controller_and_eval(adaptive_run):
-    """The adaptive run's two checks in one test, so that the run is built once (as a module
-    fixture shared by two tests, xdist ran it on both workers): the controller follows TRL's
-    step by step, then evaluation applies the bonus but never moves it (evaluate() runs after
-    the controller check, on the trained state, as before)."""
+def test_adaptive_controller_eval_and_resume(adaptive_run, hf_model_dir, tokenizer, tmp_path):
+    """The adaptive run's three checks in one test, so that the run is built once (as a module
+    fixture shared by several tests, xdist ran it on both workers): the controller follows
+    TRL's step by step, then evaluation applies the bonus but never moves it (evaluate() runs
+    after the controller check, on the trained state, as before), then kill-and-resume from the
+    run's step-5 checkpoint is bit-exact (evaluate() moved no state, as the eval check
+    asserts, so the run's final extras are still those of its training)."""
     check_adaptive_coefficient_follows_trls_controller(adaptive_run)
     check_eval_applies_the_bonus_but_never_moves_the_controller(adaptive_run)
+    check_resume_is_bit_exact(adaptive_run, hf_model_dir, tokenizer, tmp_path)
 
 
 def check_adaptive_coefficient_follows_trls_controller(adaptive_run):
@@ -236,26 +244,26 @@ def check_eval_applies_the_bonus_but_never_moves_the_controller(adaptive_run):
     )
 
 
-@pytest.mark.slow
-def test_adaptive_resume_is_bit_exact(hf_model_dir, tokenizer, tmp_path):
-    """4 steps straight vs 2, a kill, and 2 resumed: identical logs and controller state. The
-    controller is non-trivial at the kill (coefficient 0.7 and the gate open)."""
-    kw = dict(
-        ADAPTIVE, entropy_target=5.0, entropy_coef_delta=0.1, max_steps=4,
-        save_strategy="steps", save_steps=2,
-    )  # fmt: skip
-    full = make(hf_model_dir, tokenizer, tmp_path / "a", **kw)
-    full.train()
-    part = make(hf_model_dir, tokenizer, tmp_path / "b", callbacks=[StopAt(2)], **kw)
-    part.train()
-    assert float(part.train_state.extras["entropy_control"]["entropy_coef"]) == pytest.approx(0.7)
-    resumed = make(hf_model_dir, tokenizer, tmp_path / "b", **kw)
+def check_resume_is_bit_exact(full, hf_model_dir, tokenizer, tmp_path):
+    """The adaptive run killed right after its step-5 checkpoint and resumed for step 6:
+    identical logs and controller state. The controller is non-trivial at the kill (a positive
+    coefficient and the gate open, so step 6 applies the restored coefficient: a resume that lost
+    the coefficient or the last window entropy would change step 6's loss or coefficient).
+
+    Was a test of its own with a 4-step run of its own (2 steps, a kill, 2 resumed) and a third
+    trainer stopped at step 2; the killed run is now the uninterrupted run's own checkpoint-5,
+    copied (the same run up to there: the same bytes)."""
+    a = full.args
+    logs = train_logs(full)
+    at_kill = logs[4]
+    assert at_kill["step"] == 5
+    assert at_kill["entropy_coef"] > 0 and at_kill["entropy"] <= a.entropy_target
+    killed_after_checkpoint(a.output_dir, 5, tmp_path / "b")
+    resumed = make(hf_model_dir, tokenizer, tmp_path / "b", **ADAPTIVE)
     resumed.train(resume_from_checkpoint=True)
-    a = train_logs(full)[2:]
-    b = [x for x in train_logs(resumed) if x["step"] > 2]
-    assert [x["step"] for x in b] == [3, 4]
-    assert a == b
-    assert [x["entropy_coef"] for x in a] == pytest.approx([0.8, 0.9])
+    b = [x for x in train_logs(resumed) if x["step"] > 5]
+    assert [x["step"] for x in b] == [6]
+    assert logs[5:] == b
     jax.tree.map(
         np.testing.assert_array_equal,
         jax.device_get(full.train_state.extras),
