@@ -79,25 +79,23 @@ DPO_COMMON = dict(
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def trl_dpo_logs(tmp_path_factory, tokenizer, moe_dir):
-    """TRL's DPO run on the MoE model: one reference for both layouts of ours."""
+def test_dpo_matches_trl_with_aux_loss(tmp_path, tokenizer, moe_dir):
+    """TRL's DPO run on the MoE model, run once here (a module fixture for two tests was built on
+    both xdist workers), is the reference for both layouts of ours: two-row batches
+    (`prefix_sharing=False`) and prefix sharing, each matching it step for step."""
     import trl
 
-    return trl_train_logs(
-        trl.DPOTrainer, trl.DPOConfig, moe_dir, tokenizer, _pairs(),
-        tmp_path_factory.mktemp("trl_dpo"), **DPO_COMMON,
-    )[1]  # fmt: skip
-
-
-@pytest.mark.parametrize("prefix_sharing", [False, True])
-def test_dpo_matches_trl_with_aux_loss(tmp_path, tokenizer, moe_dir, trl_dpo_logs, prefix_sharing):
-    trainer = jaxrl_trainer(
-        DPOTrainer, DPOConfig, moe_dir, tokenizer, _pairs(), tmp_path,
-        prefix_sharing=prefix_sharing, **DPO_COMMON,
+    _, theirs = trl_train_logs(
+        trl.DPOTrainer, trl.DPOConfig, moe_dir, tokenizer, _pairs(), tmp_path / "trl",
+        **DPO_COMMON,
     )  # fmt: skip
-    trainer.train()
-    assert_logs_match(train_logs(trainer), trl_dpo_logs, (*DPO_METRICS, "aux_loss"), steps=2)
+    for prefix_sharing in (False, True):
+        trainer = jaxrl_trainer(
+            DPOTrainer, DPOConfig, moe_dir, tokenizer, _pairs(), tmp_path / f"ours_{prefix_sharing}",
+            prefix_sharing=prefix_sharing, **DPO_COMMON,
+        )  # fmt: skip
+        trainer.train()
+        assert_logs_match(train_logs(trainer), theirs, (*DPO_METRICS, "aux_loss"), steps=2)
 
 
 def test_coefficient_follows_trl(tmp_path, tokenizer, moe_dir):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flax import nnx
 from PIL import Image
 from safetensors.numpy import load_file
 from test_sft_trl_options import METRICS
@@ -239,9 +240,14 @@ def test_collator_matches_trl(vlm_dir):
 def test_refusals(vlm_dir, tmp_path, hf_model_dir):
     from transformers import AutoProcessor
 
-    data = _messages(4)
+    from jaxrl.models import from_pretrained
 
-    def make(model=vlm_dir, **args):
+    data = _messages(4)
+    # One model for the trainers below (each refuses before training, so none changes it): a
+    # trainer loading `vlm_dir` itself would trace and load the model again, eight times.
+    vlm = from_pretrained(vlm_dir, vision=True)
+
+    def make(model=vlm, **args):
         return SFTTrainer(
             model,
             args=SFTConfig(**base_args(tmp_path, **args)),
@@ -266,7 +272,7 @@ def test_refusals(vlm_dir, tmp_path, hf_model_dir):
         make(hf_model_dir)
     with pytest.raises(ValueError, match="needs the model's processor"):
         SFTTrainer(
-            vlm_dir, args=SFTConfig(**base_args(tmp_path)), train_dataset=data,
+            vlm, args=SFTConfig(**base_args(tmp_path)), train_dataset=data,
             processing_class=AutoProcessor.from_pretrained(vlm_dir).tokenizer,
         )  # fmt: skip
 
@@ -307,10 +313,10 @@ def test_lora_adapts_the_vision_tower_as_peft(vlm_dir, tmp_path):
     ours.train()
     ours.save_model(str(tmp_path / "adapter"))
     mb = ours._collate([data[i] for i in range(4)])
+    # One compiled forward (eagerly, each op of the model compiled its own program: ~170).
+    forward = nnx.jit(lambda m, ids, px, types: m(ids, pixel_values=px, token_type_ids=types))
     got = np.asarray(
-        ours.current_model()(
-            mb["input_ids"], pixel_values=mb["pixel_values"], token_type_ids=mb["token_type_ids"]
-        )
+        forward(ours.current_model(), mb["input_ids"], mb["pixel_values"], mb["token_type_ids"])
     )
     pixels = np.concatenate([mb["pixel_values"][b, : len(data[b]["images"])] for b in range(4)])
     inputs = {
