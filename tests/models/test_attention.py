@@ -23,12 +23,15 @@ B, N, H = 2, 4, 8
 
 
 def qkv(seq_len, num_kv, dtype=jnp.float32, seed=0):
-    kq, kk, kv, kw = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(kq, (B, seq_len, N, H), dtype)
-    k = jax.random.normal(kk, (B, seq_len, num_kv, H), dtype)
-    v = jax.random.normal(kv, (B, seq_len, num_kv, H), dtype)
-    w = jax.random.normal(kw, (B, seq_len, N, H), jnp.float32)
-    return q, k, v, w
+    """Standard-normal q, k, v (in `dtype`) and output cotangent w (f32), drawn on the host:
+    `jax.random.normal` compiles a program per shape and dtype (~30 in this file), and so does
+    `jnp.asarray` of a host array (`device_put` does not)."""
+    rng = np.random.default_rng(seed)
+
+    def normal(heads, dtype):
+        return jax.device_put(rng.standard_normal((B, seq_len, heads, H), np.float32).astype(dtype))
+
+    return normal(N, dtype), normal(num_kv, dtype), normal(num_kv, dtype), normal(N, jnp.float32)
 
 
 def reference(q, k, v, mask, window):
@@ -283,7 +286,7 @@ def test_one_block_runs_without_loops(mask_kind):
         w,
         atol=1e-5,
     )
-    sinks = jax.random.normal(jax.random.key(4), (N,))
+    sinks = jax.device_put(np.random.default_rng(4).standard_normal(N, np.float32))  # host-drawn
 
     def with_sinks(max_block):
         return lambda q, k, v: blockwise_attention(q, k, v, mask, max_block=max_block, sinks=sinks)
@@ -490,7 +493,7 @@ def test_splash_model_on_a_mesh_equals_reference():
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
     )  # fmt: skip
-    ids = jax.random.randint(jax.random.key(1), (4, 130), 3, 64)
+    ids = jax.device_put(np.random.default_rng(1).integers(3, 64, (4, 130)).astype(np.int32))
     seg = jnp.asarray(np.concatenate([segment_ids(130), segment_ids(130)[::-1]]))
     reference_model = models.from_config(hf, scan_layers=True, attention_impl="xla")
     want = nnx.jit(lambda m, ids, seg: m(ids, segment_ids=seg))(reference_model, ids, seg)

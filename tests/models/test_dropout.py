@@ -269,8 +269,9 @@ def test_same_training_loss_for_every_block_size_scan_and_mesh(dropout_ref, monk
 
         return float(f(params))
 
-    base = loss(from_pretrained(path), jax.random.key(2))
-    assert base != loss(from_pretrained(path), None)
+    model = from_pretrained(path)
+    base = loss(model, jax.random.key(2))
+    assert base != loss(model, None)
     monkeypatch.setattr(attention, "block_size", lambda seq_len, max_block: 8)
     sharded = from_pretrained(path, mesh=make_mesh(2, 2, 2), scan_layers=True)
     np.testing.assert_allclose(loss(sharded, jax.random.key(2)), base, rtol=1e-6)
@@ -298,27 +299,37 @@ def test_forwards_outside_training_never_drop(dropout_ref, tmp_path):
             return contextlib.nullcontext()
         return md.model_dropout(None if mode == "none" else jax.random.key(0))
 
-    # Jitted (one program; eagerly one per op), the context entered while tracing.
+    # Jitted (eagerly one program per op), each mode's context entered around its own call
+    # while tracing. The modes of one model share one program (XLA merges the identical
+    # dropout-free forwards); every mode is still a forward of its own.
     @functools.partial(nnx.jit, static_argnums=1)
-    def forward(model, mode):
-        with dropout_context(mode):
-            return model(ids, right)
+    def forwards(model, modes):
+        outputs = []
+        for mode in modes:
+            with dropout_context(mode):
+                outputs.append(model(ids, right))
+        return outputs
 
-    @functools.partial(nnx.jit, static_argnums=1)
-    def cached_hidden_states(model, mode):
-        cache = init_cache(model.config, 3, 9)
-        view = CacheView(jnp.zeros((), jnp.int32), jnp.ones((3, 9), bool), prefill=True)
-        positions = jnp.broadcast_to(jnp.arange(9), (3, 9))
-        with dropout_context(mode):
-            return model.cached_hidden_states(ids, positions, cache, view)[0]
+    @nnx.jit
+    def cached_hidden_states(model):
+        """Generation's prefill without and inside a keyed `model_dropout`."""
+        outputs = []
+        for mode in ("unset", "key"):
+            cache = init_cache(model.config, 3, 9)
+            view = CacheView(jnp.zeros((), jnp.int32), jnp.ones((3, 9), bool), prefill=True)
+            positions = jnp.broadcast_to(jnp.arange(9), (3, 9))
+            with dropout_context(mode):
+                outputs.append(model.cached_hidden_states(ids, positions, cache, view)[0])
+        return outputs
 
-    want = np.asarray(forward(from_pretrained(tmp_path / "zero"), "unset"))
-    np.testing.assert_array_equal(np.asarray(forward(model, "unset")), want)
-    np.testing.assert_array_equal(np.asarray(forward(model, "none")), want)
-    assert np.abs(np.asarray(forward(model, "key")) - want).max() > 1e-3
+    (want,) = forwards(from_pretrained(tmp_path / "zero"), ("unset",))
+    want = np.asarray(want)
+    unset, none, keyed = (np.asarray(x) for x in forwards(model, ("unset", "none", "key")))
+    np.testing.assert_array_equal(unset, want)
+    np.testing.assert_array_equal(none, want)
+    assert np.abs(keyed - want).max() > 1e-3
 
-    h = cached_hidden_states(model, "unset")
-    h_train = cached_hidden_states(model, "key")
+    h, h_train = cached_hidden_states(model)
     np.testing.assert_array_equal(np.asarray(h_train), np.asarray(h))
 
 
