@@ -14,7 +14,13 @@ import pytest
 from flax import nnx
 from jaxprs import primitive_names
 
-from jaxrl.models.attention import attend, block_size, blockwise_attention, resolve_impl
+from jaxrl.models.attention import (
+    MAX_BLOCK,
+    attend,
+    block_size,
+    blockwise_attention,
+    resolve_impl,
+)
 from jaxrl.models.config import config_from_hf
 from jaxrl.models.layers import attention_mask_BTS, attention_masks, dot_product_attention
 from jaxrl.models.presets import get_preset
@@ -102,7 +108,32 @@ def assert_values_and_grads(fn, ref, q, k, v, w, atol):
     def run(q, k, v, w):
         return values_and_grads(fn, q, k, v, w), values_and_grads(ref, q, k, v, w)
 
-    (out, grads), (ref_out, ref_grads) = run(q, k, v, w)
+    assert_same_values_and_grads(*run(q, k, v, w), atol)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "max_block"))
+def blockwise_and_reference(q, k, v, w, mask, window=None, max_block=MAX_BLOCK):
+    """Values and grads of `blockwise_attention` and of `reference`, one program. The mask is an
+    argument (not a constant of a closure): the masks of one shape share this program across
+    tests and parametrizations."""
+    return (
+        values_and_grads(
+            lambda q, k, v: blockwise_attention(q, k, v, mask, window=window, max_block=max_block),
+            q, k, v, w,
+        ),
+        values_and_grads(lambda q, k, v: reference(q, k, v, mask, window), q, k, v, w),
+    )  # fmt: skip
+
+
+def assert_blockwise_equals_reference(q, k, v, w, mask, atol, window=None, max_block=MAX_BLOCK):
+    """`assert_values_and_grads(blockwise_attention(..., mask, window, max_block), reference(...
+    mask, window))` through the shared `blockwise_and_reference` program."""
+    results = blockwise_and_reference(q, k, v, w, mask, window=window, max_block=max_block)
+    assert_same_values_and_grads(*results, atol)
+
+
+def assert_same_values_and_grads(got, want, atol):
+    (out, grads), (ref_out, ref_grads) = got, want
     np.testing.assert_allclose(
         np.asarray(out, np.float32), np.asarray(ref_out, np.float32), atol=atol, rtol=atol
     )
@@ -118,15 +149,7 @@ def test_blockwise_equals_reference(mask_kind, num_kv):
     seq_len = 37  # three blocks of 16 (the last partly padding)
     q, k, v, w = qkv(seq_len, num_kv)
     mask = dense_mask(mask_kind, seq_len)
-    assert_values_and_grads(
-        lambda q, k, v: blockwise_attention(q, k, v, mask, max_block=16),
-        lambda q, k, v: reference(q, k, v, mask, None),
-        q,
-        k,
-        v,
-        w,
-        atol=1e-5,
-    )
+    assert_blockwise_equals_reference(q, k, v, w, mask, atol=1e-5, max_block=16)
 
 
 def test_blockwise_skips_the_blocks_of_earlier_documents():
@@ -140,15 +163,7 @@ def test_blockwise_skips_the_blocks_of_earlier_documents():
     )
     mask = jax.jit(attention_mask_BTS)(None, segments)
     q, k, v, w = qkv(seq_len, 2)
-    assert_values_and_grads(
-        lambda q, k, v: blockwise_attention(q, k, v, mask, max_block=16),
-        lambda q, k, v: reference(q, k, v, mask, None),
-        q,
-        k,
-        v,
-        w,
-        atol=1e-5,
-    )
+    assert_blockwise_equals_reference(q, k, v, w, mask, atol=1e-5, max_block=16)
     out = jax.jit(
         lambda q, k, v: blockwise_attention(q, k, v.at[:, :16].set(jnp.nan), mask, max_block=16)
     )(q, k, v)
@@ -164,15 +179,7 @@ def test_sliding_window_equals_reference(window, mask_kind):
     seq_len = 45
     q, k, v, w = qkv(seq_len, 2, seed=1)
     mask = dense_mask(mask_kind, seq_len)
-    assert_values_and_grads(
-        lambda q, k, v: blockwise_attention(q, k, v, mask, window=window, max_block=8),
-        lambda q, k, v: reference(q, k, v, mask, window),
-        q,
-        k,
-        v,
-        w,
-        atol=1e-5,
-    )
+    assert_blockwise_equals_reference(q, k, v, w, mask, atol=1e-5, window=window, max_block=8)
 
 
 @pytest.mark.parametrize("impl", ["blockwise", "splash", "xla"])
@@ -269,6 +276,19 @@ def test_softcap_dispatch(monkeypatch):
         attend(q, k, v, None, None, "cudnn", softcap=50.0)
 
 
+@jax.jit
+def one_block_and_loop_with_sinks(q, k, v, w, mask, sinks):
+    """Values and grads of `blockwise_attention` with `sinks` in one block of 128 and in blocks
+    of 16 (the mask an argument: one program for every mask of a shape)."""
+
+    def with_sinks(max_block):
+        return lambda q, k, v: blockwise_attention(q, k, v, mask, max_block=max_block, sinks=sinks)
+
+    return values_and_grads(with_sinks(128), q, k, v, w), values_and_grads(
+        with_sinks(16), q, k, v, w
+    )
+
+
 @pytest.mark.parametrize("mask_kind", sorted(MASKS))
 def test_one_block_runs_without_loops(mask_kind):
     """Rows that fit one block (T <= 128) run forward and backward with no scan or while loop,
@@ -277,22 +297,14 @@ def test_one_block_runs_without_loops(mask_kind):
     seq_len = 37
     q, k, v, w = qkv(seq_len, 2, seed=3)
     mask = dense_mask(mask_kind, seq_len)
-    assert_values_and_grads(
-        lambda q, k, v: blockwise_attention(q, k, v, mask),
-        lambda q, k, v: reference(q, k, v, mask, None),
-        q,
-        k,
-        v,
-        w,
-        atol=1e-5,
-    )
+    assert_blockwise_equals_reference(q, k, v, w, mask, atol=1e-5)  # max_block 128: one block
     sinks = jax.device_put(np.random.default_rng(4).standard_normal(N, np.float32))  # host-drawn
 
     def with_sinks(max_block):
         return lambda q, k, v: blockwise_attention(q, k, v, mask, max_block=max_block, sinks=sinks)
 
     # max_block=16: three blocks through the loops (where an unseen block is never visited).
-    assert_values_and_grads(with_sinks(128), with_sinks(16), q, k, v, w, atol=1e-5)
+    assert_same_values_and_grads(*one_block_and_loop_with_sinks(q, k, v, w, mask, sinks), 1e-5)
     grads = jax.make_jaxpr(jax.grad(lambda q, k, v: with_sinks(128)(q, k, v).sum(), (0, 1, 2)))
     names = primitive_names(grads(q, k, v).jaxpr)
     assert "dot_general" in names and not {"scan", "while"} & set(names)
@@ -302,15 +314,7 @@ def test_one_block_runs_without_loops(mask_kind):
 def test_lengths_not_multiple_of_the_block(seq_len):
     q, k, v, w = qkv(seq_len, 2, seed=seq_len)
     mask = dense_mask("padding", seq_len) if seq_len > 8 else None
-    assert_values_and_grads(
-        lambda q, k, v: blockwise_attention(q, k, v, mask, max_block=16),
-        lambda q, k, v: reference(q, k, v, mask, None),
-        q,
-        k,
-        v,
-        w,
-        atol=1e-5,
-    )
+    assert_blockwise_equals_reference(q, k, v, w, mask, atol=1e-5, max_block=16)
 
 
 @pytest.mark.slow
@@ -329,15 +333,7 @@ def test_bf16_within_bf16_tolerance():
     # Against the f32 reference on the same (bf16-rounded) inputs: bf16 output rounding plus the
     # bf16 probabilities of the value matmul (which the XLA reference rounds the same way).
     np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=2e-2, rtol=2e-2)
-    assert_values_and_grads(
-        lambda q, k, v: blockwise_attention(q, k, v, mask, max_block=16),
-        lambda q, k, v: reference(q, k, v, mask, None),
-        q,
-        k,
-        v,
-        w,
-        atol=5e-2,
-    )
+    assert_blockwise_equals_reference(q, k, v, w, mask, atol=5e-2, max_block=16)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
