@@ -503,35 +503,24 @@ def test_splash_model_on_a_mesh_equals_reference():
     "family, impl",
     [("llama", "blockwise"), ("llama", "xla"), ("mistral", "blockwise"), ("gpt2", "xla")],
 )
-def test_right_padded_rows_run_unmasked_exactly(family, impl):
+def test_right_padded_rows_run_unmasked_exactly(family, impl, hf_causal, hf_seq_cls):
     """Collated rows holding one document each carry no segment ids and the trainers run them
     without a mask (`model_masks`): at every scored token the log-probs, and the parameter
     gradients, equal those of the masked call (sliding window included: mistral's is 3); reward
-    scores at the last real token likewise."""
-    import transformers
-
-    from jaxrl import models
+    scores at the last real token likewise. The models are the session's tiny checkpoints
+    (tests/models/conftest.py; loading one compiles nothing, `from_config` compiled an init
+    program per model)."""
     from jaxrl.data import collate_sft
+    from jaxrl.models import from_pretrained
     from jaxrl.trainers.reward import pair_scores
     from jaxrl.trainers.sft import lm_forward
 
-    tiny = dict(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    hf = {
-        "llama": lambda: transformers.LlamaConfig(**tiny),
-        "mistral": lambda: transformers.MistralConfig(**tiny, sliding_window=3),
-        "gpt2": lambda: transformers.GPT2Config(
-            vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64
-        ),
-    }[family]()
     rng = np.random.default_rng(0)
     lengths = (11, 4, 7, 1)
     examples = [{"input_ids": rng.integers(3, 64, n).tolist()} for n in lengths]
     batch = {k: jnp.asarray(v) for k, v in collate_sft(examples, 12, pad_token_id=0).items()}
     masked = dict(batch, segment_ids=batch["attention_mask"])  # the masked call, as before
-    graphdef, params = nnx.split(models.from_config(hf, attention_impl=impl))
+    graphdef, params = nnx.split(from_pretrained(hf_causal(family).path, attention_impl=impl))
 
     def loss_and_logps(params, mb):
         logps_BT = lm_forward(nnx.merge(graphdef, params), mb, None, with_stats=False)
@@ -549,8 +538,9 @@ def test_right_padded_rows_run_unmasked_exactly(family, impl):
 
     if family == "gpt2":
         return
-    hf.num_labels = 1
-    scorer = models.from_config(hf, task="sequence_classification", attention_impl=impl)
+    scorer = from_pretrained(
+        hf_seq_cls(family).path, task="sequence_classification", attention_impl=impl
+    )  # num_labels=1
 
     @nnx.jit
     def scores_and_masked_scores(scorer, batch):
