@@ -477,10 +477,11 @@ def test_splash_dispatch_and_explicit_masks(monkeypatch):
 
 
 @pytest.mark.slow
-def test_splash_model_on_a_mesh_equals_reference():
+def test_splash_model_on_a_mesh_equals_reference(tmp_path):
     """A scanned Llama with attention_impl='splash' on a 2 (data) x 2 (fsdp) x 2 (tensor) mesh:
     packed segments reach the kernel through the layer scan, which runs per shard; logits equal
-    the same model's with the reference attention on one device."""
+    the same model's with the reference attention on one device (its weights saved and loaded
+    onto the mesh: a second `from_config` compiled a second init program)."""
     from transformers import LlamaConfig
 
     from jaxrl import models, parallel
@@ -494,7 +495,8 @@ def test_splash_model_on_a_mesh_equals_reference():
     reference_model = models.from_config(hf, scan_layers=True, attention_impl="xla")
     want = nnx.jit(lambda m, ids, seg: m(ids, segment_ids=seg))(reference_model, ids, seg)
     mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)
-    model = models.from_config(hf, mesh=mesh, scan_layers=True, attention_impl="splash")
+    models.save_pretrained(reference_model, tmp_path)
+    model = models.from_pretrained(tmp_path, mesh=mesh, scan_layers=True, attention_impl="splash")
     got = jax.jit(lambda ids, seg: model(ids, segment_ids=seg))(ids, seg)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
