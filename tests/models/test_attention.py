@@ -14,7 +14,13 @@ import pytest
 from flax import nnx
 from jaxprs import primitive_names
 
-from jaxrl.models.attention import attend, block_size, blockwise_attention, resolve_impl
+from jaxrl.models.attention import (
+    MAX_BLOCK,
+    attend,
+    block_size,
+    blockwise_attention,
+    resolve_impl,
+)
 from jaxrl.models.config import config_from_hf
 from jaxrl.models.layers import attention_mask_BTS, attention_masks, dot_product_attention
 from jaxrl.models.presets import get_preset
@@ -23,12 +29,15 @@ B, N, H = 2, 4, 8
 
 
 def qkv(seq_len, num_kv, dtype=jnp.float32, seed=0):
-    kq, kk, kv, kw = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(kq, (B, seq_len, N, H), dtype)
-    k = jax.random.normal(kk, (B, seq_len, num_kv, H), dtype)
-    v = jax.random.normal(kv, (B, seq_len, num_kv, H), dtype)
-    w = jax.random.normal(kw, (B, seq_len, N, H), jnp.float32)
-    return q, k, v, w
+    """Standard-normal q, k, v (in `dtype`) and output cotangent w (f32), drawn on the host:
+    `jax.random.normal` compiles a program per shape and dtype (~30 in this file), and so does
+    `jnp.asarray` of a host array (`device_put` does not)."""
+    rng = np.random.default_rng(seed)
+
+    def normal(heads, dtype):
+        return jax.device_put(rng.standard_normal((B, seq_len, heads, H), np.float32).astype(dtype))
+
+    return normal(N, dtype), normal(num_kv, dtype), normal(num_kv, dtype), normal(N, jnp.float32)
 
 
 def reference(q, k, v, mask, window):
@@ -99,7 +108,32 @@ def assert_values_and_grads(fn, ref, q, k, v, w, atol):
     def run(q, k, v, w):
         return values_and_grads(fn, q, k, v, w), values_and_grads(ref, q, k, v, w)
 
-    (out, grads), (ref_out, ref_grads) = run(q, k, v, w)
+    assert_same_values_and_grads(*run(q, k, v, w), atol)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "max_block"))
+def blockwise_and_reference(q, k, v, w, mask, window=None, max_block=MAX_BLOCK):
+    """Values and grads of `blockwise_attention` and of `reference`, one program. The mask is an
+    argument (not a constant of a closure): the masks of one shape share this program across
+    tests and parametrizations."""
+    return (
+        values_and_grads(
+            lambda q, k, v: blockwise_attention(q, k, v, mask, window=window, max_block=max_block),
+            q, k, v, w,
+        ),
+        values_and_grads(lambda q, k, v: reference(q, k, v, mask, window), q, k, v, w),
+    )  # fmt: skip
+
+
+def assert_blockwise_equals_reference(q, k, v, w, mask, atol, window=None, max_block=MAX_BLOCK):
+    """`assert_values_and_grads(blockwise_attention(..., mask, window, max_block), reference(...
+    mask, window))` through the shared `blockwise_and_reference` program."""
+    results = blockwise_and_reference(q, k, v, w, mask, window=window, max_block=max_block)
+    assert_same_values_and_grads(*results, atol)
+
+
+def assert_same_values_and_grads(got, want, atol):
+    (out, grads), (ref_out, ref_grads) = got, want
     np.testing.assert_allclose(
         np.asarray(out, np.float32), np.asarray(ref_out, np.float32), atol=atol, rtol=atol
     )
@@ -115,15 +149,7 @@ def test_blockwise_equals_reference(mask_kind, num_kv):
     seq_len = 37  # three blocks of 16 (the last partly padding)
     q, k, v, w = qkv(seq_len, num_kv)
     mask = dense_mask(mask_kind, seq_len)
-    assert_values_and_grads(
-        lambda q, k, v: blockwise_attention(q, k, v, mask, max_block=16),
-        lambda q, k, v: reference(q, k, v, mask, None),
-        q,
-        k,
-        v,
-        w,
-        atol=1e-5,
-    )
+    assert_blockwise_equals_reference(q, k, v, w, mask, atol=1e-5, max_block=16)
 
 
 def test_blockwise_skips_the_blocks_of_earlier_documents():
@@ -137,15 +163,7 @@ def test_blockwise_skips_the_blocks_of_earlier_documents():
     )
     mask = jax.jit(attention_mask_BTS)(None, segments)
     q, k, v, w = qkv(seq_len, 2)
-    assert_values_and_grads(
-        lambda q, k, v: blockwise_attention(q, k, v, mask, max_block=16),
-        lambda q, k, v: reference(q, k, v, mask, None),
-        q,
-        k,
-        v,
-        w,
-        atol=1e-5,
-    )
+    assert_blockwise_equals_reference(q, k, v, w, mask, atol=1e-5, max_block=16)
     out = jax.jit(
         lambda q, k, v: blockwise_attention(q, k, v.at[:, :16].set(jnp.nan), mask, max_block=16)
     )(q, k, v)
@@ -161,15 +179,7 @@ def test_sliding_window_equals_reference(window, mask_kind):
     seq_len = 45
     q, k, v, w = qkv(seq_len, 2, seed=1)
     mask = dense_mask(mask_kind, seq_len)
-    assert_values_and_grads(
-        lambda q, k, v: blockwise_attention(q, k, v, mask, window=window, max_block=8),
-        lambda q, k, v: reference(q, k, v, mask, window),
-        q,
-        k,
-        v,
-        w,
-        atol=1e-5,
-    )
+    assert_blockwise_equals_reference(q, k, v, w, mask, atol=1e-5, window=window, max_block=8)
 
 
 @pytest.mark.parametrize("impl", ["blockwise", "splash", "xla"])
@@ -266,6 +276,19 @@ def test_softcap_dispatch(monkeypatch):
         attend(q, k, v, None, None, "cudnn", softcap=50.0)
 
 
+@jax.jit
+def one_block_and_loop_with_sinks(q, k, v, w, mask, sinks):
+    """Values and grads of `blockwise_attention` with `sinks` in one block of 128 and in blocks
+    of 16 (the mask an argument: one program for every mask of a shape)."""
+
+    def with_sinks(max_block):
+        return lambda q, k, v: blockwise_attention(q, k, v, mask, max_block=max_block, sinks=sinks)
+
+    return values_and_grads(with_sinks(128), q, k, v, w), values_and_grads(
+        with_sinks(16), q, k, v, w
+    )
+
+
 @pytest.mark.parametrize("mask_kind", sorted(MASKS))
 def test_one_block_runs_without_loops(mask_kind):
     """Rows that fit one block (T <= 128) run forward and backward with no scan or while loop,
@@ -274,22 +297,14 @@ def test_one_block_runs_without_loops(mask_kind):
     seq_len = 37
     q, k, v, w = qkv(seq_len, 2, seed=3)
     mask = dense_mask(mask_kind, seq_len)
-    assert_values_and_grads(
-        lambda q, k, v: blockwise_attention(q, k, v, mask),
-        lambda q, k, v: reference(q, k, v, mask, None),
-        q,
-        k,
-        v,
-        w,
-        atol=1e-5,
-    )
-    sinks = jax.random.normal(jax.random.key(4), (N,))
+    assert_blockwise_equals_reference(q, k, v, w, mask, atol=1e-5)  # max_block 128: one block
+    sinks = jax.device_put(np.random.default_rng(4).standard_normal(N, np.float32))  # host-drawn
 
     def with_sinks(max_block):
         return lambda q, k, v: blockwise_attention(q, k, v, mask, max_block=max_block, sinks=sinks)
 
     # max_block=16: three blocks through the loops (where an unseen block is never visited).
-    assert_values_and_grads(with_sinks(128), with_sinks(16), q, k, v, w, atol=1e-5)
+    assert_same_values_and_grads(*one_block_and_loop_with_sinks(q, k, v, w, mask, sinks), 1e-5)
     grads = jax.make_jaxpr(jax.grad(lambda q, k, v: with_sinks(128)(q, k, v).sum(), (0, 1, 2)))
     names = primitive_names(grads(q, k, v).jaxpr)
     assert "dot_general" in names and not {"scan", "while"} & set(names)
@@ -299,15 +314,7 @@ def test_one_block_runs_without_loops(mask_kind):
 def test_lengths_not_multiple_of_the_block(seq_len):
     q, k, v, w = qkv(seq_len, 2, seed=seq_len)
     mask = dense_mask("padding", seq_len) if seq_len > 8 else None
-    assert_values_and_grads(
-        lambda q, k, v: blockwise_attention(q, k, v, mask, max_block=16),
-        lambda q, k, v: reference(q, k, v, mask, None),
-        q,
-        k,
-        v,
-        w,
-        atol=1e-5,
-    )
+    assert_blockwise_equals_reference(q, k, v, w, mask, atol=1e-5, max_block=16)
 
 
 @pytest.mark.slow
@@ -326,15 +333,7 @@ def test_bf16_within_bf16_tolerance():
     # Against the f32 reference on the same (bf16-rounded) inputs: bf16 output rounding plus the
     # bf16 probabilities of the value matmul (which the XLA reference rounds the same way).
     np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=2e-2, rtol=2e-2)
-    assert_values_and_grads(
-        lambda q, k, v: blockwise_attention(q, k, v, mask, max_block=16),
-        lambda q, k, v: reference(q, k, v, mask, None),
-        q,
-        k,
-        v,
-        w,
-        atol=5e-2,
-    )
+    assert_blockwise_equals_reference(q, k, v, w, mask, atol=5e-2, max_block=16)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -478,10 +477,11 @@ def test_splash_dispatch_and_explicit_masks(monkeypatch):
 
 
 @pytest.mark.slow
-def test_splash_model_on_a_mesh_equals_reference():
+def test_splash_model_on_a_mesh_equals_reference(tmp_path):
     """A scanned Llama with attention_impl='splash' on a 2 (data) x 2 (fsdp) x 2 (tensor) mesh:
     packed segments reach the kernel through the layer scan, which runs per shard; logits equal
-    the same model's with the reference attention on one device."""
+    the same model's with the reference attention on one device (its weights saved and loaded
+    onto the mesh: a second `from_config` compiled a second init program)."""
     from transformers import LlamaConfig
 
     from jaxrl import models, parallel
@@ -490,12 +490,13 @@ def test_splash_model_on_a_mesh_equals_reference():
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
     )  # fmt: skip
-    ids = jax.random.randint(jax.random.key(1), (4, 130), 3, 64)
+    ids = jax.device_put(np.random.default_rng(1).integers(3, 64, (4, 130)).astype(np.int32))
     seg = jnp.asarray(np.concatenate([segment_ids(130), segment_ids(130)[::-1]]))
     reference_model = models.from_config(hf, scan_layers=True, attention_impl="xla")
     want = nnx.jit(lambda m, ids, seg: m(ids, segment_ids=seg))(reference_model, ids, seg)
     mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)
-    model = models.from_config(hf, mesh=mesh, scan_layers=True, attention_impl="splash")
+    models.save_pretrained(reference_model, tmp_path)
+    model = models.from_pretrained(tmp_path, mesh=mesh, scan_layers=True, attention_impl="splash")
     got = jax.jit(lambda ids, seg: model(ids, segment_ids=seg))(ids, seg)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
@@ -504,35 +505,24 @@ def test_splash_model_on_a_mesh_equals_reference():
     "family, impl",
     [("llama", "blockwise"), ("llama", "xla"), ("mistral", "blockwise"), ("gpt2", "xla")],
 )
-def test_right_padded_rows_run_unmasked_exactly(family, impl):
+def test_right_padded_rows_run_unmasked_exactly(family, impl, hf_causal, hf_seq_cls):
     """Collated rows holding one document each carry no segment ids and the trainers run them
     without a mask (`model_masks`): at every scored token the log-probs, and the parameter
     gradients, equal those of the masked call (sliding window included: mistral's is 3); reward
-    scores at the last real token likewise."""
-    import transformers
-
-    from jaxrl import models
+    scores at the last real token likewise. The models are the session's tiny checkpoints
+    (tests/models/conftest.py; loading one compiles nothing, `from_config` compiled an init
+    program per model)."""
     from jaxrl.data import collate_sft
+    from jaxrl.models import from_pretrained
     from jaxrl.trainers.reward import pair_scores
     from jaxrl.trainers.sft import lm_forward
 
-    tiny = dict(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    hf = {
-        "llama": lambda: transformers.LlamaConfig(**tiny),
-        "mistral": lambda: transformers.MistralConfig(**tiny, sliding_window=3),
-        "gpt2": lambda: transformers.GPT2Config(
-            vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64
-        ),
-    }[family]()
     rng = np.random.default_rng(0)
     lengths = (11, 4, 7, 1)
     examples = [{"input_ids": rng.integers(3, 64, n).tolist()} for n in lengths]
     batch = {k: jnp.asarray(v) for k, v in collate_sft(examples, 12, pad_token_id=0).items()}
     masked = dict(batch, segment_ids=batch["attention_mask"])  # the masked call, as before
-    graphdef, params = nnx.split(models.from_config(hf, attention_impl=impl))
+    graphdef, params = nnx.split(from_pretrained(hf_causal(family).path, attention_impl=impl))
 
     def loss_and_logps(params, mb):
         logps_BT = lm_forward(nnx.merge(graphdef, params), mb, None, with_stats=False)
@@ -550,8 +540,9 @@ def test_right_padded_rows_run_unmasked_exactly(family, impl):
 
     if family == "gpt2":
         return
-    hf.num_labels = 1
-    scorer = models.from_config(hf, task="sequence_classification", attention_impl=impl)
+    scorer = from_pretrained(
+        hf_seq_cls(family).path, task="sequence_classification", attention_impl=impl
+    )  # num_labels=1
 
     @nnx.jit
     def scores_and_masked_scores(scorer, batch):

@@ -75,15 +75,20 @@ def test_mixed_sliding_and_full_layers_scan_like_unscanned(hf_causal, tmp_path):
     ids, right, _ = padded_batch()
     unscanned = from_config(config, seed=3)
     assert unscanned.config.sliding_layers == (False, True)
-    save_pretrained(unscanned, tmp_path)
-    scanned = from_pretrained(tmp_path, scan_layers=True)  # the flag is scanned per layer
+    save_pretrained(unscanned, tmp_path / "mixed")
+    scanned = from_pretrained(tmp_path / "mixed", scan_layers=True)  # the flag is scanned per layer
     want = np.asarray(_forward(unscanned, jnp.asarray(ids), jnp.asarray(right)))
     np.testing.assert_allclose(
         np.asarray(_forward(scanned, jnp.asarray(ids), jnp.asarray(right))), want, atol=1e-5
     )
-    # Both layer kinds matter: all-full attention differs.
-    config.layer_types = ["full_attention", "full_attention"]
-    full = from_config(config, seed=3)
+    # Both layer kinds matter: all-full attention (the same weights, loaded with an edited
+    # config.json: a second from_config compiled a second init program) differs.
+    shutil.copytree(tmp_path / "mixed", tmp_path / "full")
+    saved = json.loads((tmp_path / "full" / "config.json").read_text())
+    saved["layer_types"] = ["full_attention", "full_attention"]
+    (tmp_path / "full" / "config.json").write_text(json.dumps(saved))
+    full = from_pretrained(tmp_path / "full")
+    assert full.config.sliding_layers == (False, False)
     assert (
         np.abs(np.asarray(_forward(full, jnp.asarray(ids), jnp.asarray(right))) - want).max() > 1e-3
     )
