@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec
 from jaxrl import lora, parallel
 from jaxrl.core import quant
 from jaxrl.models import from_pretrained, save_pretrained
+from tests.model_calls import jit_call
 from tests.models.conftest import FAMILIES, padded_batch, torch_logits
 
 ATOL = 1e-4  # f32 logits of tiny models; observed differences are ~2e-6
@@ -61,13 +62,6 @@ def load_hf(path):
 
 def masked_max_diff(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> float:
     return float(np.max(np.abs((np.asarray(a) - np.asarray(b)) * mask[..., None])))
-
-
-@nnx.jit
-def forward(model, ids, mask):
-    """The model's logits as one compiled program (run eagerly, each of its primitives compiles
-    a program of its own, many of them new to each family: MoE and GPT-OSS most)."""
-    return model(ids, mask)
 
 
 # family, scan_layers, extra PEFT options (spread so each option meets a family)
@@ -111,14 +105,14 @@ def test_peft_parity_load_export_merge(hf_dir, tmp_path, family, scan, options):
     ids, mask, left = padded_batch()
 
     model = from_pretrained(path, scan_layers=scan)
-    base_logits = np.asarray(forward(model, ids, mask))
+    base_logits = np.asarray(jit_call(model, ids, mask))
     lora.load_peft_adapter(model, tmp_path / "peft")
-    ours = np.asarray(forward(model, ids, mask))
+    ours = np.asarray(jit_call(model, ids, mask))
     theirs = torch_logits(policy, ids, mask)
     assert masked_max_diff(ours, theirs, mask) < ATOL
     assert masked_max_diff(base_logits, theirs, mask) > 0.1  # the adapter matters
     np.testing.assert_allclose(
-        np.asarray(forward(model, ids, left)) * left[..., None],
+        np.asarray(jit_call(model, ids, left)) * left[..., None],
         torch_logits(policy, ids, left) * left[..., None],
         atol=ATOL,
     )
@@ -138,7 +132,7 @@ def test_peft_parity_load_export_merge(hf_dir, tmp_path, family, scan, options):
         < ATOL
     )
     # merge_lora leaves the adapted model as it was
-    assert masked_max_diff(np.asarray(forward(model, ids, mask)), ours, mask) == 0.0
+    assert masked_max_diff(np.asarray(jit_call(model, ids, mask)), ours, mask) == 0.0
 
 
 def test_reward_model_adapter_matches_peft(tmp_path):

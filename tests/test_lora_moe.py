@@ -19,6 +19,7 @@ from safetensors.numpy import load_file, save_file
 from jaxrl import lora
 from jaxrl.models import from_pretrained, save_pretrained
 from jaxrl.parallel import make_mesh
+from tests.model_calls import jit_call
 from tests.models.conftest import padded_batch, torch_logits
 from tests.test_lora import ATOL, hf_models, load_hf, masked_max_diff
 
@@ -35,13 +36,6 @@ def peft_model(path, **options):
     torch.manual_seed(1)
     config = peft.LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, **options)
     return peft.get_peft_model(load_hf(path), config).eval()
-
-
-@nnx.jit
-def forward(model, ids, mask):
-    """The model's logits as one compiled program (run eagerly, each of its primitives would
-    compile a program of its own, most of them new to the MoE layers)."""
-    return model(ids, mask)
 
 
 def adapter_file(directory) -> dict[str, np.ndarray]:
@@ -107,7 +101,7 @@ def test_peft_parity_load_export_merge(hf_dir, tmp_path, family, scan, options, 
 
     ids, mask, _ = padded_batch()
     model = lora.load_peft_adapter(from_pretrained(path, scan_layers=scan), tmp_path / "peft")
-    ours = np.asarray(forward(model, ids, mask))
+    ours = np.asarray(jit_call(model, ids, mask))
     assert masked_max_diff(ours, torch_logits(policy, ids, mask), mask) < ATOL
     assert lora.trainable_parameters(model)[0] == policy.get_nb_trainable_parameters()[0]
 
@@ -155,7 +149,7 @@ def test_transformers_v4_adapter_loads_as_in_peft(hf_dir, tmp_path):
     theirs = peft.PeftModel.from_pretrained(load_hf(path), v4).eval()
     ours = lora.load_peft_adapter(from_pretrained(path, scan_layers=True), v4)
     ids, mask, _ = padded_batch()
-    logits = np.asarray(forward(ours, ids, mask))
+    logits = np.asarray(jit_call(ours, ids, mask))
     assert masked_max_diff(logits, torch_logits(theirs, ids, mask), mask) < ATOL
     assert masked_max_diff(logits, torch_logits(load_hf(path), ids, mask), mask) > 0.1
     theirs.save_pretrained(tmp_path / "peft")  # PEFT's own v5 file of the converted adapter

@@ -7,7 +7,6 @@ probability and, at 1.0, only the argmax; the group (shared-prefill) path honour
 from __future__ import annotations
 
 import copy
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from flax import nnx
 
 from jaxrl import models
 from jaxrl.generation import (
@@ -29,6 +27,7 @@ from jaxrl.generation import (
 )
 from tests.generation.conftest import hf_generate, ragged_prompts
 from tests.generation.test_generate_parity import emitted_eos
+from tests.model_calls import merged_call
 from tests.models.conftest import FAMILIES, _build
 
 N_NEW = 10
@@ -218,17 +217,11 @@ def test_min_p_one_keeps_only_the_argmax(sampler):
         )
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _forward(graphdef, params, ids, mask):
-    # One compiled program (run eagerly, each of the model's primitives would compile its own).
-    return nnx.merge(graphdef, params)(ids, mask)
-
-
 def forward_logits(sampler, out) -> np.ndarray:
     """Raw logits [B, N, V] of a plain forward over prompt + completion (float64)."""
     ids = np.concatenate([out.prompt_ids_BP, out.completion_ids_BN], axis=1)
     mask = np.concatenate([out.prompt_mask_BP, out.completion_mask_BN], axis=1)
-    logits = np.asarray(_forward(sampler.graphdef, sampler.params, ids, mask), dtype=np.float64)
+    logits = np.asarray(merged_call(sampler.graphdef, sampler.params, ids, mask), dtype=np.float64)
     return logits[:, out.prompt_ids_BP.shape[1] - 1 : -1]
 
 

@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
-from flax import nnx
 
 from jaxrl import models
 from jaxrl.generation import GenerationConfig, Sampler, sample_categorical
 from tests.generation.conftest import PAD, ragged_prompts
+from tests.model_calls import merged_call
 
 N_NEW = 8
 
@@ -51,19 +51,11 @@ def test_top_k_1_and_tiny_top_p_are_greedy(sampler):
     assert (top_k_1.logprobs_BN < -0.1).any()
 
 
-# The plain forward as one jitted program (the graphdef static, the params an argument): one
-# compile per worker for every parametrization, where op by op each of the model's operations
-# compiled on its own (about a hundred programs).
-_plain_forward = jax.jit(
-    lambda graphdef, params, ids, mask: nnx.merge(graphdef, params)(ids, mask), static_argnums=0
-)
-
-
 def full_forward_logprobs(sampler, out, temperature):
     """log_softmax(logits / T) [B, N, V] of a plain forward over prompt + completion."""
     ids = np.concatenate([out.prompt_ids_BP, out.completion_ids_BN], axis=1)
     mask = np.concatenate([out.prompt_mask_BP, out.completion_mask_BN], axis=1)
-    logits = _plain_forward(sampler.graphdef, sampler.params, jnp.asarray(ids), jnp.asarray(mask))
+    logits = merged_call(sampler.graphdef, sampler.params, jnp.asarray(ids), jnp.asarray(mask))
     logits = np.asarray(logits, dtype=np.float64)
     p = out.prompt_ids_BP.shape[1]
     scaled = logits[:, p - 1 : -1] / temperature

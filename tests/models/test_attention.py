@@ -24,6 +24,7 @@ from jaxrl.models.attention import (
 from jaxrl.models.config import config_from_hf
 from jaxrl.models.layers import attention_mask_BTS, attention_masks, dot_product_attention
 from jaxrl.models.presets import get_preset
+from tests.model_calls import jit_call
 
 B, N, H = 2, 4, 8
 
@@ -493,7 +494,7 @@ def test_splash_model_on_a_mesh_equals_reference(tmp_path):
     ids = jax.device_put(np.random.default_rng(1).integers(3, 64, (4, 130)).astype(np.int32))
     seg = jnp.asarray(np.concatenate([segment_ids(130), segment_ids(130)[::-1]]))
     reference_model = models.from_config(hf, scan_layers=True, attention_impl="xla")
-    want = nnx.jit(lambda m, ids, seg: m(ids, segment_ids=seg))(reference_model, ids, seg)
+    want = jit_call(reference_model, ids, segment_ids=seg)
     mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)
     models.save_pretrained(reference_model, tmp_path)
     model = models.from_pretrained(tmp_path, mesh=mesh, scan_layers=True, attention_impl="splash")

@@ -23,6 +23,7 @@ from safetensors.numpy import save_file
 from jaxrl import lora, parallel
 from jaxrl.models import from_config, from_pretrained, save_pretrained
 from jaxrl.models.hf import _entries, _ours_to_hf
+from tests.model_calls import jit_call
 from tests.models.conftest import FAMILIES
 
 IMAGE, BOI, EOI = 125, 123, 124
@@ -95,12 +96,6 @@ def _torch_logits(model, ids, mask, token_type_ids=None, pixels=None):
             **kwargs,
         )
     return out.logits.float().numpy()
-
-
-@nnx.jit
-def _forward(model, *args, **kwargs):
-    """`model(*args, **kwargs)` compiled as one program (eagerly, each op compiles its own)."""
-    return model(*args, **kwargs)
 
 
 def _max_diff(a, b, mask) -> float:
@@ -226,7 +221,7 @@ def test_save_reload_round_trip(ref, tmp_path):
     ]
     reloaded = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
     ids, mask, types, pixels, _ = _batch()
-    got = _forward(
+    got = jit_call(
         model, jnp.asarray(ids), jnp.asarray(mask), pixel_values=pixels, token_type_ids=types
     )
     assert _max_diff(got, _torch_logits(reloaded, ids, mask, types, pixels), mask) < 1e-5
@@ -239,7 +234,7 @@ def test_save_reload_round_trip(ref, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every weight used
         again = from_pretrained(tmp_path / "v4", vision=True)
-    got_again = _forward(  # compiled as `got` was: bit-exact
+    got_again = jit_call(  # compiled as `got` was: bit-exact
         again, jnp.asarray(ids), jnp.asarray(mask), pixel_values=pixels, token_type_ids=types
     )
     np.testing.assert_array_equal(np.asarray(got_again), np.asarray(got))
@@ -256,7 +251,7 @@ def test_sharded_and_lora(ref):
     assert fc1.get_value().sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
     got = jax.jit(lambda m: m(jnp.asarray(ids), pixel_values=per_row, token_type_ids=types))(model)
     single = from_pretrained(path, vision=True)
-    want = _forward(
+    want = jit_call(
         single, jnp.asarray(ids), pixel_values=jnp.asarray(per_row), token_type_ids=types
     )
     assert _max_diff(got, want, mask) < 1e-5

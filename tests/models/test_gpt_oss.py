@@ -19,6 +19,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxrl import lora
 from jaxrl.models import attention, config_from_hf, from_pretrained, mxfp4, save_pretrained
+from tests.model_calls import jit_call
 from tests.models.conftest import FAMILIES, _build, padded_batch, torch_logits
 from tests.models.test_autocast_parity import _autocast_logits, _gap
 
@@ -170,10 +171,9 @@ def test_mxfp4_checkpoint_loads_dequantized_and_saves_plain(hf_causal, tmp_path)
     dequantized = from_pretrained(tmp_path / "plain")
     ids, right, _ = padded_batch()
     # One jitted forward for both (same config, so one program) instead of op by op.
-    forward = nnx.jit(lambda model, ids, mask: model(ids, mask))
-    got = np.asarray(forward(ours, jnp.asarray(ids), jnp.asarray(right)))
+    got = np.asarray(jit_call(ours, jnp.asarray(ids), jnp.asarray(right)))
     np.testing.assert_array_equal(
-        got, np.asarray(forward(dequantized, jnp.asarray(ids), jnp.asarray(right)))
+        got, np.asarray(jit_call(dequantized, jnp.asarray(ids), jnp.asarray(right)))
     )
 
     theirs = transformers.AutoModelForCausalLM.from_pretrained(

@@ -14,10 +14,10 @@ from jaxrl.models import (
     save_pretrained,
 )
 from jaxrl.models.config import config_from_hf
+from tests.model_calls import jit_call
 from tests.models.conftest import padded_batch
 
-# Jitted: op by op, each of the model's operations compiles on its own (MoE and GPT-OSS most).
-_scores = nnx.jit(lambda model, ids, mask: model(ids, mask))
+# Jitted (see tests/model_calls.py), a head's per-token scores as its call is.
 _token_scores = nnx.jit(lambda model, ids, mask: model.token_scores(ids, mask))
 
 
@@ -50,7 +50,7 @@ def test_scores_match_transformers_and_round_trip(family, hf_seq_cls, tmp_path):
     ids, right, left = padded_batch(seed=1)
     for mask in (right, left):
         expected = _torch_scores(ref.model, ids, mask)
-        got = _scores(model, jnp.asarray(np.where(mask == 1, ids, 0)), jnp.asarray(mask))
+        got = jit_call(model, jnp.asarray(np.where(mask == 1, ids, 0)), jnp.asarray(mask))
         assert got.shape == (3, 1)
         np.testing.assert_allclose(np.asarray(got), expected, atol=1e-4)
 
@@ -60,7 +60,7 @@ def test_scores_match_transformers_and_round_trip(family, hf_seq_cls, tmp_path):
     last = right.sum(1) - 1
     np.testing.assert_allclose(
         np.asarray(tokens)[np.arange(3), last],
-        np.asarray(_scores(model, jnp.asarray(ids), jnp.asarray(right))),
+        np.asarray(jit_call(model, jnp.asarray(ids), jnp.asarray(right))),
         atol=1e-5,
     )
 

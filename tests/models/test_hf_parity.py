@@ -8,10 +8,8 @@ import transformers
 from flax import nnx
 
 from jaxrl.models import from_pretrained, save_pretrained
+from tests.model_calls import jit_call
 from tests.models.conftest import FAMILIES, padded_batch, torch_logits
-
-# Jitted: op by op, each of the model's operations compiles on its own (~35 ms each on CPU).
-_forward = nnx.jit(lambda model, ids, mask: model(ids, mask))
 
 
 def _masked_max_diff(a, b, mask):
@@ -33,7 +31,7 @@ def test_logits_match_transformers_and_round_trip(family, hf_causal, tmp_path):
     ids, right, left = padded_batch()
     for mask in (right, left):
         expected = torch_logits(ref.model, ids, mask)
-        got = _forward(model, jnp.asarray(np.where(mask == 1, ids, 0)), jnp.asarray(mask))
+        got = jit_call(model, jnp.asarray(np.where(mask == 1, ids, 0)), jnp.asarray(mask))
         assert got.shape == expected.shape
         assert _masked_max_diff(got, expected, mask) <= 1e-4, family
 
@@ -88,7 +86,7 @@ def test_longrope_switches_at_the_original_context(hf_causal):
     for seq_len in (6, 8, 9):
         ids, right, _ = padded_batch(seed=seq_len, seq_len=seq_len)
         expected = torch_logits(ref.model, ids, right)
-        got = _forward(model, jnp.asarray(np.where(right == 1, ids, 0)), jnp.asarray(right))
+        got = jit_call(model, jnp.asarray(np.where(right == 1, ids, 0)), jnp.asarray(right))
         assert _masked_max_diff(got, expected, right) <= 1e-4, seq_len
 
 

@@ -21,18 +21,13 @@ from jaxrl.models import (
     get_preset,
     save_pretrained,
 )
+from tests.model_calls import jit_call
 from tests.models.conftest import padded_batch
 
 
 @pytest.fixture(scope="module")
 def mistral_dir(hf_causal):
     return hf_causal("mistral").path  # sliding window 3 < sequence length
-
-
-@nnx.jit
-def _forward(model, *args, **kwargs):
-    """`model(*args, **kwargs)` compiled as one program (eagerly, each op compiles its own)."""
-    return model(*args, **kwargs)
 
 
 def _logits_and_grads(model, ids, mask):
@@ -77,9 +72,9 @@ def test_mixed_sliding_and_full_layers_scan_like_unscanned(hf_causal, tmp_path):
     assert unscanned.config.sliding_layers == (False, True)
     save_pretrained(unscanned, tmp_path / "mixed")
     scanned = from_pretrained(tmp_path / "mixed", scan_layers=True)  # the flag is scanned per layer
-    want = np.asarray(_forward(unscanned, jnp.asarray(ids), jnp.asarray(right)))
+    want = np.asarray(jit_call(unscanned, jnp.asarray(ids), jnp.asarray(right)))
     np.testing.assert_allclose(
-        np.asarray(_forward(scanned, jnp.asarray(ids), jnp.asarray(right))), want, atol=1e-5
+        np.asarray(jit_call(scanned, jnp.asarray(ids), jnp.asarray(right))), want, atol=1e-5
     )
     # Both layer kinds matter: all-full attention (the same weights, loaded with an edited
     # config.json: a second from_config compiled a second init program) differs.
@@ -90,7 +85,7 @@ def test_mixed_sliding_and_full_layers_scan_like_unscanned(hf_causal, tmp_path):
     full = from_pretrained(tmp_path / "full")
     assert full.config.sliding_layers == (False, False)
     assert (
-        np.abs(np.asarray(_forward(full, jnp.asarray(ids), jnp.asarray(right))) - want).max() > 1e-3
+        np.abs(np.asarray(jit_call(full, jnp.asarray(ids), jnp.asarray(right))) - want).max() > 1e-3
     )
 
 
@@ -101,8 +96,8 @@ def test_sliding_window_changes_attention(mistral_dir, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     ids, right, _ = padded_batch()
     ids, right = jnp.asarray(ids), jnp.asarray(right)
-    windowed = np.asarray(_forward(from_pretrained(mistral_dir), ids, right))
-    full = np.asarray(_forward(from_pretrained(tmp_path), ids, right))
+    windowed = np.asarray(jit_call(from_pretrained(mistral_dir), ids, right))
+    full = np.asarray(jit_call(from_pretrained(tmp_path), ids, right))
     np.testing.assert_allclose(windowed[:, :3], full[:, :3], atol=1e-5)  # inside the window
     assert np.abs(windowed[0, 5:] - full[0, 5:]).max() > 1e-3
 
@@ -114,9 +109,9 @@ def test_bf16_compute_with_f32_params_is_close(hf_causal):
     f32 = from_pretrained(path)
     bf16 = from_pretrained(path, dtype=jnp.bfloat16)
     assert bf16.model.layers[0].mlp.up_proj.kernel[...].dtype == jnp.float32
-    got = _forward(bf16, jnp.asarray(ids), jnp.asarray(right))
+    got = jit_call(bf16, jnp.asarray(ids), jnp.asarray(right))
     assert got.dtype == jnp.bfloat16
-    want = np.asarray(_forward(f32, jnp.asarray(ids), jnp.asarray(right)))
+    want = np.asarray(jit_call(f32, jnp.asarray(ids), jnp.asarray(right)))
     err = np.abs(np.asarray(got, np.float32) - want) * right[..., None]
     assert err.max() < 0.05 * np.abs(want).max()
     stored = from_pretrained(path, param_dtype=jnp.bfloat16)

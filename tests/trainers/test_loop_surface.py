@@ -6,27 +6,20 @@
 from pathlib import Path
 from types import SimpleNamespace
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from trainer_utils import base_args, tiny_config, train_logs
 
 from jaxrl import SFTConfig, SFTTrainer
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.trainers import TrainLoop, TrainOutput
-
-# A model's forward as one jitted program (graphdef static, weights an argument): op by op, each
-# of the model's operations compiled on its own, for each model compared.
-_jit_forward = jax.jit(
-    lambda graphdef, state, ids, mask: nnx.merge(graphdef, state)(ids, mask), static_argnums=0
-)
+from tests.model_calls import jit_call
 
 
 def forward(model, ids, mask) -> np.ndarray:
     """`model(ids, mask)` (the logits), jitted."""
-    return np.asarray(_jit_forward(*nnx.split(model), ids, mask))
+    return np.asarray(jit_call(model, ids, mask))
 
 
 def make(tmp_path, tokenizer, sft_data, eval_data=None, **kw):

@@ -20,6 +20,7 @@ from jaxrl.trainers.grpo_config import GRPOConfig
 from jaxrl.trainers.onpolicy import completion_logprobs
 from jaxrl.trainers.rloo import RLOOTrainer
 from jaxrl.trainers.rloo_config import RLOOConfig
+from tests.model_calls import jit_call
 
 # init_lora_weights=False: B is random too, so the adapter changes the model from step 0.
 NONZERO = lora.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
@@ -51,9 +52,7 @@ def _online(cls, config_cls, model, tokenizer, tmp_path, model_kw=None, **kw):
 def _logits(model) -> np.ndarray:
     """The model's logits on IDS (f32) from one jitted program: called eagerly, every operation
     of the forward compiled a program of its own."""
-    graphdef, state = nnx.split(model)
-    forward = jax.jit(lambda s: nnx.merge(graphdef, s)(IDS, np.ones_like(IDS)))
-    return np.asarray(forward(state), np.float32)
+    return np.asarray(jit_call(model, IDS, np.ones_like(IDS)), np.float32)
 
 
 def _peft_logits(base_dir: str, adapter_dir: str) -> np.ndarray:

@@ -3,10 +3,10 @@ that transformers loads as AutoModelForSequenceClassification with the same scor
 
 import numpy as np
 import pytest
-from flax import nnx
 from trainer_utils import base_args, per_batch_mean, train_logs
 
 from jaxrl import RewardConfig, RewardTrainer
+from tests.model_calls import jit_call
 
 
 @pytest.mark.slow  # end to end: full training runs
@@ -40,13 +40,10 @@ def test_reward_trains_and_exports(tmp_path, tokenizer, hf_model_dir, pref_data)
     metrics = trainer.evaluate()
     # Accuracy = share of eval pairs whose chosen reward beats the rejected one, scored one by one.
     model = trainer.current_model()
-    # Jitted (one program per sequence length): un-jitted, every op of every forward dispatches
-    # on its own.
-    forward = nnx.jit(lambda m, ids, mask: m(ids, mask))
 
     def score(ids):
         return float(
-            np.asarray(forward(model, np.array([ids]), np.ones((1, len(ids)), np.int32)))[0, 0]
+            np.asarray(jit_call(model, np.array([ids]), np.ones((1, len(ids)), np.int32)))[0, 0]
         )
 
     ds = trainer.eval_dataset

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flax import nnx
 from PIL import Image
 from safetensors.numpy import load_file
 from test_sft_trl_options import METRICS
@@ -19,6 +18,7 @@ from trainer_utils import assert_logs_match, base_args, train_logs, trl_train_lo
 
 from jaxrl import SFTConfig, SFTTrainer
 from jaxrl.data import vision
+from tests.model_calls import jit_call
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{{ '<start_of_turn>' }}"
@@ -314,9 +314,13 @@ def test_lora_adapts_the_vision_tower_as_peft(vlm_dir, tmp_path):
     ours.save_model(str(tmp_path / "adapter"))
     mb = ours._collate([data[i] for i in range(4)])
     # One compiled forward (eagerly, each op of the model compiled its own program: ~170).
-    forward = nnx.jit(lambda m, ids, px, types: m(ids, pixel_values=px, token_type_ids=types))
     got = np.asarray(
-        forward(ours.current_model(), mb["input_ids"], mb["pixel_values"], mb["token_type_ids"])
+        jit_call(
+            ours.current_model(),
+            mb["input_ids"],
+            pixel_values=mb["pixel_values"],
+            token_type_ids=mb["token_type_ids"],
+        )
     )
     pixels = np.concatenate([mb["pixel_values"][b, : len(data[b]["images"])] for b in range(4)])
     inputs = {

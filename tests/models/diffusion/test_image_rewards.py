@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from flax import nnx
 from PIL import Image
 
 from jaxrl.models.diffusion import load_clip_vision
@@ -21,6 +20,7 @@ from jaxrl.models.diffusion.rewards import (
     jpeg_size_kb,
     load_aesthetic_mlp,
 )
+from tests.model_calls import jit_call
 
 VISION = dict(
     hidden_size=16,
@@ -67,7 +67,7 @@ def test_clip_vision_matches_transformers(clip_dir):
     pixels = np.random.default_rng(1).standard_normal((2, 3, 32, 32)).astype(np.float32)
     with torch.no_grad():
         want = ref(pixel_values=torch.from_numpy(pixels)).image_embeds.numpy()
-    ours = nnx.jit(lambda m, x: m(x))(load_clip_vision(path), jnp.asarray(pixels))
+    ours = jit_call(load_clip_vision(path), jnp.asarray(pixels))
     np.testing.assert_allclose(np.asarray(ours), want, atol=1e-4)
 
 

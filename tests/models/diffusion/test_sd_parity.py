@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxrl import parallel
 from jaxrl.models.diffusion import load_clip_text, load_unet, load_vae, save_unet
+from tests.model_calls import jit_call
 
 
 def unet_inputs(seed: int = 0):
@@ -30,10 +31,9 @@ def run_unet(unet, sample, t, context):
     return unet(sample, t, context)
 
 
-# One jitted VAE decode and text-encoder call for the module's tests: a new lambda per call site
-# would trace and compile the same program again.
+# One jitted VAE decode for the module's tests (the text encoder's call: `jit_call`): a new
+# lambda per call site would trace and compile the same program again.
 vae_decode = nnx.jit(lambda m, z: m.decode(z))
-run_text = nnx.jit(lambda m, x: m(x))
 
 
 @functools.cache
@@ -142,7 +142,7 @@ def test_clip_text_matches_transformers(tiny_clip_text):
     ids = np.random.default_rng(0).integers(3, 100, (2, 20))
     with torch.no_grad():
         want = ref(torch.from_numpy(ids)).last_hidden_state.numpy()
-    ours = run_text(model, ids)
+    ours = jit_call(model, ids)
     np.testing.assert_allclose(np.asarray(ours), want, atol=1e-4)
 
 
@@ -192,7 +192,7 @@ def test_load_pipeline_directory(sd1_unet, tiny_vae, tiny_clip_text, tmp_path):
     ).input_ids
     with torch.no_grad():
         want = pipe.text_encoder(torch.tensor(ids))[0].numpy()
-    ours = run_text(sd.text_encoder, np.asarray(ids))
+    ours = jit_call(sd.text_encoder, np.asarray(ids))
     np.testing.assert_allclose(np.asarray(ours), want, atol=1e-4)
     ref = diffusers.DDIMScheduler.from_config(pipe.scheduler.config)
     ref.set_timesteps(10)
