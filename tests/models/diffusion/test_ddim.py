@@ -67,6 +67,12 @@ def unet_fn_of(graphdef, state):
     return fn
 
 
+def test_recipe_is_the_recorded_one():
+    """The recipe's model configs are the ones the golden was recorded with."""
+    for name, config in (("unet", RECIPE.UNET), ("vae", RECIPE.VAE)):
+        assert json.loads(json.dumps(config)) == GOLDEN[name], f"{name}: {UPDATE}"
+
+
 def test_timesteps_match_diffusers():
     assert SCHED.timesteps(STEPS).tolist() == GOLDEN["timesteps"]
     ref = diffusers.DDIMScheduler(**GOLDEN["scheduler"])
