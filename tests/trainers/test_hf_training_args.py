@@ -244,9 +244,21 @@ def test_neftune_resume_is_bit_exact_and_does_not_depend_on_the_mesh(tmp_path, t
 @pytest.mark.slow
 def test_neftune_never_noises_the_dpo_reference(tmp_path, tokenizer, pref_data):
     """With noise on, the live reference forward gives what the precomputed (clean) reference
-    log-probs give: the first step's metrics agree. Reward training is noised too."""
-    data = pref_data[0].select(range(8))
-    kw = dict(max_steps=1, neftune_noise_alpha=5.0)
+    log-probs give: the first step's metrics agree. Reward training is noised too.
+
+    The DPO pair also runs HF's length-grouped sampler over a length column (one trainer fewer
+    than a run of its own): its first step trains the pairs HF's sampler puts first, their four
+    TRL rows' real tokens (prompt twice) are the step's count. (test_sampling_strategy_choices
+    checks the refusal without the column.)"""
+    # A length column: HF infers lengths from 'input_ids' only.
+    data = pref_data[0].select(range(16)).add_column("length", list(range(16)))
+    kw = dict(
+        max_steps=1,
+        neftune_noise_alpha=5.0,
+        train_sampling_strategy="group_by_length",
+        per_device_train_batch_size=2,
+        include_num_input_tokens_seen="non_padding",
+    )
     runs = {}
     for precompute in (False, True):
         trainer = DPOTrainer(
@@ -264,6 +276,19 @@ def test_neftune_never_noises_the_dpo_reference(tmp_path, tokenizer, pref_data):
     # Policy == reference at step 1: only the policy's noise makes its rewards non-zero.
     assert abs(runs[False]["rewards/chosen"]) > 1e-4
 
+    # The length-grouped order.
+    first = _hf_grouped(list(range(16)), 2, seed=0)[:2]
+    ds = trainer.train_dataset
+    want = sum(
+        2 * len(ds[i]["prompt_input_ids"])
+        + len(ds[i]["chosen_input_ids"])
+        + len(ds[i]["rejected_input_ids"])
+        for i in first
+    )
+    assert first[0] == 15  # the longest first
+    assert runs[False]["num_input_tokens_seen"] == runs[True]["num_input_tokens_seen"] == want
+
+    data = pref_data[0].select(range(8))
     losses = []
     for alpha in (None, 5.0):
         reward = RewardTrainer(
@@ -381,6 +406,8 @@ def test_group_by_length_batches_are_hf_length_grouped(tmp_path, tokenizer, sft_
 
 
 def test_sampling_strategy_choices(tmp_path, tokenizer, pref_data):
+    """The refusals; a DPO run with a length column is checked in
+    test_neftune_never_noises_the_dpo_reference."""
     with pytest.raises(ConfigError, match="batch_rebalance.*one row length"):
         SFTConfig(output_dir="x", train_sampling_strategy="batch_rebalance")
     with pytest.raises(ConfigError, match="train_sampling_strategy='x'"):
@@ -397,30 +424,6 @@ def test_sampling_strategy_choices(tmp_path, tokenizer, pref_data):
             train_dataset=data,
             processing_class=tokenizer,
         )
-    # With one, the first step trains the pairs HF's sampler puts first: their four TRL rows'
-    # real tokens (prompt twice) are the step's count.
-    column = list(range(16))
-    trainer = DPOTrainer(
-        tiny_config(),
-        args=DPOConfig(
-            **base_args(
-                tmp_path / "b", max_steps=1, include_num_input_tokens_seen="non_padding", **kw
-            )
-        ),
-        train_dataset=data.add_column("length", column),
-        processing_class=tokenizer,
-    )
-    trainer.train()
-    first = _hf_grouped(column, 2, seed=0)[:2]
-    ds = trainer.train_dataset
-    want = sum(
-        2 * len(ds[i]["prompt_input_ids"])
-        + len(ds[i]["chosen_input_ids"])
-        + len(ds[i]["rejected_input_ids"])
-        for i in first
-    )
-    assert first[0] == 15  # the longest first
-    assert train_logs(trainer)[0]["num_input_tokens_seen"] == want
 
 
 # ----------------------------------------------------------------------------- token counts
