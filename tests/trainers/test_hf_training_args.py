@@ -159,31 +159,59 @@ def test_neftune_noise_bound_follows_trl_padded_batches():
     _check_bound(noise, [want[0]] * 2 + [want[1]] * 2 + [want[0]] * 2 + [want[1]] * 2)
 
 
-def test_neftune_trains_differently_but_evaluates_identically(tmp_path, tokenizer, sft_data):
-    """The noise changes training steps (from the step's key: two runs agree bit for bit) and
-    never an evaluation: eval_on_start (the same params) gives the same eval_loss with or
-    without it."""
-    kw = dict(max_steps=2, eval_strategy="steps", eval_steps=2, eval_on_start=True)
-    data, eval_data = sft_data[0].select(range(16)), sft_data[1].select(range(8))
-    clean = sft(tmp_path / "a", tokenizer, data, eval_data, **kw)
+def _step_tokens(trainer) -> list[float]:
+    """Each step's training tokens (TRL's num_tokens per step): a fingerprint of its batch."""
+    totals = [h["num_tokens"] for h in train_logs(trainer)]
+    return list(np.diff([0.0, *totals]))
+
+
+def test_neftune_and_data_seed(tmp_path, tokenizer, sft_data):
+    """One clean run (seed 0) is the reference of two checks (one trainer fewer than a clean
+    run for each).
+
+    NEFTune: the noise changes training steps (from the step's key: two runs agree bit for
+    bit) and never an evaluation: eval_on_start (the same params) gives the same eval_loss with
+    or without it; predict() at the trained params is the clean forward of those params.
+
+    data_seed: changes only the data order. The same seed with another data_seed: the same
+    initial model (eval before training), another data order; data_seed=0 with seed=5: the
+    batches of seed 0, from another initial model."""
+    data, eval_data = sft_data[0], sft_data[1].select(range(4))
+    kw = dict(max_steps=3, eval_strategy="steps", eval_steps=3, eval_on_start=True)
+    base = sft(tmp_path / "a", tokenizer, data, eval_data, seed=0, **kw)
+
+    # NEFTune.
     noisy = sft(tmp_path / "b", tokenizer, data, eval_data, neftune_noise_alpha=5.0, **kw)
     again = sft(tmp_path / "c", tokenizer, data, eval_data, neftune_noise_alpha=5.0, **kw)
-    assert eval_logs(noisy)[0]["eval_loss"] == eval_logs(clean)[0]["eval_loss"]
-    assert train_logs(noisy)[0]["loss"] != pytest.approx(train_logs(clean)[0]["loss"], rel=1e-4)
+    assert eval_logs(noisy)[0]["eval_loss"] == eval_logs(base)[0]["eval_loss"]
+    assert train_logs(noisy)[0]["loss"] != pytest.approx(train_logs(base)[0]["loss"], rel=1e-4)
     for x, y in zip(train_logs(noisy), train_logs(again), strict=True):
         assert x["loss"] == y["loss"] and x["grad_norm"] == y["grad_norm"]
     assert eval_logs(noisy)[-1]["eval_loss"] == eval_logs(again)[-1]["eval_loss"]
-    # predict() at the trained params is the clean forward of those params.
     with_noise = noisy.predict(eval_data).metrics["test_loss"]
     assert with_noise == pytest.approx(eval_logs(noisy)[-1]["eval_loss"], rel=1e-6)
 
+    # data_seed.
+    other_data = sft(tmp_path / "d", tokenizer, data, eval_data, seed=0, data_seed=11, **kw)
+    same_data = sft(tmp_path / "e", tokenizer, data, eval_data, seed=5, data_seed=0, **kw)
+    assert eval_logs(other_data)[0]["eval_loss"] == eval_logs(base)[0]["eval_loss"]
+    assert _step_tokens(other_data) != _step_tokens(base)
+    assert _step_tokens(same_data) == _step_tokens(base)
+    assert eval_logs(same_data)[0]["eval_loss"] != eval_logs(base)[0]["eval_loss"]
+
 
 @pytest.mark.slow
-def test_neftune_resume_is_bit_exact(tmp_path, tokenizer, sft_data):
-    """Killed after step 2 (a checkpoint), resumed: steps 3-4 (noise, loss, token count) are those of
-    the uninterrupted run."""
+def test_neftune_resume_is_bit_exact_and_does_not_depend_on_the_mesh(tmp_path, tokenizer, sft_data):
+    """One noisy run (2 data-parallel devices x 2 micro-batches of 4, 4 steps through 64 rows)
+    is the reference of two checks (one trainer fewer than a run for each).
+
+    Resume: killed after step 2 (a checkpoint, mid-epoch), resumed: steps 3-4 (noise, loss,
+    token count) are those of the uninterrupted run.
+
+    Mesh: the same devices' batches on another mesh layout (data-parallel vs fsdp x tensor):
+    the same noise, so the same losses up to float reduction order (steps 1-2; the learning
+    rate is constant, so a 2-step run's steps are the 4-step run's first two)."""
     kw = dict(
-        max_steps=4,
         save_strategy="steps",
         save_steps=2,
         neftune_noise_alpha=5.0,
@@ -191,10 +219,13 @@ def test_neftune_resume_is_bit_exact(tmp_path, tokenizer, sft_data):
         gradient_accumulation_steps=2,
         per_device_train_batch_size=4,
     )
-    data = sft_data[0].select(range(32))
-    full = sft(tmp_path / "a", tokenizer, data, **kw)
+    data = sft_data[0]
+    full = sft(tmp_path / "a", tokenizer, data, max_steps=4, mesh_data=2, **kw)
     killed_after_checkpoint(tmp_path / "a", 2, tmp_path / "b")
-    resumed = sft(tmp_path / "b", tokenizer, data, resume_from_checkpoint=True, **kw)
+    resumed = sft(
+        tmp_path / "b", tokenizer, data, max_steps=4, mesh_data=2, resume_from_checkpoint=True,
+        **kw,
+    )  # fmt: skip
     want = train_logs(full)[2:]
     got = [h for h in train_logs(resumed) if h["step"] > 2]
     assert [h["step"] for h in got] == [3, 4]
@@ -202,16 +233,10 @@ def test_neftune_resume_is_bit_exact(tmp_path, tokenizer, sft_data):
         for k in ("loss", "grad_norm", "num_input_tokens_seen"):
             assert x[k] == y[k], k
 
-
-@pytest.mark.slow
-def test_neftune_noise_does_not_depend_on_the_mesh(tmp_path, tokenizer, sft_data):
-    """The same devices' batches on another mesh layout (data-parallel vs fsdp x tensor): the same
-    noise, so the same losses up to float reduction order."""
-    data = sft_data[0].select(range(16))
-    kw = dict(max_steps=2, per_device_train_batch_size=4, neftune_noise_alpha=5.0)
-    a = sft(tmp_path / "a", tokenizer, data, mesh_data=2, **kw)
-    b = sft(tmp_path / "b", tokenizer, data, mesh_fsdp=2, mesh_tensor=2, **kw)
-    for x, y in zip(train_logs(a), train_logs(b), strict=True):
+    kw["save_strategy"] = "no"
+    other = sft(tmp_path / "c", tokenizer, data, max_steps=2, mesh_fsdp=2, mesh_tensor=2, **kw)
+    assert len(train_logs(other)) == 2
+    for x, y in zip(train_logs(full)[:2], train_logs(other), strict=True):
         for k in ("loss", "grad_norm"):
             np.testing.assert_allclose(x[k], y[k], rtol=2e-5, err_msg=k)
 
@@ -219,9 +244,21 @@ def test_neftune_noise_does_not_depend_on_the_mesh(tmp_path, tokenizer, sft_data
 @pytest.mark.slow
 def test_neftune_never_noises_the_dpo_reference(tmp_path, tokenizer, pref_data):
     """With noise on, the live reference forward gives what the precomputed (clean) reference
-    log-probs give: the first step's metrics agree. Reward training is noised too."""
-    data = pref_data[0].select(range(8))
-    kw = dict(max_steps=1, neftune_noise_alpha=5.0)
+    log-probs give: the first step's metrics agree. Reward training is noised too.
+
+    The DPO pair also runs HF's length-grouped sampler over a length column (one trainer fewer
+    than a run of its own): its first step trains the pairs HF's sampler puts first, their four
+    TRL rows' real tokens (prompt twice) are the step's count. (test_sampling_strategy_choices
+    checks the refusal without the column.)"""
+    # A length column: HF infers lengths from 'input_ids' only.
+    data = pref_data[0].select(range(16)).add_column("length", list(range(16)))
+    kw = dict(
+        max_steps=1,
+        neftune_noise_alpha=5.0,
+        train_sampling_strategy="group_by_length",
+        per_device_train_batch_size=2,
+        include_num_input_tokens_seen="non_padding",
+    )
     runs = {}
     for precompute in (False, True):
         trainer = DPOTrainer(
@@ -239,6 +276,19 @@ def test_neftune_never_noises_the_dpo_reference(tmp_path, tokenizer, pref_data):
     # Policy == reference at step 1: only the policy's noise makes its rewards non-zero.
     assert abs(runs[False]["rewards/chosen"]) > 1e-4
 
+    # The length-grouped order.
+    first = _hf_grouped(list(range(16)), 2, seed=0)[:2]
+    ds = trainer.train_dataset
+    want = sum(
+        2 * len(ds[i]["prompt_input_ids"])
+        + len(ds[i]["chosen_input_ids"])
+        + len(ds[i]["rejected_input_ids"])
+        for i in first
+    )
+    assert first[0] == 15  # the longest first
+    assert runs[False]["num_input_tokens_seen"] == runs[True]["num_input_tokens_seen"] == want
+
+    data = pref_data[0].select(range(8))
     losses = []
     for alpha in (None, 5.0):
         reward = RewardTrainer(
@@ -297,43 +347,7 @@ def test_eval_delay_flow_matches_transformers(tmp_path, strategy, eval_steps, de
     assert (min(got) if got else 13) >= (delay if strategy == "steps" else delay * 4)
 
 
-def test_eval_delay_no_eval_before_the_delay(tmp_path, tokenizer, sft_data):
-    trainer = sft(
-        tmp_path,
-        tokenizer,
-        sft_data[0].select(range(8)),
-        sft_data[1].select(range(4)),
-        max_steps=3,
-        eval_strategy="steps",
-        eval_steps=1,
-        eval_delay=2,
-    )
-    assert [h["step"] for h in eval_logs(trainer)] == [2, 3]
-    with pytest.raises(ConfigError, match="eval_delay"):
-        SFTConfig(output_dir="x", eval_delay=-1)
-
-
 # ----------------------------------------------------------------------------- data order
-
-
-def _step_tokens(trainer) -> list[float]:
-    """Each step's training tokens (TRL's num_tokens per step): a fingerprint of its batch."""
-    totals = [h["num_tokens"] for h in train_logs(trainer)]
-    return list(np.diff([0.0, *totals]))
-
-
-def test_data_seed_changes_only_the_data_order(tmp_path, tokenizer, sft_data):
-    data, eval_data = sft_data[0], sft_data[1].select(range(4))
-    kw = dict(max_steps=3, eval_strategy="steps", eval_steps=3, eval_on_start=True)
-    base = sft(tmp_path / "a", tokenizer, data, eval_data, seed=0, **kw)
-    other_data = sft(tmp_path / "b", tokenizer, data, eval_data, seed=0, data_seed=11, **kw)
-    same_data = sft(tmp_path / "c", tokenizer, data, eval_data, seed=5, data_seed=0, **kw)
-    # Same seed: the same initial model (eval before training); another data order.
-    assert eval_logs(other_data)[0]["eval_loss"] == eval_logs(base)[0]["eval_loss"]
-    assert _step_tokens(other_data) != _step_tokens(base)
-    # data_seed=0 with seed=5: the batches of seed 0, from another initial model.
-    assert _step_tokens(same_data) == _step_tokens(base)
-    assert eval_logs(same_data)[0]["eval_loss"] != eval_logs(base)[0]["eval_loss"]
 
 
 def test_length_grouped_order_is_transformers_sampler():
@@ -392,6 +406,8 @@ def test_group_by_length_batches_are_hf_length_grouped(tmp_path, tokenizer, sft_
 
 
 def test_sampling_strategy_choices(tmp_path, tokenizer, pref_data):
+    """The refusals; a DPO run with a length column is checked in
+    test_neftune_never_noises_the_dpo_reference."""
     with pytest.raises(ConfigError, match="batch_rebalance.*one row length"):
         SFTConfig(output_dir="x", train_sampling_strategy="batch_rebalance")
     with pytest.raises(ConfigError, match="train_sampling_strategy='x'"):
@@ -408,30 +424,6 @@ def test_sampling_strategy_choices(tmp_path, tokenizer, pref_data):
             train_dataset=data,
             processing_class=tokenizer,
         )
-    # With one, the first step trains the pairs HF's sampler puts first: their four TRL rows'
-    # real tokens (prompt twice) are the step's count.
-    column = list(range(16))
-    trainer = DPOTrainer(
-        tiny_config(),
-        args=DPOConfig(
-            **base_args(
-                tmp_path / "b", max_steps=1, include_num_input_tokens_seen="non_padding", **kw
-            )
-        ),
-        train_dataset=data.add_column("length", column),
-        processing_class=tokenizer,
-    )
-    trainer.train()
-    first = _hf_grouped(column, 2, seed=0)[:2]
-    ds = trainer.train_dataset
-    want = sum(
-        2 * len(ds[i]["prompt_input_ids"])
-        + len(ds[i]["chosen_input_ids"])
-        + len(ds[i]["rejected_input_ids"])
-        for i in first
-    )
-    assert first[0] == 15  # the longest first
-    assert train_logs(trainer)[0]["num_input_tokens_seen"] == want
 
 
 # ----------------------------------------------------------------------------- token counts
@@ -511,10 +503,16 @@ def test_input_token_counts_match_trl_collators(mode):
     )
 
 
-def test_num_input_tokens_seen_is_logged_as_hf(tmp_path, tokenizer, sft_data):
-    """Sequential batches of 2 on one device: each step adds 2 x its longest example rounded up
-    to pad_to_multiple_of ("all"), not jaxrl's one static row length; every log (training, eval,
-    summary) carries the running total, training logs also HF's train_tokens_per_second."""
+def test_num_input_tokens_seen_is_logged_as_hf_and_eval_delay(tmp_path, tokenizer, sft_data):
+    """Two checks on one run (one trainer fewer than a run for each).
+
+    Token counts: sequential batches of 2 on one device: each step adds 2 x its longest example
+    rounded up to pad_to_multiple_of ("all"), not jaxrl's one static row length; every log
+    (training, eval, summary) carries the running total, training logs also HF's
+    train_tokens_per_second.
+
+    eval_delay: with an evaluation every step, none before step eval_delay=2; a negative delay
+    is refused."""
     # Rows of 9 or 10 tokens; pairs of 9s pad to 9, pairs with a 10 to 12, the static rows to 12.
     data = sft_data[0].select([16, 17, 0, 2, 36, 37, 4, 5, 29, 30, 6, 7])
     trainer = SFTTrainer(
@@ -528,7 +526,8 @@ def test_num_input_tokens_seen_is_logged_as_hf(tmp_path, tokenizer, sft_data):
                 train_sampling_strategy="sequential",
                 pad_to_multiple_of=3,
                 eval_strategy="steps",
-                eval_steps=3,
+                eval_steps=1,
+                eval_delay=2,
             )
         ),
         train_dataset=data,
@@ -543,10 +542,13 @@ def test_num_input_tokens_seen_is_logged_as_hf(tmp_path, tokenizer, sft_data):
     logs = train_logs(trainer)
     assert [h["num_input_tokens_seen"] for h in logs] == np.cumsum(per_step).tolist()
     assert all(h["train_tokens_per_second"] > 0 for h in logs)
+    assert [h["step"] for h in eval_logs(trainer)] == [2, 3, 4, 5, 6]  # eval_delay
     evals = [h["num_input_tokens_seen"] for h in eval_logs(trainer)]
-    assert evals == [sum(per_step[:3]), sum(per_step)]
+    assert evals == np.cumsum(per_step)[1:].tolist()
     assert output.metrics["num_input_tokens_seen"] == sum(per_step)
     assert trainer.state.num_input_tokens_seen == sum(per_step)
+    with pytest.raises(ConfigError, match="eval_delay"):
+        SFTConfig(output_dir="x", eval_delay=-1)
 
 
 def test_include_num_input_tokens_seen_values(tmp_path):

@@ -225,55 +225,48 @@ def test_dpo_prefix_sharing_buckets(tmp_path):
 
 @pytest.mark.slow
 def test_noise_and_dropout_do_not_depend_on_the_buckets(tmp_path):
-    """NEFTune noise and the model's dropout (GPT-2: embeddings, attention, residuals) are drawn
-    per position: a bucketed run trains exactly as the static one."""
+    """NEFTune noise, the model's dropout (GPT-2: embeddings, attention, residuals) and LoRA's
+    dropout are drawn per position: a bucketed run trains exactly as the static one. One pair of
+    runs with all three on checks each (a source that depended on the bucket would make the
+    pair differ; no other can make up for it); LoRA dropout had a pair of its own before. A
+    clean run (no noise, no dropout) shows they act."""
     from transformers import GPT2Config
+
+    from jaxrl import lora
 
     model = GPT2Config(
         vocab_size=16, n_embd=32, n_layer=2, n_head=4, n_positions=64, attn_pdrop=0.2,
         resid_pdrop=0.2, embd_pdrop=0.2, bos_token_id=2, eos_token_id=1, pad_token_id=0,
     )  # fmt: skip
-    kw = dict(neftune_noise_alpha=5.0, model=model)
-    static = _trainer("sft", tmp_path / "s", sft_rows(0), length_buckets=None, **kw)
-    static.train()
-    trainer = _trainer("sft", tmp_path / "b", sft_rows(0), length_buckets=BUCKETS, **kw)
-    lengths = record_step_lengths(trainer)
-    trainer.train()
-    assert lengths == [*BUCKETS, trainer.seq_len]
-    model.attn_pdrop = model.resid_pdrop = model.embd_pdrop = 0.0
-    clean = _trainer("sft", tmp_path / "c", sft_rows(0), model=model)
-    clean.train()
-    for got, want, off in zip(*map(train_logs, (trainer, static, clean)), strict=True):
-        for k in ("loss", "grad_norm", "mean_token_accuracy"):
-            np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=1e-6, err_msg=k)
-        assert got["loss"] != pytest.approx(off["loss"], rel=1e-3)  # noise and dropout act
 
-
-@pytest.mark.slow
-def test_lora_dropout_does_not_depend_on_the_buckets(tmp_path):
-    from jaxrl import lora
-
-    peft = lora.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.3)
-    runs = {}
-    for name, buckets in (("static", None), ("buckets", BUCKETS)):
+    def run(name, lora_dropout, **kw):
+        peft = lora.LoraConfig(
+            r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=lora_dropout
+        )
         trainer = SFTTrainer(
-            tiny_config(),
-            args=SFTConfig(**base_args(tmp_path / name, length_buckets=buckets)),
+            model,
+            args=SFTConfig(
+                **base_args(tmp_path / name, train_sampling_strategy="sequential", **kw)
+            ),
             train_dataset=sft_rows(0),
             processing_class=_trainer.tokenizer,
             peft_config=peft,
         )
-        trainer.args.train_sampling_strategy = "sequential"
-        runs[name] = trainer
         lengths = record_step_lengths(trainer)
         trainer.train()
-        # The bucketed run did use three buckets (else the comparison below could not fail).
-        assert lengths == (
-            [trainer.seq_len] * 3 if buckets is None else [*BUCKETS, trainer.seq_len]
-        )
-    for got, want in zip(*map(train_logs, (runs["buckets"], runs["static"])), strict=True):
-        for k in ("loss", "grad_norm"):
+        return trainer, lengths
+
+    static, static_lengths = run("s", 0.3, neftune_noise_alpha=5.0, length_buckets=None)
+    trainer, lengths = run("b", 0.3, neftune_noise_alpha=5.0, length_buckets=BUCKETS)
+    # The bucketed run did use three buckets (else the comparison below could not fail).
+    assert lengths == [*BUCKETS, trainer.seq_len]
+    assert static_lengths == [static.seq_len] * 3
+    model.attn_pdrop = model.resid_pdrop = model.embd_pdrop = 0.0
+    clean, _ = run("c", 0.0)
+    for got, want, off in zip(*map(train_logs, (trainer, static, clean)), strict=True):
+        for k in ("loss", "grad_norm", "mean_token_accuracy"):
             np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=1e-6, err_msg=k)
+        assert got["loss"] != pytest.approx(off["loss"], rel=1e-3)  # noise and dropout act
 
 
 def test_sft_packing_keeps_the_static_length(tmp_path):

@@ -158,18 +158,67 @@ def gpt2_dir():
     return GOLDEN / "ppo_trl072_gpt2" / "init"
 
 
-def test_step_input_checks_and_model_type(gpt2_dir):
+def test_public_api_input_checks_and_dataloader(gpt2_dir):
+    """One trainer (the golden base config, with a dataset) for three checks that each built
+    their own before (two trainers fewer):
+
+    - TRL's helper methods: batched_forward_pass (logits only on request), compute_rewards,
+      compute_advantages and loss reproduce the first golden step's rollout statistics;
+    - step()'s input checks, and the refusals of a model that is no value-head LM, of a config
+      that is no PPOConfig and of num_shared_layers beyond the model;
+    - the dataloader (batches of batch_size without unknown columns, the last partial one
+      dropped) and log_stats (reward mean and std, the log history)."""
+    import datasets
+
+    g, _ = _golden("gpt2", "base")
+    want = g["steps"][0]
+    ds = datasets.Dataset.from_dict(
+        {"query": [f"q{i}" for i in range(10)], "input_ids": [[i, i + 1] for i in range(10)],
+         "extra": list(range(10))}
+    )  # fmt: skip
     tok = AutoTokenizer.from_pretrained(gpt2_dir)
-    trainer = PPOTrainer(PPOConfig(batch_size=2, mini_batch_size=2), str(gpt2_dir), tokenizer=tok)
-    q, r = [np.array([3, 4]), np.array([5])], [np.array([6]), np.array([7, 8])]
+    config = PPOConfig(**g["config"])
+    assert (config.batch_size, config.mini_batch_size) == (4, 4)
+    trainer = PPOTrainer(config, str(gpt2_dir), tokenizer=tok, dataset=ds)
+
+    # The helper methods, at the initial weights.
+    q = [np.array(x) for x in g["queries"]]
+    r = [np.array(x) for x in g["responses"]]
+    inputs = trainer.prepare_model_inputs(q, r)
+    logps, logits, values, masks = trainer.batched_forward_pass(trainer.model, q, r, inputs)
+    assert logits is None
+    np.testing.assert_array_equal(masks, _masks(g))
+    keep = _masks(g) > 0
+    np.testing.assert_allclose(
+        np.asarray(logps)[keep], np.asarray(want["objective/logprobs"])[keep], rtol=1e-5
+    )
+    ref_logps, ref_logits, ref_values, _ = trainer.batched_forward_pass(
+        trainer.ref_model, q, r, inputs, return_logits=True
+    )
+    assert ref_values is None and ref_logits.shape == (*logps.shape, 64)
+    scores = np.asarray(g["scores"][0], np.float32)
+    rewards, non_score = trainer.compute_rewards(scores, logps, ref_logps, masks)
+    np.testing.assert_allclose(
+        float((non_score * masks).sum() / masks.sum()), want["ppo/mean_non_score_reward"], atol=1e-6
+    )
+    values, adv, returns = trainer.compute_advantages(values, rewards, masks)
+    pg, vf, stats = trainer.loss(logps, values, ref_logits, values, logps, masks, adv, returns)
+    assert float(stats["policy/approxkl"]) == 0.0 and float(stats["val/clipfrac"]) == 0.0
+    np.testing.assert_allclose(float(vf), 0.1 * float(stats["loss/value"]), rtol=1e-6)
+    np.testing.assert_allclose(stats["returns/mean"], want["ppo/returns/mean"], rtol=1e-4)
+    np.testing.assert_allclose(stats["val/mean"], want["ppo/val/mean"], rtol=1e-4)
+
+    # step()'s input checks (batch_size 4) and the constructor's refusals.
+    q = [np.array([3, 4]), np.array([5]), np.array([3]), np.array([4, 5])]
+    r = [np.array([6]), np.array([7, 8]), np.array([9]), np.array([10])]
     with pytest.raises(ValueError, match="Batch size"):
         trainer.step(q[:1], r[:1], [np.float32(1.0)])
     with pytest.raises(ValueError, match="must be a list"):
-        trainer.step(tuple(q), r, [1.0, 2.0])
+        trainer.step(tuple(q), r, [1.0, 2.0, 3.0, 4.0])
     with pytest.raises(ValueError, match="1-dimensional"):
-        trainer.step(q, r, [np.ones((1, 1)), np.ones((1, 1))])
+        trainer.step(q, r, [np.ones((1, 1))] * 4)
     with pytest.raises(ValueError, match="response mask"):
-        trainer.step(q, r, [1.0, 2.0], response_masks=[np.array([1, 1]), np.array([1, 1])])
+        trainer.step(q, r, [1.0, 2.0, 3.0, 4.0], response_masks=[np.array([1, 1])] * 4)
     with pytest.raises(ValueError, match="CausalLMWithValueHead"):
         PPOTrainer(PPOConfig(batch_size=2, mini_batch_size=2), object(), tokenizer=tok)
     with pytest.raises(ValueError, match="PPOConfig"):
@@ -177,6 +226,19 @@ def test_step_input_checks_and_model_type(gpt2_dir):
     with pytest.raises(ValueError, match="num_shared_layers"):
         PPOTrainer(PPOConfig(batch_size=2, mini_batch_size=2), str(gpt2_dir), tokenizer=tok,
                    num_shared_layers=2)  # fmt: skip
+
+    # The dataloader and log_stats.
+    batches = list(trainer.dataloader)
+    assert len(trainer.dataloader) == 2 and len(batches) == 2
+    assert set(batches[0]) == {"query", "input_ids"}  # "extra" removed
+    assert len(batches[0]["query"]) == 4
+    seen = [q for b in batches for q in b["query"]]
+    assert len(set(seen)) == 8
+    logs = trainer.log_stats({"objective/kl": 0.5}, batches[0], [1.0, 2.0, 3.0, 4.0])
+    assert logs["env/reward_mean"] == pytest.approx(2.5)
+    assert logs["env/reward_std"] == pytest.approx(np.std([1, 2, 3, 4], ddof=1))
+    assert trainer.log_history[-1]["objective/kl"] == 0.5
+    assert jax.process_index() == 0
 
 
 @pytest.mark.slow
@@ -217,62 +279,3 @@ def test_shared_layers_frozen_and_lr_scheduler(gpt2_dir):
     with pytest.raises(ValueError, match="inject_hyperparams"):
         PPOTrainer(config, str(gpt2_dir), tokenizer=tok, optimizer=optax.sgd(0.1),
                    lr_scheduler=lambda step: 0.1)  # fmt: skip
-
-
-def test_dataloader_and_log_stats(gpt2_dir):
-    import datasets
-
-    ds = datasets.Dataset.from_dict(
-        {"query": [f"q{i}" for i in range(10)], "input_ids": [[i, i + 1] for i in range(10)],
-         "extra": list(range(10))}
-    )  # fmt: skip
-    tok = AutoTokenizer.from_pretrained(gpt2_dir)
-    trainer = PPOTrainer(
-        PPOConfig(batch_size=4, mini_batch_size=4), str(gpt2_dir), tokenizer=tok, dataset=ds
-    )
-    batches = list(trainer.dataloader)
-    assert len(trainer.dataloader) == 2 and len(batches) == 2
-    assert set(batches[0]) == {"query", "input_ids"}  # "extra" removed
-    assert len(batches[0]["query"]) == 4
-    seen = [q for b in batches for q in b["query"]]
-    assert len(set(seen)) == 8
-    logs = trainer.log_stats({"objective/kl": 0.5}, batches[0], [1.0, 2.0, 3.0, 4.0])
-    assert logs["env/reward_mean"] == pytest.approx(2.5)
-    assert logs["env/reward_std"] == pytest.approx(np.std([1, 2, 3, 4], ddof=1))
-    assert trainer.log_history[-1]["objective/kl"] == 0.5
-    assert jax.process_index() == 0
-
-
-@pytest.mark.slow
-def test_public_forward_rewards_advantages_and_loss_api(gpt2_dir):
-    """TRL's helper methods: batched_forward_pass (logits only on request), compute_rewards,
-    compute_advantages and loss reproduce the first golden step's rollout statistics."""
-    g, _ = _golden("gpt2", "base")
-    want = g["steps"][0]
-    tok = AutoTokenizer.from_pretrained(gpt2_dir)
-    trainer = PPOTrainer(PPOConfig(**g["config"]), str(gpt2_dir), tokenizer=tok)
-    q = [np.array(x) for x in g["queries"]]
-    r = [np.array(x) for x in g["responses"]]
-    inputs = trainer.prepare_model_inputs(q, r)
-    logps, logits, values, masks = trainer.batched_forward_pass(trainer.model, q, r, inputs)
-    assert logits is None
-    np.testing.assert_array_equal(masks, _masks(g))
-    keep = _masks(g) > 0
-    np.testing.assert_allclose(
-        np.asarray(logps)[keep], np.asarray(want["objective/logprobs"])[keep], rtol=1e-5
-    )
-    ref_logps, ref_logits, ref_values, _ = trainer.batched_forward_pass(
-        trainer.ref_model, q, r, inputs, return_logits=True
-    )
-    assert ref_values is None and ref_logits.shape == (*logps.shape, 64)
-    scores = np.asarray(g["scores"][0], np.float32)
-    rewards, non_score = trainer.compute_rewards(scores, logps, ref_logps, masks)
-    np.testing.assert_allclose(
-        float((non_score * masks).sum() / masks.sum()), want["ppo/mean_non_score_reward"], atol=1e-6
-    )
-    values, adv, returns = trainer.compute_advantages(values, rewards, masks)
-    pg, vf, stats = trainer.loss(logps, values, ref_logits, values, logps, masks, adv, returns)
-    assert float(stats["policy/approxkl"]) == 0.0 and float(stats["val/clipfrac"]) == 0.0
-    np.testing.assert_allclose(float(vf), 0.1 * float(stats["loss/value"]), rtol=1e-6)
-    np.testing.assert_allclose(stats["returns/mean"], want["ppo/returns/mean"], rtol=1e-4)
-    np.testing.assert_allclose(stats["val/mean"], want["ppo/val/mean"], rtol=1e-4)
