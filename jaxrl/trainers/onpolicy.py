@@ -29,6 +29,16 @@ returns it undivided and HF's Trainer divides), undivided in evaluation. The alg
 whatever a loss type counts (sequences, tokens, micro-batches). `aux_loss` is logged, the mean
 over micro-batches.
 
+Image prompts (an `image` / `images` column next to conversational prompts, an image-text Gemma
+3; TRL 1.16's GRPOTrainer/RLOOTrainer with a processor): the prompt ids are the processor's chat
+template of TRL's multimodal messages (`jaxrl.data.vision_prompts`, read when the dataset is
+prepared), the pixel values the processor's (made per generation batch, each completion row
+carrying its prompt's images, `[N, I, C, H, W]`); the sampler prefills with the images and never
+samples the image token (TRL's `suppress_tokens`), and every log-prob forward (policy, sampling
+policy, reference, eval) is the image-text one with the image tokens as `token_type_ids` (TRL
+passes the processor's). Reward functions get TRL's multimodal prompts and the image column
+(also with `remove_unused_columns`, TRL's signature columns keep it).
+
 LoRA (`peft_config=`, optionally over a `quantization_config` base; TRL's semantics): the train
 state holds the adapter (the optimizer sees nothing else) and the frozen base. The reference is
 the base with the adapter disabled (no second copy of the weights), or, for a model that came
