@@ -481,7 +481,10 @@ class Sampler:
             pixel_values = self._check_pixel_values(model_config, ids_BP, pixel_values)
             pixel_values = self._place(pixel_values)
         ids_BP, mask_BP = self._place(ids_BP), self._place(mask_BP)
-        state = self._prefill(params, ids_BP, mask_BP, rng, config, group_size, pixel_values)
+        prefill_args = (params, ids_BP, mask_BP, rng, config, group_size)
+        if pixel_values is not None:  # text prompts: the text-only call, unchanged
+            prefill_args += (pixel_values,)
+        state = self._prefill(*prefill_args)
         state, completion_mask_BN = self._decode(params, state, config)
         if group_size > 1:
             ids_BP, mask_BP = (jnp.repeat(x, group_size, axis=0) for x in (ids_BP, mask_BP))

@@ -48,7 +48,7 @@ GRPO = dict(
     beta=0.04,  # a reference forward on the images too
 )
 RLOO = dict(
-    per_device_train_batch_size=2,
+    per_device_train_batch_size=2,  # jaxrl: 1 per device on a 2-device mesh
     steps_per_generation=2,  # one generation batch of 4 (2 prompts x 2) for both steps
     num_generations=G,
     max_completion_length=4,
@@ -392,16 +392,20 @@ def _trl_rloo_inputs(rows: dict, image_token: int) -> dict:
 
 
 def test_rloo_matches_trl(vlm_dir, tmp_path):  # noqa: F811
-    """RLOO on an `image` column (one image, or None): the step's metric keys, and TRL's
-    `_compute_loss` replaying jaxrl's two micro-batches (one generation batch; the second step
-    off-policy) gives jaxrl's loss, entropy and grad norm (rtol 2e-4, atol 2e-5)."""
+    """RLOO on an `image` column (one image, or None) on a 2-device mesh (prompts, pixel values
+    and rollouts split over it): the step's metric keys, and TRL's `_compute_loss` on one
+    process replaying jaxrl's two micro-batches (one generation batch; the second step
+    off-policy) gives jaxrl's loss, entropy and grad norm (rtol 2e-4, atol 2e-5). `evaluate()`
+    samples, scores and runs the loss on the image prompts: its rewards are the reward
+    function's for the sampled and the greedy completions."""
     import trl
 
     data = _rows((1, 0), seed=5, column="image")
     reward = ImageReward(column="image")
     ours, calls = _jaxrl_run(
-        RLOOTrainer, RLOOConfig, vlm_dir, tmp_path / "ours", data, reward, **RLOO
-    )
+        RLOOTrainer, RLOOConfig, vlm_dir, tmp_path / "ours", data, reward,
+        **{**RLOO, "per_device_train_batch_size": 1, "mesh_data": 2},
+    )  # fmt: skip
     assert len(calls) == 1
     logs = train_logs(ours)
     expected = {
@@ -436,6 +440,13 @@ def test_rloo_matches_trl(vlm_dir, tmp_path):  # noqa: F811
     )  # fmt: skip
     assert_logs_match(logs, theirs, ("loss", "entropy"), steps=2)
     assert abs(logs[1]["loss"]) > 1e-4  # off-policy: the ratio is not 1
+
+    metrics = ours.evaluate(eval_dataset=data)
+    sampled, greedy = reward.calls[1:]
+    assert len(sampled["rewards"]) == 2 * G and len(greedy["rewards"]) == 2
+    np.testing.assert_allclose(metrics["eval_reward"], np.mean(sampled["rewards"]), rtol=1e-6)
+    np.testing.assert_allclose(metrics["eval_greedy/reward"], np.mean(greedy["rewards"]), rtol=1e-6)
+    assert np.isfinite(metrics["eval_loss"]) and np.isfinite(metrics["eval_kl"])
 
 
 def test_refusals(vlm_dir, hf_model_dir, tokenizer, tmp_path):  # noqa: F811
