@@ -7,7 +7,8 @@ row; zero, one or several) or `image` (one per row, or None). As TRL's
 - each prompt becomes multimodal messages (`prepare_multimodal_messages`: string contents become
   text parts, and the first user message given as a string gets one image part per image before
   its text; the count must match the image parts), then the processor's chat template with the
-  generation prompt renders it and each image marker expands to the image's tokens;
+  generation prompt renders it and each image marker expands to the image's tokens (special
+  tokens added unless the text starts with BOS, as the processor's `apply_chat_template`);
 - a dataset with images whose prompts are plain text is TRL's error (multimodal training needs
   conversational prompts);
 - the processor turns each row's images into `pixel_values` (TRL's `processing_class(images=...,
@@ -93,8 +94,15 @@ class PromptImages:
         processing the images (`num_images` placeholders stand in for them)."""
         text = self.render(prompt, [None] * num_images)
         p = self.processor
+        special = self._add_special_tokens(text)
         text = text.replace(p.image_token, p.full_image_sequence)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(text, add_special_tokens=special)["input_ids"]
+
+    def _add_special_tokens(self, text: str) -> bool:
+        """transformers' processor `apply_chat_template(tokenize=True)` (TRL's call): special
+        tokens are added unless the rendered text starts with BOS."""
+        bos = self.tokenizer.bos_token
+        return not (bos is not None and text.startswith(bos))
 
     def pixel_values(
         self, examples: list[dict], prompt_ids: list[list[int]], max_images: int
@@ -107,9 +115,10 @@ class PromptImages:
             if not images:
                 rows.append(None)
                 continue
+            text = self.render(ex["prompt"], images)
             out = self.processor(
-                images=[images], text=[self.render(ex["prompt"], images)],
-                add_special_tokens=False, return_tensors="np",
+                images=[images], text=[text], return_tensors="np",
+                add_special_tokens=self._add_special_tokens(text),
             )  # fmt: skip
             if list(out["input_ids"][0]) != list(ids):
                 raise ValueError(

@@ -399,14 +399,15 @@ def test_rloo_matches_trl(vlm_dir, tmp_path):  # noqa: F811
     process replaying jaxrl's two micro-batches (one generation batch; the second step
     off-policy) gives jaxrl's loss, entropy and grad norm (rtol 2e-4, atol 2e-5). `evaluate()`
     samples, scores and runs the loss on the image prompts: its rewards are the reward
-    function's for the sampled and the greedy completions."""
+    function's for the sampled and the greedy completions. The completion logs hold the prompts
+    without their images."""
     import trl
 
     data = _rows((1, 0), seed=5, column="image")
     reward = ImageReward(column="image")
     ours, calls = _jaxrl_run(
         RLOOTrainer, RLOOConfig, vlm_dir, tmp_path / "ours", data, reward,
-        **{**RLOO, "per_device_train_batch_size": 1, "mesh_data": 2},
+        **{**RLOO, "per_device_train_batch_size": 1, "mesh_data": 2, "log_completions": True},
     )  # fmt: skip
     assert len(calls) == 1
     logs = train_logs(ours)
@@ -442,6 +443,15 @@ def test_rloo_matches_trl(vlm_dir, tmp_path):  # noqa: F811
     )  # fmt: skip
     assert_logs_match(logs, theirs, ("loss", "entropy"), steps=2)
     assert abs(logs[1]["loss"]) > 1e-4  # off-policy: the ratio is not 1
+
+    # The completion logs hold the prompts with their image parts stripped of the images (TRL's
+    # `strip_images_from_messages`), so they serialise.
+    import pandas as pd
+
+    frame = pd.read_parquet(tmp_path / "ours" / "completions" / "completions_00001.parquet")
+    parts = sorted(tuple(p["type"] for p in row[0]["content"]) for row in frame["prompt"])
+    assert parts == [("image", "text")] * 2 + [("text",)] * 2
+    assert all(p.get("image") is None for row in frame["prompt"] for p in row[0]["content"])
 
     metrics = ours.evaluate(eval_dataset=data)
     sampled, greedy = reward.calls[1:]
