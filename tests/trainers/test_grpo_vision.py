@@ -14,9 +14,11 @@ conversational `prompt`) of a tiny Gemma 3 follow TRL 1.16's GRPOTrainer / RLOOT
 - Sampling (`test_greedy_sampling_matches_transformers`): greedy decoding from image prompts
   equals transformers' `generate` (bidirectional image attention in the prefill, the image token
   suppressed) token for token, and the images change the completions.
-- RLOO (`test_rloo_matches_trl`): `image` column (one image or None), KL in the reward; TRL's
-  `_compute_loss` replaying jaxrl's micro-batches (pixel values, token types, sampling
-  log-probs) gives jaxrl's loss, entropy and grad norm at both steps (the second off-policy).
+- RLOO (`test_rloo_matches_trl`): `image` column (one image or None), KL in the reward, on a
+  2-device mesh; TRL's `_compute_loss` replaying jaxrl's micro-batches (pixel values, token
+  types, sampling log-probs) gives jaxrl's loss, entropy and grad norm at both steps (the
+  second off-policy); the completion logs serialise without the images; `evaluate()` runs on
+  the image prompts.
 - LoRA (`test_lora_on_images`): the reference (adapter off) reads the images; the vision
   tower's adapters train.
 - Refusals (`test_refusals`): what TRL refuses and what jaxrl cannot run, with clear errors.
