@@ -49,8 +49,8 @@ MAPPED = {
     "truncation_mode": "SFT: only keep_start; DPO: which end of the prompt `max_prompt_length` "
     "keeps (keep_end needs max_prompt_length)",
     "loss_type": "SFT: only nll; DPO and GRPO: every TRL loss type",
-    "log_multimodal": "accepted; jaxrl's models are text-only, so there is nothing multimodal "
-    "to log",
+    "log_multimodal": "image prompts: the completion logs hold the prompts without their "
+    "images (TRL's parquet files); with wandb completion tables it is refused (set False)",
     "eval_accumulation_steps": "accepted; each eval batch's predictions reach the host as soon "
     "as it is done (HF's value 1), so none accumulate on the accelerator for any N, and HF's "
     "results do not depend on N either",

@@ -14,10 +14,14 @@ Design (after Tunix's sampler):
   `lax.while_loop` that feeds one token per step and stops as soon as every row has finished.
   The sampling state, cache included, is donated to `decode`.
 - Randomness: the key for completion token t is `fold_in(rng, t)`, so a seed fixes the output.
+- Image prompts (an image-text Gemma 3, `pixel_values=`): the prefill merges the images'
+  features into the prompt and lets each image's tokens attend within their image both ways
+  (the training forward's mask, transformers' first `generate` forward); decoding is the
+  text-only loop. Without images both programs are the text-only ones.
 - Token choice follows transformers' `generate` (`process_logits`): the repetition penalty (on
   the float32 logits, for every id in the row's prompt or generated so far), the
-  `min_new_tokens` mask of EOS/stop ids while fewer tokens have been generated, then
-  temperature, top-k, top-p, min-p and a draw (sampling) or argmax (greedy). With
+  `min_new_tokens` mask of EOS/stop ids while fewer tokens have been generated, the
+  `suppress_token_ids` (never chosen), then temperature, top-k, top-p, min-p and a draw (sampling) or argmax (greedy). With
   `repetition_penalty != 1` the decode loop carries a [B, V] bool mask of the ids seen so far.
 
 Output (`SampleOutput`, device arrays): the left-padded prompt and its mask [B, P]; completion
@@ -94,6 +98,10 @@ class GenerationConfig:
     `MinPLogitsWarper`): after temperature, top-k and top-p, tokens whose probability
     (renormalised over what those kept) is below `min_p` times the most likely token's are
     dropped. Neither changes the returned log-probs (see the module docstring).
+
+    `suppress_token_ids` (transformers' `SuppressTokensLogitsProcessor`, TRL's
+    `suppress_tokens=[image_token_id]` for image-text models): ids never chosen, greedy or
+    sampled (their logits are -inf before the draw; the log-probs are left as they are).
     """
 
     max_new_tokens: int = 20
@@ -107,6 +115,7 @@ class GenerationConfig:
     stop_token_ids: tuple[int, ...] = ()
     repetition_penalty: float = 1.0
     min_p: float | None = None
+    suppress_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         eos = self.eos_token_id
@@ -114,6 +123,9 @@ class GenerationConfig:
             eos = tuple(int(i) for i in eos) if isinstance(eos, Sequence) else int(eos)
             object.__setattr__(self, "eos_token_id", eos)
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
+        object.__setattr__(
+            self, "suppress_token_ids", tuple(int(i) for i in self.suppress_token_ids)
+        )
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
         if self.min_new_tokens < 0:
@@ -365,6 +377,8 @@ def process_logits(
     the result is the same bit for bit, and without a penalty `logits / T` is the very array
     the log-probs come from."""
     x_BV = logits_BV.astype(jnp.float32)
+    if config.suppress_token_ids:
+        x_BV = x_BV.at[:, jnp.asarray(config.suppress_token_ids, jnp.int32)].set(-jnp.inf)
     if config.repetition_penalty != 1.0:
         if seen_BV is None:
             raise ValueError("repetition_penalty != 1 needs the seen-token mask seen_BV.")
@@ -441,12 +455,16 @@ class Sampler:
         prompt_mask: Any = None,
         seed: int | jax.Array = 0,
         group_size: int = 1,
+        pixel_values: Any = None,
     ) -> SampleOutput:
         """Generate completions for `prompts` (ragged id lists, or [B, T] ids + optional mask).
 
         `seed`: an int or a JAX PRNG key. `group_size`: completions per prompt (GRPO's
         `num_generations`); each prompt is prefilled once and its KV cache rows are repeated
         before decoding, so the output has B * group_size rows, each prompt's group consecutive.
+        `pixel_values` [B, I, C, H, W] (an image-text Gemma 3): prompt b's images in the order
+        of its image tokens (rows with fewer pad with anything); the prefill merges their
+        features into the prompt as the training forward does, decoding is text-only.
         """
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}.")
@@ -459,8 +477,14 @@ class Sampler:
         ids_BP, mask_BP = left_pad(prompts, prompt_mask, self.prompt_buckets, config.pad_id)
         self._check_positions(model_config, mask_BP, config)
         rng = jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
+        if pixel_values is not None:
+            pixel_values = self._check_pixel_values(model_config, ids_BP, pixel_values)
+            pixel_values = self._place(pixel_values)
         ids_BP, mask_BP = self._place(ids_BP), self._place(mask_BP)
-        state = self._prefill(params, ids_BP, mask_BP, rng, config, group_size)
+        prefill_args = (params, ids_BP, mask_BP, rng, config, group_size)
+        if pixel_values is not None:  # text prompts: the text-only call, unchanged
+            prefill_args += (pixel_values,)
+        state = self._prefill(*prefill_args)
         state, completion_mask_BN = self._decode(params, state, config)
         if group_size > 1:
             ids_BP, mask_BP = (jnp.repeat(x, group_size, axis=0) for x in (ids_BP, mask_BP))
@@ -476,6 +500,30 @@ class Sampler:
                 )
             self._config = model.config
         return self._config
+
+    @staticmethod
+    def _check_pixel_values(
+        model_config: ModelConfig, ids_BP: np.ndarray, pixel_values: Any
+    ) -> np.ndarray | jax.Array:
+        """The prompts' images, checked against the model and the prompts' image tokens."""
+        vision = model_config.vision
+        if vision is None:
+            raise ValueError(
+                "pixel_values were given but the model has no vision tower; sample from an "
+                "image-text Gemma 3 (Gemma3ForConditionalGeneration, loaded with vision=True)."
+            )
+        if pixel_values.ndim != 5 or pixel_values.shape[0] != ids_BP.shape[0]:
+            raise ValueError(
+                f"pixel_values must be [B, I, C, H, W] with one row per prompt ({ids_BP.shape[0]}); "
+                f"got shape {tuple(pixel_values.shape)}."
+            )
+        tokens = np.sum(ids_BP == vision.image_token_id, axis=1)
+        if (tokens > pixel_values.shape[1] * vision.mm_tokens_per_image).any():
+            raise ValueError(
+                f"A prompt has more image tokens than its {pixel_values.shape[1]} images give "
+                f"({vision.mm_tokens_per_image} each)."
+            )
+        return pixel_values
 
     @staticmethod
     def _check_positions(
@@ -508,6 +556,7 @@ class Sampler:
         rng: jax.Array,
         config: GenerationConfig,
         group_size: int = 1,
+        pixel_values: jax.Array | None = None,
     ) -> SamplingState:
         model = nnx.merge(self.graphdef, params)
         batch, prompt_len = prompt_ids_BP.shape
@@ -519,7 +568,12 @@ class Sampler:
         )
         positions_BP = default_positions(prompt_mask_BP, None, prompt_len)
         view = CacheView(jnp.zeros((), jnp.int32), key_mask_BS, prefill=True)
-        h_BPD, cache = model.cached_hidden_states(prompt_ids_BP, positions_BP, cache, view)
+        if pixel_values is None:  # text prompts: the text-only program, unchanged
+            h_BPD, cache = model.cached_hidden_states(prompt_ids_BP, positions_BP, cache, view)
+        else:
+            h_BPD, cache = model.cached_hidden_states(
+                prompt_ids_BP, positions_BP, cache, view, pixel_values=pixel_values
+            )
         # Left padding: every row's last prompt token sits in the last slot.
         logits_BV = unembed_logits(
             h_BPD[:, -1], model.unembed_weight(), model.config.final_logit_softcap

@@ -30,11 +30,13 @@ from jaxrl.models.attention import grouped_attention
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.layers import (
     attention_mask_BTS,
+    attention_masks,
     constrain_batch,
     dot_product_attention,
     merge_flags,
     per_layer_flags,
     stack_flags,
+    with_key_limit,
 )
 from jaxrl.parallel import Rules, logical_to_spec
 
@@ -57,11 +59,14 @@ class CacheView:
     `index`: slot of the first new token (scalar int32). `key_mask_BS`: slots holding real
     tokens (False for prompt padding). `prefill`: the new tokens start an empty cache, so they
     attend among themselves with the training attention kernel instead of over all S slots.
+    `key_limit_BT` (prefill only): causality widened as in the training forward (Gemma 3's
+    attention within each image both ways, `vision.image_key_limit`).
     """
 
     index: jax.Array
     key_mask_BS: jax.Array
     prefill: bool = flax.struct.field(pytree_node=False, default=False)
+    key_limit_BT: jax.Array | None = None
 
 
 Cache = tuple[KVCache, ...] | KVCache
@@ -124,7 +129,12 @@ def cached_attention(
     new_cache = KVCache(k_BKSH, v_BKSH)
     seq_len = q_BTNH.shape[1]
     if view.prefill:  # nothing older in the cache: the training kernel on the prompt alone
-        mask_B1TT = attention_mask_BTS(view.key_mask_BS[:, :seq_len], None)
+        if view.key_limit_BT is None:
+            mask_B1TT = attention_mask_BTS(view.key_mask_BS[:, :seq_len], None)
+        else:  # the training forward's mask (`LlamaModel.__call__`) with its key limit
+            mask_B1TT = with_key_limit(
+                attention_masks(view.key_mask_BS[:, :seq_len], None), view.key_limit_BT
+            )
         out = dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask_B1TT, sliding, config, sinks)
         return out, new_cache
     query_slot_T1 = (view.index + jnp.arange(seq_len, dtype=jnp.int32))[:, None]

@@ -254,11 +254,17 @@ class LlamaModel(nnx.Module):
         return self.norm(h_BTD)
 
     def cached(
-        self, input_ids_BT: jax.Array, positions_BT: jax.Array, cache: Cache, view: CacheView
+        self,
+        input_ids_BT: jax.Array,
+        positions_BT: jax.Array,
+        cache: Cache,
+        view: CacheView,
+        inputs_embeds: jax.Array | None = None,
     ) -> tuple[jax.Array, Cache]:
-        """Hidden states [B, T, D] of new tokens at `positions_BT`, reading and extending `cache`."""
+        """Hidden states [B, T, D] of new tokens at `positions_BT`, reading and extending `cache`
+        (`inputs_embeds` as in `__call__`: a Gemma 3 prefill with image features merged in)."""
         cos, sin = rope_tables(positions_BT, self.config)
-        h_BTD = self.embed_tokens(input_ids_BT)
+        h_BTD = self.embed_tokens(input_ids_BT) if inputs_embeds is None else inputs_embeds
         h_BTD, cache = apply_layers_cached(self.layers, h_BTD, (cos, sin), cache, view, self.config)
         return self.norm(h_BTD), cache
 

@@ -24,6 +24,8 @@ from flax import nnx
 
 from jaxrl.models.attention import full_attention
 from jaxrl.models.config import ModelConfig, VisionConfig
+from jaxrl.models.dropout import model_dropout
+from jaxrl.models.kv_cache import Cache, CacheView
 from jaxrl.models.layers import (
     Dense,
     Embed,
@@ -279,6 +281,53 @@ class Gemma3ForConditionalGeneration(LlamaForCausalLM):
         tokens = self.multi_modal_projector(self.vision_tower(flat))
         return tokens.reshape(*lead, *tokens.shape[1:])
 
+    def embed_with_images(
+        self, input_ids_BT: jax.Array, pixel_values: jax.Array | None, image_features=None
+    ) -> jax.Array:
+        """Token embeddings [B, T, D] with the image tokens' replaced by the features of
+        `pixel_values` (or of `image_features`, see `hidden_states`)."""
+        vision = self.config.vision
+        is_image_BT = input_ids_BT == vision.image_token_id
+        ids_BT = input_ids_BT
+        if vision.image_token_id >= self.config.vocab_size:  # out of vocabulary: embed pad id 0
+            ids_BT = jnp.where(is_image_BT, 0, input_ids_BT)
+        h_BTD = self.backbone.embed_tokens(ids_BT)
+        if pixel_values is not None:
+            if pixel_values.ndim not in (4, 5):
+                raise ValueError(
+                    f"pixel_values must be [N, C, H, W] or [B, I, C, H, W]; got shape "
+                    f"{pixel_values.shape}."
+                )
+            _check_image_token_count(is_image_BT, pixel_values, vision.mm_tokens_per_image)
+            h_BTD = merge_image_features(h_BTD, is_image_BT, self.image_features(pixel_values))
+        elif image_features is not None:
+            h_BTD = merge_image_features(h_BTD, is_image_BT, image_features)
+        return h_BTD
+
+    def cached_hidden_states(
+        self,
+        input_ids_BT: jax.Array,
+        positions_BT: jax.Array,
+        cache: Cache,
+        view: CacheView,
+        pixel_values: jax.Array | None = None,
+    ) -> tuple[jax.Array, Cache]:
+        """`LlamaForCausalLM.cached_hidden_states`; with `pixel_values` (a prefill: `view.prefill`)
+        the prompt's image tokens take the image features and attend within their image both
+        ways, as the training forward with `token_type_ids` (transformers' `generate` passes
+        them to the first forward only: later tokens attend causally)."""
+        if pixel_values is None:
+            return super().cached_hidden_states(input_ids_BT, positions_BT, cache, view)
+        if not view.prefill:
+            raise ValueError("pixel_values go with the prompt's prefill, not a decode step.")
+        token_type_ids_BT = (input_ids_BT == self.config.vision.image_token_id).astype(jnp.int32)
+        view = view.replace(key_limit_BT=image_key_limit(token_type_ids_BT))
+        with model_dropout(None):
+            h_BTD = self.embed_with_images(input_ids_BT, pixel_values)
+            return self.backbone.cached(
+                input_ids_BT, positions_BT, cache, view, inputs_embeds=h_BTD
+            )
+
     def hidden_states(
         self,
         input_ids_BT: jax.Array,
@@ -296,22 +345,7 @@ class Gemma3ForConditionalGeneration(LlamaForCausalLM):
             raise ValueError("Give pixel_values or image_features, not both.")
         if pixel_values is None and token_type_ids is None and image_features is None:
             return self.backbone(input_ids_BT, attention_mask, positions, segment_ids)
-        vision = self.config.vision
-        is_image_BT = input_ids_BT == vision.image_token_id
-        ids_BT = input_ids_BT
-        if vision.image_token_id >= self.config.vocab_size:  # out of vocabulary: embed pad id 0
-            ids_BT = jnp.where(is_image_BT, 0, input_ids_BT)
-        h_BTD = self.backbone.embed_tokens(ids_BT)
-        if pixel_values is not None:
-            if pixel_values.ndim not in (4, 5):
-                raise ValueError(
-                    f"pixel_values must be [N, C, H, W] or [B, I, C, H, W]; got shape "
-                    f"{pixel_values.shape}."
-                )
-            _check_image_token_count(is_image_BT, pixel_values, vision.mm_tokens_per_image)
-            h_BTD = merge_image_features(h_BTD, is_image_BT, self.image_features(pixel_values))
-        elif image_features is not None:
-            h_BTD = merge_image_features(h_BTD, is_image_BT, image_features)
+        h_BTD = self.embed_with_images(input_ids_BT, pixel_values, image_features)
         limit_BT = None if token_type_ids is None else image_key_limit(token_type_ids)
         return self.backbone(
             input_ids_BT, attention_mask, positions, segment_ids,

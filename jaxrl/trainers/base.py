@@ -1361,8 +1361,8 @@ def _refuse_images(dataset: Any, trainer: str) -> None:
     if found:
         raise ValueError(
             f"The dataset has {found[0]!r} column but {trainer} trains on text only in jaxrl "
-            "(images would be ignored). Drop the column, or use SFTTrainer or DPOTrainer, which "
-            "train image-text models (Gemma 3) on images."
+            "(images would be ignored). Drop the column, or use SFTTrainer, DPOTrainer, "
+            "GRPOTrainer or RLOOTrainer, which train image-text models (Gemma 3) on images."
         )
 
 

@@ -1,8 +1,9 @@
 """What a trainer needs to run TRL's vision datasets (an `image` / `images` column): the model
 loaded with its vision tower, the model's processor as the processing class, and clear errors
-for a text-only model or a bare tokenizer. Mixed into `SFTTrainer` and `DPOTrainer` ahead of `Trainer`; the
-trainer sets `self.vision` before `Trainer.__init__` runs. No data processing here
-(`jaxrl.data.vision`, `jaxrl.data.vision_preference`)."""
+for a text-only model or a bare tokenizer. Mixed into `SFTTrainer`, `DPOTrainer` and the online
+trainers (`GRPOTrainer`, `RLOOTrainer`) ahead of `Trainer`; the trainer sets `self.vision` before
+`Trainer.__init__` runs. No data processing here (`jaxrl.data.vision`,
+`jaxrl.data.vision_preference`, `jaxrl.data.vision_prompts`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from jaxrl.data import vision
 
 
 class ImageTextMixin:
-    """`Trainer` hooks for image-text runs, active where `self.vision` is set (SFT and DPO)."""
+    """`Trainer` hooks for image-text runs, active where `self.vision` is set (SFT, DPO, GRPO,
+    RLOO)."""
 
     vision: bool = False
     supports_images = True

@@ -29,6 +29,16 @@ returns it undivided and HF's Trainer divides), undivided in evaluation. The alg
 whatever a loss type counts (sequences, tokens, micro-batches). `aux_loss` is logged, the mean
 over micro-batches.
 
+Image prompts (an `image` / `images` column next to conversational prompts, an image-text Gemma
+3; TRL 1.16's GRPOTrainer/RLOOTrainer with a processor): the prompt ids are the processor's chat
+template of TRL's multimodal messages (`jaxrl.data.vision_prompts`, read when the dataset is
+prepared), the pixel values the processor's (made per generation batch, each completion row
+carrying its prompt's images, `[N, I, C, H, W]`); the sampler prefills with the images and never
+samples the image token (TRL's `suppress_tokens`), and every log-prob forward (policy, sampling
+policy, reference, eval) is the image-text one with the image tokens as `token_type_ids` (TRL
+passes the processor's). Reward functions get TRL's multimodal prompts and the image column
+(also with `remove_unused_columns`, TRL's signature columns keep it).
+
 LoRA (`peft_config=`, optionally over a `quantization_config` base; TRL's semantics): the train
 state holds the adapter (the optimizer sees nothing else) and the frozen base. The reference is
 the base with the adapter disabled (no second copy of the weights), or, for a model that came
@@ -66,6 +76,7 @@ from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.config import ConfigError
 from jaxrl.core.logprobs import token_logprobs
 from jaxrl.core.step import make_eval_step, make_train_step, reduce_aux
+from jaxrl.data import vision, vision_prompts
 from jaxrl.data.batching import BatchIterator
 from jaxrl.data.formats import is_conversational
 from jaxrl.generation import GenerationConfig, Sampler
@@ -78,6 +89,7 @@ from jaxrl.rewards import (
 )
 from jaxrl.trainers.base import Trainer
 from jaxrl.trainers.evaluation import hf_eval_loss, speed_metrics
+from jaxrl.trainers.image_text import ImageTextMixin
 from jaxrl.trainers.onpolicy_config import OnPolicyConfig
 
 logger = logging.getLogger("jaxrl")
@@ -91,7 +103,19 @@ def completion_hidden(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Arra
     ids_BT = batch["input_ids"]
     n_completion = batch["completion_mask"].shape[1]
     n_prompt = ids_BT.shape[1] - n_completion
-    h_BTD = model.hidden_states(ids_BT, batch["attention_mask"])
+    if "pixel_values" in batch:
+        # Image prompts (Gemma 3): TRL's forward gets the processor's `pixel_values` and
+        # `token_type_ids` (1 on the prompt's image tokens, 0 on the completion), so each image's
+        # tokens attend to the whole image.
+        is_image_BT = ids_BT == model.config.vision.image_token_id
+        in_prompt_T = jnp.arange(ids_BT.shape[1]) < n_prompt
+        token_type_ids_BT = (is_image_BT & in_prompt_T[None]).astype(jnp.int32)
+        h_BTD = model.hidden_states(
+            ids_BT, batch["attention_mask"], pixel_values=batch["pixel_values"],
+            token_type_ids=token_type_ids_BT,
+        )  # fmt: skip
+    else:
+        h_BTD = model.hidden_states(ids_BT, batch["attention_mask"])
     return h_BTD[:, n_prompt - 1 : n_prompt + n_completion - 1], ids_BT[:, n_prompt:]
 
 
@@ -196,7 +220,7 @@ class GenerationBatches:
         )
 
 
-class OnPolicyTrainer(Trainer):
+class OnPolicyTrainer(ImageTextMixin, Trainer):
     """Shared online shell; subclasses: `GRPOTrainer`, `RLOOTrainer` (see the module doc)."""
 
     config_class = OnPolicyConfig
@@ -225,6 +249,25 @@ class OnPolicyTrainer(Trainer):
         args = args if args is not None else self.config_class(output_dir="trainer_output")
         if not isinstance(args, self.config_class):
             raise TypeError(f"args must be a {self.config_class.__name__}, got {type(args)}.")
+        # TRL's prompt datasets with images (an `image` / `images` column, conversational
+        # prompts): the model runs its vision tower, the processor makes the pixel values
+        # (`jaxrl.data.vision_prompts`).
+        if train_dataset is not None:
+            train_dataset = self._load_data(train_dataset, "train")
+        first = (
+            train_dataset if train_dataset is not None else self._load_data(eval_dataset, "eval")
+        )
+        self.vision = vision.image_column(getattr(first, "column_names", None)) is not None
+        self._prompt_images: vision_prompts.PromptImages | None = None
+        # The most images a prompt of the run's datasets has: the static I of `pixel_values`.
+        self.max_images = 0
+        if self.vision and args.log_completions and args.log_multimodal:
+            if "wandb" in (args.report_to or []):
+                raise ConfigError(
+                    "log_multimodal=True with wandb: jaxrl's completion tables do not log the "
+                    "prompts' images (they log the prompts with their image parts stripped, as "
+                    "TRL's parquet files). Set log_multimodal=False."
+                )
         # TRL: a model that arrives with a trained adapter keeps a frozen copy of it as the
         # reference; a fresh adapter (peft_config) uses the base with the adapter disabled.
         self._ref_is_initial_adapter = getattr(model, "lora_config", None) is not None
@@ -313,7 +356,7 @@ class OnPolicyTrainer(Trainer):
         settings = {
             "max_new_tokens": a.max_completion_length,
             "do_sample": True,
-            "pad_token_id": self.processing_class.pad_token_id,
+            "pad_token_id": self.tokenizer.pad_token_id,
             "eos_token_id": list(self.eos_token_ids),
             "temperature": a.temperature,
             "top_p": a.top_p,
@@ -331,9 +374,15 @@ class OnPolicyTrainer(Trainer):
             )
         settings.update(extra)
         try:
-            return GenerationConfig.from_transformers(HFGenerationConfig(**settings))
+            config = GenerationConfig.from_transformers(HFGenerationConfig(**settings))
         except ValueError as e:
             raise ConfigError(f"GRPO/RLOO generation settings (generation_kwargs): {e}") from e
+        if self.vision:
+            # TRL (a processor as processing_class): "A sampled image token would mismatch the
+            # image features", so generation suppresses it.
+            image_token = self.model.config.vision.image_token_id
+            config = dataclasses.replace(config, suppress_token_ids=(image_token,))
+        return config
 
     def _eos_token_ids(self) -> list[int]:
         """TRL's stop ids: the tokenizer's EOS, then `model.generation_config.eos_token_id` (one
@@ -357,7 +406,7 @@ class OnPolicyTrainer(Trainer):
         model_eos = (
             [] if model_eos is None else [model_eos] if isinstance(model_eos, int) else model_eos
         )
-        tok_eos = self.processing_class.eos_token_id
+        tok_eos = self.tokenizer.eos_token_id
         ids = [int(i) for i in model_eos]
         if tok_eos is not None and tok_eos not in ids:
             ids = [int(tok_eos), *ids]
@@ -412,6 +461,13 @@ class OnPolicyTrainer(Trainer):
                 f"The {split} dataset has columns {dataset.column_names} but GRPO/RLOO need a "
                 "'prompt' column (a string, or a list of chat messages)."
             )
+        if self.vision:
+            return self._prepare_image_prompts(dataset, split)
+        if vision.image_column(dataset.column_names) is not None:
+            raise ValueError(
+                f"The {split} dataset has images (an 'image' or 'images' column) but the train "
+                "dataset has none; give the train dataset images too, or drop the column."
+            )
         tok = self.processing_class
         kwargs = dict(self.args.chat_template_kwargs or {})
 
@@ -426,6 +482,30 @@ class OnPolicyTrainer(Trainer):
             return {PROMPT_IDS: ids}
 
         return dataset.map(tokenize)
+
+    def _prepare_image_prompts(self, dataset: datasets.Dataset, split: str) -> datasets.Dataset:
+        """`PROMPT_IDS` of image-text prompts (`jaxrl.data.vision_prompts`), read without
+        decoding any image; the rows keep their images for the sampler and the rewards."""
+        vision_config = self.model.config.vision
+        if self._prompt_images is None:
+            side = vision_config.image_size
+            self._prompt_images = vision_prompts.PromptImages(
+                self.processing_class,
+                image_shape=(vision_config.num_channels, side, side),
+                chat_template_kwargs=self.args.chat_template_kwargs,
+            )
+        counts = vision.image_counts(dataset)
+        prompts = dataset.select_columns(["prompt"])["prompt"]
+        conversational = [is_conversational({"prompt": p}) for p in prompts]
+        if any(counts) and not all(conversational):
+            raise ValueError(vision_prompts.NOT_CONVERSATIONAL)
+        tok = self.tokenizer
+        ids = [
+            self._prompt_images.prompt_ids(p, n) if conv else tok(text=p)["input_ids"]
+            for p, n, conv in zip(prompts, counts, conversational, strict=True)
+        ]
+        self.max_images = max(self.max_images, max(counts, default=0))
+        return dataset.add_column(PROMPT_IDS, ids)
 
     def _example_lengths(self, dataset: datasets.Dataset) -> list[int]:
         return [len(ids) for ids in dataset[PROMPT_IDS]]
@@ -599,10 +679,19 @@ class OnPolicyTrainer(Trainer):
 
     # ----------------------------------------------------------------- rollout
     def _sample(self, params, examples: list[dict], group_size: int, config, seed) -> dict:
-        """Generate `group_size` completions per prompt; host-side decoded texts and rewards."""
+        """Generate `group_size` completions per prompt; host-side decoded texts and rewards.
+        Image prompts: the prompts' `pixel_values` [B, I, C, H, W] go to the sampler (and are
+        returned for the rollout rows); the reward functions get TRL's multimodal prompts (the
+        images in their messages) and the `image` / `images` column."""
+        prompt_ids = [ex[PROMPT_IDS] for ex in examples]
+        pixel_values = None
+        has_images = self.vision and any(vision.example_images(ex) for ex in examples)
+        if self.vision and self.max_images:
+            pixel_values = self._prompt_images.pixel_values(examples, prompt_ids, self.max_images)
         out = self.rollout_sampler(
-            params, [ex[PROMPT_IDS] for ex in examples], config, seed=seed, group_size=group_size
-        )
+            params, prompt_ids, config, seed=seed, group_size=group_size,
+            pixel_values=pixel_values,
+        )  # fmt: skip
         completion_ids_NC = np.asarray(out.completion_ids_BN)
         mask_NC = np.asarray(out.completion_mask_BN)
         lengths_N = mask_NC.sum(axis=1)
@@ -610,12 +699,19 @@ class OnPolicyTrainer(Trainer):
         truncated_N = self._truncated(ids_list, config)
         rows = [ex for ex in examples for _ in range(group_size)]
         prompts = [ex["prompt"] for ex in rows]
-        texts = self.processing_class.batch_decode(ids_list, skip_special_tokens=True)
+        if has_images:  # TRL: `prepare_multimodal_messages(prompt, images)` once a batch has any
+            prompts = [
+                vision_prompts.prompt_messages(ex["prompt"], vision.example_images(ex))
+                for ex in rows
+            ]
+        texts = self.tokenizer.batch_decode(ids_list, skip_special_tokens=True)
         completions = completions_from_texts(prompts, texts)
         columns = {}
         if not self.args.remove_unused_columns:
             skip = ("prompt", PROMPT_IDS)
             columns = {k: [ex[k] for ex in rows] for k in examples[0] if k not in skip}
+        elif self.vision:  # TRL's signature columns keep the images
+            columns = {k: [ex[k] for ex in rows] for k in vision.IMAGE_COLUMNS if k in examples[0]}
         self._pending_metrics.clear()
         self._pending_extras.clear()
         rewards_NK = compute_rewards(
@@ -639,6 +735,7 @@ class OnPolicyTrainer(Trainer):
         self._pending_extras.clear()
         return dict(
             out=out,
+            pixel_values=pixel_values,
             lengths_N=lengths_N,
             truncated_N=truncated_N,
             rewards_NK=rewards_NK,
@@ -650,7 +747,7 @@ class OnPolicyTrainer(Trainer):
     def _truncated(self, ids_list: list[list[int]], config: GenerationConfig) -> np.ndarray:
         """`[N]` bool: the completion does not end with a stop id (EOS) or the pad token, i.e. it
         hit `max_completion_length` (TRL counts the pad token as a proper end too)."""
-        stop = {*config.stop_ids, self.processing_class.pad_token_id}
+        stop = {*config.stop_ids, self.tokenizer.pad_token_id}
         return np.array([not ids or ids[-1] not in stop for ids in ids_list], dtype=bool)
 
     def _log_metric(self, name: str, value: float) -> None:
@@ -672,11 +769,16 @@ class OnPolicyTrainer(Trainer):
         if self.args.mask_truncated_completions:
             keep_N1 = jnp.asarray(~s["truncated_N"], completion_mask_NC.dtype)[:, None]
             completion_mask_NC = completion_mask_NC * keep_N1
-        return {
+        rows = {
             "input_ids": jnp.concatenate([out.prompt_ids_BP, out.completion_ids_BN], axis=1),
             "attention_mask": jnp.concatenate([out.prompt_mask_BP, out.completion_mask_BN], axis=1),
             "completion_mask": completion_mask_NC,
         }
+        if s.get("pixel_values") is not None:  # each completion row carries its prompt's images
+            pixels = s["pixel_values"]
+            group_size = completion_mask_NC.shape[0] // len(pixels)
+            rows["pixel_values"] = jnp.repeat(jnp.asarray(pixels), group_size, axis=0)
+        return rows
 
     def _generate_and_score(self, plan: StepPlan) -> None:
         """Fill the buffer with one scored, shuffled generation batch (see the module doc)."""
@@ -742,7 +844,8 @@ class OnPolicyTrainer(Trainer):
     def _record_completions(self, s: dict, advantages_N: Any) -> None:
         """Add one scored `_sample` call to `completion_logs` (TRL's `_logs`)."""
         logs = self.completion_logs
-        logs["prompt"].extend(s["prompts"])
+        # TRL's tables hold the prompts without their images (`strip_images_from_messages`).
+        logs["prompt"].extend(vision_prompts.strip_images(p) for p in s["prompts"])
         logs["completion"].extend(s["completions"])
         rewards_NK = np.asarray(s["rewards_NK"], np.float64)
         for k, name in enumerate(self.reward_func_names):

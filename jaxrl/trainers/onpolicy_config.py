@@ -130,7 +130,9 @@ class OnPolicyConfig(TrainingConfig):
     ref_model_mixup_alpha: float = 0.6
     ref_model_sync_steps: int = 512
     log_completions: bool = False
-    log_multimodal: bool = True  # text-only models: nothing multimodal to log
+    # Image prompts: the completion logs hold the prompts without their images (TRL's parquet
+    # files); wandb tables with the images are refused (set False).
+    log_multimodal: bool = True
     num_completions_to_print: int | None = None
     log_unique_prompts: bool = False
     use_transformers_continuous_batching: bool = False
