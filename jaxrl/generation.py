@@ -21,8 +21,9 @@ Design (after Tunix's sampler):
 - Token choice follows transformers' `generate` (`process_logits`): the repetition penalty (on
   the float32 logits, for every id in the row's prompt or generated so far), the
   `min_new_tokens` mask of EOS/stop ids while fewer tokens have been generated, the
-  `suppress_token_ids` (never chosen), then temperature, top-k, top-p, min-p and a draw (sampling) or argmax (greedy). With
-  `repetition_penalty != 1` the decode loop carries a [B, V] bool mask of the ids seen so far.
+  `suppress_token_ids` (never chosen), then temperature, top-k, top-p, min-p and a draw
+  (sampling) or argmax (greedy). With `repetition_penalty != 1` the decode loop carries a
+  [B, V] bool mask of the ids seen so far.
 
 Output (`SampleOutput`, device arrays): the left-padded prompt and its mask [B, P]; completion
 ids [B, N] (N = max_new_tokens, pad after a row finished); a completion mask that is 1 up to and
@@ -514,8 +515,8 @@ class Sampler:
             )
         if pixel_values.ndim != 5 or pixel_values.shape[0] != ids_BP.shape[0]:
             raise ValueError(
-                f"pixel_values must be [B, I, C, H, W] with one row per prompt ({ids_BP.shape[0]}); "
-                f"got shape {tuple(pixel_values.shape)}."
+                "pixel_values must be [B, I, C, H, W] with one row per prompt "
+                f"({ids_BP.shape[0]}); got shape {tuple(pixel_values.shape)}."
             )
         tokens = np.sum(ids_BP == vision.image_token_id, axis=1)
         if (tokens > pixel_values.shape[1] * vision.mm_tokens_per_image).any():
