@@ -102,19 +102,19 @@ def assert_same_metrics(got: list[dict], want: list[dict], keys: tuple[str, ...]
 
 
 def _data(tmp_path: Path) -> str:
-    """Rows of 3 to 40 tokens in order (for `length_buckets` 16 and 32, sequential sampling):
-    example 0 is the longest (the static length), then 8 rows under 16 tokens, then 8 of 16 to
-    32. The third step of each epoch holds one example: the second host fills its rows with
-    copies of example 0."""
-    rows = [{"text": "1" * 34 + "=2"}]
-    rows += [{"text": f"{a}+{b}={a + b}"} for a in range(4) for b in range(2)]
+    """Rows of 5 to 36 tokens in order (for `length_buckets` 16 and 32, sequential sampling,
+    8 rows a step): 8 rows under 16 tokens (bucket 16), then 8 of 16 to 32 (bucket 32), then
+    the longest row (the static length). So each epoch's three steps use the three lengths, and
+    its third step holds one example: the second host fills its rows with copies of example 0."""
+    rows = [{"text": f"{a}+{b}={a + b}"} for a in range(4) for b in range(2)]
     rows += [{"text": str(a) * (18 + a) + "=1"} for a in range(8)]
+    rows += [{"text": "1" * 34 + "=2"}]
     path = tmp_path / "sft.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
 
-def test_sft_sigterm_on_two_processes_saves_both_and_resume_is_exact(tmp_path):
+def test_sft_sigterm_on_two_processes_saves_both_and_resume_is_exact(tmp_path, monkeypatch):
     # The reference is an uninterrupted 2-process run: the same reduction trees, so the resumed
     # run must equal it bit for bit. (1 vs 2 processes agree only up to float32 rounding, which
     # Adam at lr 1e-3 amplifies to ~1e-2 by step 9; the DPO test below compares those.)
@@ -125,10 +125,17 @@ def test_sft_sigterm_on_two_processes_saves_both_and_resume_is_exact(tmp_path):
     flags += ["--save_steps", "1000", "--learning_rate", "1e-3", "--length_buckets", "16,32"]
     flags += ["--train_sampling_strategy", "sequential"]
     ref = tmp_path / "ref"
-    # It needs no checkpoint (a 2-process save costs ~10 s): saving changes no number.
-    assert wait_all(launch(ref, [*flags, "--save_strategy", "no"], 2), ref) == [0, 0]
+    # It needs no checkpoint (a 2-process save costs ~10 s): saving changes no number. Its
+    # processes log their compiles, to show that the steps used all three lengths.
+    monkeypatch.setenv("JAX_LOG_COMPILES", "1")
+    ref_procs = launch(ref, [*flags, "--save_strategy", "no"], 2)
+    monkeypatch.delenv("JAX_LOG_COMPILES")
+    assert wait_all(ref_procs, ref) == [0, 0]
     want = step_rows(ref)
     assert [r["step"] for r in want] == list(range(1, 11))
+    for rank in range(2):  # one train-step program per length: buckets 16 and 32, the static
+        log = (tmp_path / f"ref.p{rank}.log").read_text()
+        assert log.count("MLIR module conversion jit(train_step)") == 3, rank
 
     out = tmp_path / "two"
     procs = launch(out, flags, 2)
