@@ -1215,6 +1215,17 @@ class ScriptArguments(PeftArguments):
     lora_task_type: str | None = None
 
 
+@dataclass
+class OnlineScriptArguments(ScriptArguments):
+    """`--algo grpo` / `--algo rloo` script flags: TRL's `GRPOScriptArguments` (trl/scripts/grpo.py).
+    `reward_model_name_or_path`: a reward model directory, scored first; `reward_funcs`: names
+    from `jaxrl.rewards.SCRIPT_REWARD_FUNCS` or dotted import paths (`my_lib.rewards.fn`).
+    Neither: the embedded arithmetic task's `arith_correct` (only without `dataset_name`)."""
+
+    reward_model_name_or_path: str | None = None
+    reward_funcs: list[str] | None = None
+
+
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
 
@@ -1404,14 +1415,15 @@ def parse_config(
     yaml_path: str | Path | None = None,
     cli_args: list[str] | None = None,
     overrides: dict[str, Any] | None = None,
+    script_class: type[ScriptArguments] = ScriptArguments,
 ) -> tuple[TrainingConfig, ScriptArguments]:
     """Build `cls` from defaults < YAML file < CLI flags < `overrides`.
 
-    Script-level keys (`ScriptArguments` fields) may appear in any source and are returned
-    separately. `--config FILE` on the command line is used when `yaml_path` is not given.
+    Script-level keys (`script_class` fields: `ScriptArguments`, or `OnlineScriptArguments` for
+    GRPO/RLOO) may appear in any source and are returned separately. `--config FILE` on the command line is used when `yaml_path` is not given.
     Unknown keys and bad values raise ConfigError naming the key and the closest valid keys.
     """
-    script_types = field_types(ScriptArguments)
+    script_types = field_types(script_class)
     all_types = {**script_types, **field_types(cls)}
     bool_keys, list_keys = kinds_of_keys(all_types)
 
@@ -1438,4 +1450,4 @@ def parse_config(
         config = cls(**config_kwargs)
     except ConfigError as error:
         raise ConfigError(f"{cls.__name__}: {error}") from None
-    return config, ScriptArguments(**script_kwargs)
+    return config, script_class(**script_kwargs)

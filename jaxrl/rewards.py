@@ -11,14 +11,18 @@ computed from its `[N, K]` output by `jaxrl.losses.grpo` / `jaxrl.losses.rloo`.
 
 import asyncio
 import functools
+import importlib
+import importlib.util
 import inspect
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.config import ConfigError
 from jaxrl.data import task
 from jaxrl.data.formats import is_conversational
 from jaxrl.losses.grpo import nanstd, weighted_rewards
@@ -208,3 +212,105 @@ def arith_correct(prompts: list, completions: list, **_: Any) -> list[float | No
         except ValueError:
             out.append(None)
     return out
+
+
+_THINK_FORMAT = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL | re.MULTILINE)
+
+
+def think_format_reward(completions: list, **_: Any) -> list[float]:
+    """TRL's `think_format_reward`: 1.0 when the completion opens with one `<think>...</think>`
+    block (no second `<think>`), else 0.0. Conversational completions are scored on their first
+    message's content, as TRL; standard (string) completions as they are (TRL expects messages)."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [1.0 if _THINK_FORMAT.match(text) else 0.0 for text in texts]
+
+
+class SoftOverlongPunishment:
+    """TRL's `get_soft_overlong_punishment` (DAPO's Eq. 13) on completion token counts: 0 up to
+    `max_completion_len - soft_punish_cache` tokens, then falling linearly to -1 at
+    `max_completion_len`, -1 beyond. A class (not a closure) with TRL's `__name__`, so the
+    metric is `rewards/soft_overlong_punishment_reward/mean` as in TRL."""
+
+    __name__ = "soft_overlong_punishment_reward"
+
+    def __init__(self, max_completion_len: int, soft_punish_cache: int):
+        if soft_punish_cache <= 0 or soft_punish_cache > max_completion_len:
+            raise ValueError(
+                f"soft_punish_cache must be in (0, max_completion_len={max_completion_len}]; "
+                f"got {soft_punish_cache}."
+            )
+        self.max_completion_len = max_completion_len
+        self.soft_punish_cache = soft_punish_cache
+
+    def __call__(self, completion_ids: list[list[int]], **_: Any) -> list[float]:
+        free = self.max_completion_len - self.soft_punish_cache
+        out = []
+        for ids in completion_ids:
+            n = len(ids)
+            if n <= free:
+                out.append(0.0)
+            elif n <= self.max_completion_len:
+                out.append((free - n) / self.soft_punish_cache)
+            else:
+                out.append(-1.0)
+        return out
+
+
+def get_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int) -> Callable:
+    """TRL's `trl.rewards.get_soft_overlong_punishment`."""
+    return SoftOverlongPunishment(max_completion_len, soft_punish_cache)
+
+
+def _trl_math_reward(name: str) -> RewardFunc:
+    """TRL's math-verify checkers (`accuracy_reward`, `reasoning_accuracy_reward`): TRL's own
+    functions where TRL and `math_verify` are installed (jaxrl needs neither otherwise)."""
+    if importlib.util.find_spec("math_verify") is None or importlib.util.find_spec("trl") is None:
+        raise ConfigError(
+            f"--reward_funcs {name}: TRL's {name} checks answers with the math_verify package; "
+            "install both (`pip install trl math-verify`), or pass a dotted path to your own "
+            "reward function (--reward_funcs my_module.my_reward)."
+        )
+    return getattr(importlib.import_module("trl.rewards"), name)
+
+
+# `--reward_funcs` names of `python -m jaxrl.train --algo grpo|rloo`: TRL's GRPO script's registry
+# (its soft overlong punishment with the script's max_completion_len=1280, soft_punish_cache=256)
+# and the embedded task's `arith_correct`.
+SCRIPT_REWARD_FUNCS: dict[str, Callable[[], RewardFunc]] = {
+    "accuracy_reward": functools.partial(_trl_math_reward, "accuracy_reward"),
+    "reasoning_accuracy_reward": functools.partial(_trl_math_reward, "reasoning_accuracy_reward"),
+    "think_format_reward": lambda: think_format_reward,
+    "get_soft_overlong_punishment": lambda: get_soft_overlong_punishment(1280, 256),
+    "arith_correct": lambda: arith_correct,
+}
+
+
+def script_reward_funcs(
+    reward_funcs: Sequence[str] | None, reward_model_name_or_path: str | None = None
+) -> list[RewardFunc | str]:
+    """The reward functions of TRL's GRPO script flags, in TRL's order: the reward model (a
+    path, loaded by the trainer) first, then each `reward_funcs` entry, a registry name
+    (`SCRIPT_REWARD_FUNCS`) or a dotted import path (`package.module.function`)."""
+    funcs: list[RewardFunc | str] = []
+    if reward_model_name_or_path:
+        funcs.append(reward_model_name_or_path)
+    for name in [reward_funcs] if isinstance(reward_funcs, str) else reward_funcs or ():
+        if name in SCRIPT_REWARD_FUNCS:
+            funcs.append(SCRIPT_REWARD_FUNCS[name]())
+            continue
+        module, _, attr = name.rpartition(".")
+        if not module:
+            raise ConfigError(
+                f"--reward_funcs {name!r} is not one of {sorted(SCRIPT_REWARD_FUNCS)} and not a "
+                "dotted import path (e.g. my_lib.rewards.custom_reward)."
+            )
+        try:
+            func = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"--reward_funcs {name!r}: cannot import it ({e}).") from e
+        if not callable(func):
+            raise ConfigError(
+                f"--reward_funcs {name!r} is a {type(func).__name__}, not a function."
+            )
+        funcs.append(func)
+    return funcs

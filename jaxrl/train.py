@@ -275,18 +275,33 @@ def build_ppo_trainer(rest: list[str]) -> Any:
 def build_online_trainer(algo: str, rest: list[str]) -> Any:
     """GRPO/RLOO: prompt datasets and reward functions. The embedded default starts from the
     shipped SFT model on the arithmetic task's prompts, rewarded by `jaxrl.rewards.arith_correct`
-    (held-out accuracy: `eval_greedy/rewards/arith_correct/mean`, greedy exact match)."""
+    (held-out accuracy: `eval_greedy/rewards/arith_correct/mean`, greedy exact match). TRL's GRPO
+    script flags `--reward_model_name_or_path` / `--reward_funcs` pick other rewards; a
+    `--dataset_name` needs one of them."""
     from jaxrl import run_dir
-    from jaxrl.config import parse_config
+    from jaxrl.config import ConfigError, OnlineScriptArguments, parse_config
     from jaxrl.data import task
-    from jaxrl.rewards import arith_correct
+    from jaxrl.rewards import arith_correct, script_reward_funcs
     from jaxrl.trainers.grpo import GRPOTrainer
     from jaxrl.trainers.rloo import RLOOTrainer
 
     trainer_cls = {"grpo": GRPOTrainer, "rloo": RLOOTrainer}[algo]
     args, script = parse_config(
-        config_class(algo), yaml_path=_recipe_yaml(algo, rest), cli_args=_without_config(rest)
+        config_class(algo),
+        yaml_path=_recipe_yaml(algo, rest),
+        cli_args=_without_config(rest),
+        script_class=OnlineScriptArguments,
     )
+    reward_funcs = script_reward_funcs(script.reward_funcs, script.reward_model_name_or_path)
+    if not reward_funcs:
+        if script.dataset_name is not None:
+            raise ConfigError(
+                f"--algo {algo} with --dataset_name needs a reward, as TRL's script: "
+                "--reward_funcs NAME [NAME ...] (think_format_reward, get_soft_overlong_punishment, "
+                "accuracy_reward, reasoning_accuracy_reward, arith_correct, or a dotted import "
+                "path) and/or --reward_model_name_or_path DIR."
+            )
+        reward_funcs = [arith_correct]
     peft_config, quantization_config = peft_options(script)
     run_dir.check_output_dir(
         args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir
@@ -311,7 +326,7 @@ def build_online_trainer(algo: str, rest: list[str]) -> Any:
         eval_ds = None
     return trainer_cls(
         model=model,
-        reward_funcs=arith_correct,
+        reward_funcs=reward_funcs,
         args=args,
         train_dataset=train_ds,
         eval_dataset=eval_ds,
@@ -373,11 +388,12 @@ def config_class(algo: str) -> type:
 def usage(algo: str) -> str:
     """`--help`: the module's synopsis and every flag `--algo ALGO` accepts, with its default."""
     lines = [(__doc__ or "").strip(), "", f"Flags of --algo {algo} (name, type, default):"]
-    from jaxrl.config import ScriptArguments
+    from jaxrl.config import OnlineScriptArguments, ScriptArguments
 
     seen: set[str] = set()
     # DDPO's CLI reads its config class only; the others add the script-level fields.
-    classes = [config_class(algo)] if algo == "ddpo" else [ScriptArguments, config_class(algo)]
+    script = OnlineScriptArguments if algo in ONLINE_ALGOS else ScriptArguments
+    classes = [config_class(algo)] if algo == "ddpo" else [script, config_class(algo)]
     for cls in classes:
         lines.append(f"  [{cls.__name__}]")
         for f in dataclasses.fields(cls):

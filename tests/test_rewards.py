@@ -216,3 +216,31 @@ def test_arith_correct():
     conv_prompts = [[{"role": "system", "content": "add"}, {"role": "user", "content": "10+5="}]]
     assert arith_correct(conv_prompts, [[{"role": "assistant", "content": "15"}]]) == [1.0]
     assert arith_correct(["10+5=", "10+5=", "hello"], ["15", "16", "15"]) == [1.0, 0.0, None]
+
+
+def test_script_rewards_equal_trls():
+    """`think_format_reward` and the soft overlong punishment equal `trl.rewards`' on the cases
+    around every boundary; TRL's math-verify rewards need math_verify (a clear error without)."""
+    import importlib.util
+
+    from trl.rewards import get_soft_overlong_punishment as trl_overlong
+    from trl.rewards import think_format_reward as trl_think
+
+    from jaxrl.config import ConfigError
+    from jaxrl.rewards import get_soft_overlong_punishment, script_reward_funcs, think_format_reward
+
+    texts = ["<think>\na\n</think>\nb", "<think>a", "x<think>a</think>", "<think>a</think><think>",
+             "<think></think>", "<think>a\n</think>"]  # fmt: skip
+    messages = [[{"role": "assistant", "content": t}] for t in texts]
+    want = trl_think(messages)
+    assert want == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    assert think_format_reward(messages) == want == think_format_reward(texts)
+    ids = [[1] * n for n in (0, 79, 80, 81, 90, 99, 100, 101, 150)]
+    assert get_soft_overlong_punishment(100, 20)(ids) == trl_overlong(100, 20)(ids)
+    assert get_soft_overlong_punishment(100, 20)(ids)[4] == -0.5
+    with pytest.raises(ValueError, match="soft_punish_cache"):
+        get_soft_overlong_punishment(100, 0)
+    if importlib.util.find_spec("math_verify") is None:
+        with pytest.raises(ConfigError, match="pip install trl math-verify"):
+            script_reward_funcs(["accuracy_reward"])
+    assert script_reward_funcs(None, "rm_dir") == ["rm_dir"]

@@ -102,3 +102,46 @@ def test_wheel_ships_the_recipes(tmp_path):
     for algo in ("sft", "reward", "dpo"):
         assert f"jaxrl/recipes/{algo}.yaml" in names
     assert "jaxrl/assets/arith/sft_model/model.safetensors" in names
+
+
+def _prompts(tmp_path: Path) -> str:
+    out = tmp_path / "prompts"
+    out.mkdir()
+    rows = task.asset_path("sft_train.jsonl").read_text().splitlines()[:8]
+    (out / "train.jsonl").write_text("\n".join(rows) + "\n")
+    return str(out)
+
+
+def test_online_script_reward_flags_as_trls_grpo_script(tmp_path, capsys):
+    """`--reward_funcs` / `--reward_model_name_or_path` (TRL's GRPOScriptArguments): registry
+    names and dotted paths in order; a user dataset without a reward is an error (the embedded
+    task's `arith_correct` is only the embedded job's default); other algos refuse the flags."""
+    from jaxrl import rewards
+
+    base = ["--model_name_or_path", MODEL, "--dataset_name", _prompts(tmp_path)]
+    base += ["--output_dir", str(tmp_path / "o"), "--num_generations", "2"]
+    trainer = build_trainer(
+        ["--algo", "rloo", *base, "--reward_funcs", "think_format_reward",
+         "get_soft_overlong_punishment", "jaxrl.rewards.arith_correct"]
+    )  # fmt: skip
+    assert trainer.reward_func_names == [
+        "think_format_reward", "soft_overlong_punishment_reward", "arith_correct",
+    ]  # fmt: skip
+    overlong = trainer.reward_funcs[1]
+    assert (overlong.max_completion_len, overlong.soft_punish_cache) == (1280, 256)
+    assert trainer.reward_funcs[2] is rewards.arith_correct
+    # One name is a one-element list, as HfArgumentParser reads it.
+    one = build_trainer(["--algo", "grpo", *base, "--reward_funcs", "arith_correct"])
+    assert one.reward_func_names == ["arith_correct"]
+    assert build_trainer(["--algo", "grpo"]).reward_func_names == ["arith_correct"]
+
+    for argv, message in (
+        (["--algo", "grpo", *base], "needs a reward"),
+        (["--algo", "grpo", *base, "--reward_funcs", "nope"], "not one of"),
+        (["--algo", "grpo", *base, "--reward_funcs", "jaxrl.rewards.nope"], "cannot import"),
+        (["--algo", "grpo", *base, "--reward_funcs", "jaxrl.rewards.SCRIPT_REWARD_FUNCS"],
+         "not a function"),
+        (["--algo", "dpo", "--reward_funcs", "arith_correct"], "Unknown key 'reward_funcs'"),
+    ):  # fmt: skip
+        assert main(argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
