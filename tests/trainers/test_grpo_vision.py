@@ -495,6 +495,39 @@ def test_lora_on_images(vlm_dir, tmp_path):  # noqa: F811
     assert train_logs(trainer)[1]["kl"] > 1e-4
 
 
+def test_cli_on_an_image_dataset_directory(vlm_dir, tmp_path):  # noqa: F811
+    """`python -m jaxrl.train --algo grpo` on a `save_to_disk` directory of image prompts, with
+    TRL's script reward flags: the model loads with its vision tower and the processor (a
+    text-only load would refuse the image column), both rewards are logged every step, and the
+    export holds the vision tower."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from jaxrl.train import main
+
+    rng = np.random.default_rng(0)
+    rows = [
+        {"prompt": [{"role": "user", "content": f"{i}+{i}="}], "images": [_image(rng)]}
+        for i in range(4)
+    ]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "data"))
+    out = tmp_path / "out"
+    argv = ["--algo", "grpo", "--model_name_or_path", vlm_dir, "--dataset_name",
+            str(tmp_path / "data"), "--reward_funcs", "think_format_reward",
+            "get_soft_overlong_punishment", "--output_dir", str(out), "--max_steps", "2",
+            "--num_generations", "2", "--per_device_train_batch_size", "4",
+            "--max_completion_length", "4", "--mesh_fsdp", "1", "--logging_steps", "1"]  # fmt: skip
+    assert main(argv) == 0
+    logs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in logs if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        for name in ("think_format_reward", "soft_overlong_punishment_reward"):
+            assert f"rewards/{name}/mean" in r
+    assert any("vision_tower" in k for k in load_file(out / "final" / "model.safetensors"))
+
+
 def test_refusals(vlm_dir, hf_model_dir, tokenizer, tmp_path):  # noqa: F811
     """TRL's error for plain-text prompts with images; images for a text-only model, with a
     tokenizer as processing_class, in the eval set only, or mismatching the prompt's image
