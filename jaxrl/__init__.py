@@ -27,6 +27,7 @@ from jaxrl.callbacks.completions import LogCompletionsCallback, WeaveCallback
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.config import DPOConfig, RewardConfig, SFTConfig, TrainingConfig
 from jaxrl.models.hf import AutoModelForCausalLMWithValueHead
+from jaxrl.models.resize import clone_chat_template
 from jaxrl.scripting import (
     DatasetMixtureConfig,
     ModelConfig,
@@ -93,6 +94,7 @@ __all__ = [
     "WeaveCallback",
     "TrlParser",
     "get_dataset",
+    "clone_chat_template",
     "get_peft_config",
     "get_quantization_config",
     "set_seed",

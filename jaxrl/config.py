@@ -842,7 +842,8 @@ class SFTConfig(_with_foreign("_SFTForeign", config_fields.SFT)):
     dataset_num_proc: int | None = None
     eos_token: str | None = None
     pad_token: str | None = None
-    # TRL: a .jinja / .j2 file whose template replaces the tokenizer's (`read_chat_template`).
+    # TRL: a .jinja / .j2 file whose template replaces the tokenizer's, or a tokenizer (directory
+    # or hub id) whose template, added tokens and EOS are cloned (`models.resize.clone_chat_template`).
     chat_template_path: str | None = None
     # TRL 1.16: "keep_start" keeps a long sequence's first `max_length` tokens, "keep_end"
     # (deprecated there) its last ones. Unpacked rows only: packing cuts into rows instead.
@@ -979,7 +980,8 @@ class RewardConfig(_with_foreign("_RewardForeign", config_fields.REWARD)):
     # TRL: the tokenizer's EOS (appended to standard chosen/rejected texts, rendered by chat
     # templates) and the model config's `eos_token_id`.
     eos_token: str | None = None
-    # TRL: a .jinja / .j2 file whose template replaces the tokenizer's (`read_chat_template`).
+    # TRL: a .jinja / .j2 file whose template replaces the tokenizer's, or a tokenizer (directory
+    # or hub id) whose template, added tokens and EOS are cloned (`models.resize.clone_chat_template`).
     chat_template_path: str | None = None
     # jaxrl: the row lengths a step's batch may be padded to (its train micro-batches, all
     # processes; each eval batch alike): the smallest one >= the batch's longest row. The run's

@@ -124,17 +124,18 @@ def token_features(
 
 def read_chat_template(path: str) -> str:
     """TRL's `chat_template_path` given a `.jinja` / `.j2` file: its text, which becomes the
-    tokenizer's chat template. TRL also takes a tokenizer (a directory or hub id) whose template
-    it clones, adding that tokenizer's special tokens and resizing the embeddings; that is not
-    implemented, so any other path is a clear error."""
-    if not str(path).endswith((".jinja", ".j2")):
-        raise ValueError(
-            f"chat_template_path={path!r}: jaxrl reads a chat template from a .jinja or .j2 file. "
-            "Cloning another tokenizer's template (TRL adds its special tokens and resizes the "
-            "embeddings) is not implemented; save that tokenizer's `chat_template` to a .jinja "
-            "file and pass its path."
-        )
+    tokenizer's chat template. (Any other path names a tokenizer whose template is cloned:
+    `jaxrl.models.resize.clone_chat_template`.)"""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"chat_template_path={path!r} does not exist.")
+        raise FileNotFoundError(
+            f"chat_template_path={path!r} does not exist. Give a .jinja / .j2 template file, or "
+            "a tokenizer (directory or hub id) whose chat template is cloned."
+        )
     with open(path, encoding="utf-8") as f:
         return f.read()
+
+
+def is_template_file_path(path: str) -> bool:
+    """Whether `chat_template_path` names a template file (`.jinja` / `.j2`) rather than a
+    tokenizer whose template TRL clones."""
+    return str(path).endswith((".jinja", ".j2"))

@@ -39,7 +39,7 @@ from jaxrl.core import optim
 from jaxrl.core.state import TrainState
 from jaxrl.core.step import make_eval_step, make_train_step
 from jaxrl.data.batching import BatchIterator
-from jaxrl.data.formats import read_chat_template
+from jaxrl.data.formats import is_template_file_path, read_chat_template
 from jaxrl.trainers import model_dropout, neftune, router_aux
 from jaxrl.trainers.evaluation import (
     EvalPrediction,
@@ -297,8 +297,10 @@ class Trainer(TrainLoop):
         if getattr(self.args, "eos_token", None) is not None:
             self._apply_eos_token(tokenizer)
         template_path = getattr(self.args, "chat_template_path", None)
-        if template_path is not None:
+        if template_path is not None and is_template_file_path(template_path):
             processing_class.chat_template = read_chat_template(template_path)
+        elif template_path is not None:
+            self._clone_chat_template(processing_class, template_path)
         pad = getattr(self.args, "pad_token", None)
         if pad is not None:  # TRL: the config's pad_token overrides the tokenizer's
             if pad not in tokenizer.get_vocab():
@@ -324,6 +326,43 @@ class Trainer(TrainLoop):
         hf_config = getattr(getattr(self.model, "config", None), "hf_config", None)
         if hf_config is not None:
             hf_config.get_text_config().eos_token_id = int(tokenizer.eos_token_id)
+
+    def _clone_chat_template(self, processing_class: Any, path: str) -> None:
+        """TRL's `chat_template_path` naming a tokenizer: `clone_chat_template` (its template,
+        its added tokens, its EOS; the model's token tables resized to the new vocabulary,
+        rounded up to a multiple of 64)."""
+        from transformers import ProcessorMixin
+
+        from jaxrl.models.resize import clone_chat_template
+
+        if isinstance(processing_class, ProcessorMixin):
+            raise ValueError(
+                f"chat_template_path={path!r} names a tokenizer to clone the template of, but the "
+                "processing class is a processor (image-text training); give the template as a "
+                ".jinja file instead."
+            )
+        if self.is_peft:
+            raise ValueError(
+                f"chat_template_path={path!r} clones a tokenizer's template and adds its tokens; "
+                "with a LoRA adapter TRL trains the new tokens' embedding rows through PEFT's "
+                "`trainable_token_indices`, which jaxrl does not implement. Train in full, or "
+                "save that tokenizer's `chat_template` to a .jinja file and pass its path."
+            )
+        if getattr(getattr(self.model, "config", None), "hf_config", None) is None:
+            raise ValueError(
+                f"chat_template_path={path!r}: cloning a template resizes the model's "
+                "embeddings and sets its config's EOS, which needs a model loaded from a "
+                "checkpoint or a transformers config."
+            )
+        _, _, added = clone_chat_template(
+            self.model, processing_class, path, seed=self.args.seed, rules=self.rules
+        )
+        logger.info(
+            "Cloned the chat template of %s: %d tokens added, vocabulary %d.",
+            path,
+            len(added),
+            self.model.config.vocab_size,
+        )
 
     def _mirror_pad_token(self) -> None:
         """TRL: the model agrees with the tokenizer on the pad token from construction, so the

@@ -165,9 +165,9 @@ class SFTTrainer(ImageTextMixin, Trainer):
         self._vision_collator: vision.VisionCollator | None = None
         # Row lengths of the prepared image datasets, by `id` of the (kept) dataset object.
         self._vision_lengths: dict[int, list[int]] = {}
-        # The model generation config's EOS ids once `args.eos_token` has been put first
-        # (None: unchanged).
-        self._generation_eos_ids: list[int] | None = None
+        # The model generation config's EOS ids once `args.eos_token` has been put first, or
+        # the one EOS id of a tokenizer whose chat template was cloned (None: unchanged).
+        self._generation_eos_ids: list[int] | int | None = None
         if args is not None and args.padding_free:
             self._check_padding_free(args)
         super().__init__(model, args, *a, **kw)
@@ -301,6 +301,12 @@ class SFTTrainer(ImageTextMixin, Trainer):
         if new_id not in old_ids:  # else TRL leaves the generation config as it is
             self._generation_eos_ids = [new_id, *old_ids]
 
+    def _clone_chat_template(self, processing_class: Any, path: str) -> None:
+        """The base's cloning; the model's generation config then stops at the cloned EOS
+        alone (TRL's `clone_chat_template` sets `generation_config.eos_token_id` to it)."""
+        super()._clone_chat_template(processing_class, path)
+        self._generation_eos_ids = int(processing_class.eos_token_id)
+
     def _model_generation_eos_ids(self) -> list[int]:
         """`eos_token_id` of the model's generation config as transformers loads it: the model
         directory's `generation_config.json`, else derived from the model config (none for a
@@ -323,14 +329,16 @@ class SFTTrainer(ImageTextMixin, Trainer):
 
     def generation_config(self, generation_config: Any = None, **overrides: Any):
         # The model's own generation config (generation_config=None) stops at `eos_token` too.
-        if generation_config is None and self._generation_eos_ids is not None:
-            overrides.setdefault("eos_token_id", tuple(self._generation_eos_ids))
+        ids = self._generation_eos_ids
+        if generation_config is None and ids is not None:
+            overrides.setdefault("eos_token_id", ids if isinstance(ids, int) else tuple(ids))
         return super().generation_config(generation_config, **overrides)
 
     def _export_generation_config(self, out: str) -> Any:
         config = super()._export_generation_config(out)
-        if self._generation_eos_ids is not None:
-            config.eos_token_id = list(self._generation_eos_ids)
+        ids = self._generation_eos_ids
+        if ids is not None:
+            config.eos_token_id = ids if isinstance(ids, int) else list(ids)
         return config
 
     def _score_span(self, sources: list) -> int | None:
