@@ -817,6 +817,10 @@ class SFTConfig(_with_foreign("_SFTForeign", config_fields.SFT)):
     # HF TrainingArguments fields that the other trainers reject and SFT implements.
     IMPLEMENTED_FIELDS: typing.ClassVar[tuple[str, ...]] = ("label_smoothing_factor",)
 
+    # TRL: keep the activations saved for the backward pass in host memory between the forward
+    # and the backward (with `gradient_checkpointing`, each layer's saved input); the same
+    # numbers, less device memory, host transfers instead (`models.layers.remat_wrap`).
+    activation_offloading: bool = False
     learning_rate: float = 2e-5
     dataset_text_field: str = "text"
     max_length: int | None = 1024
@@ -967,6 +971,10 @@ class RewardConfig(_with_foreign("_RewardForeign", config_fields.REWARD)):
 
     FOREIGN_FIELDS: typing.ClassVar[tuple[Foreign, ...]] = config_fields.REWARD
 
+    # TRL: keep the activations saved for the backward pass in host memory between the forward
+    # and the backward (with `gradient_checkpointing`, each layer's saved input); the same
+    # numbers, less device memory, host transfers instead (`models.layers.remat_wrap`).
+    activation_offloading: bool = False
     learning_rate: float = 1e-4
     # TRL: pairs whose chosen or rejected sequence exceeds max_length are filtered out.
     max_length: int | None = 1024
@@ -1016,6 +1024,10 @@ class DPOConfig(_with_foreign("_DPOForeign", config_fields.DPO)):
 
     FOREIGN_FIELDS: typing.ClassVar[tuple[Foreign, ...]] = config_fields.DPO
 
+    # TRL: keep the activations saved for the backward pass in host memory between the forward
+    # and the backward (with `gradient_checkpointing`, each layer's saved input); the same
+    # numbers, less device memory, host transfers instead (`models.layers.remat_wrap`).
+    activation_offloading: bool = False
     learning_rate: float = 1e-6
     beta: float = 0.1
     loss_type: list[str] = field(default_factory=lambda: ["sigmoid"])

@@ -177,16 +177,6 @@ TRAINING_ARGUMENTS = (
     ),
 )
 
-# Fields every TRL trainer config (SFT, reward, DPO) adds with no JAX meaning.
-_TRL_COMMON = (
-    Foreign(
-        "activation_offloading",
-        bool,
-        False,
-        "host offload of activations is not "
-        "implemented; use `gradient_checkpointing`/`remat_policy`",
-    ),
-)
 _PADDING_FREE = Foreign(
     "padding_free",
     bool,
@@ -194,12 +184,10 @@ _PADDING_FREE = Foreign(
     "TRL 1.16's DPOTrainer does not run it either (it warns and sets it back to False); a "
     "step's rows are padded to one length, a `length_buckets` bucket",
 )
-SFT = (*_TRL_COMMON,)
-REWARD = (*_TRL_COMMON,)
-DPO = (
-    *_TRL_COMMON,
-    _PADDING_FREE,
-)
+# TRL's SFT and reward configs add no field without a JAX meaning; DPO's `padding_free` has none.
+SFT: tuple[Foreign, ...] = ()
+REWARD: tuple[Foreign, ...] = ()
+DPO = (_PADDING_FREE,)
 
 
 def dataclass_fields(fields: tuple[Foreign, ...]) -> list[tuple[str, Any, Any]]:

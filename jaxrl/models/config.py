@@ -172,6 +172,10 @@ class ModelConfig:
     residual_dtype: Any = jnp.float32
     scan_layers: bool = False
     remat_policy: str = "none"
+    # TRL's `activation_offloading`: what `remat_policy` saves for the backward pass (each
+    # layer's input included) lives in host memory (`pinned_host`) between the forward and the
+    # backward (`layers.remat_wrap`); the numbers do not change.
+    activation_offloading: bool = False
     # None: the best kernel for the backend (splash on TPU for padding/packing masks, cuDNN on
     # GPU where it applies, else "blockwise"); "blockwise", "xla" (reference, materialises
     # scores), "cudnn" (GPU, bf16/fp16) or "splash" (TPU; interpreted elsewhere) force one.
@@ -609,6 +613,7 @@ def config_from_hf(
     mesh: Any = None,
     rules: Any = None,
     vision: bool = False,
+    activation_offloading: bool = False,
 ) -> ModelConfig:
     """Our `ModelConfig` from a transformers config; clear error for unsupported families.
 
@@ -646,6 +651,7 @@ def config_from_hf(
         residual_dtype=jnp.dtype(residual_dtype or jnp.promote_types(param_dtype, dtype)),
         scan_layers=scan_layers,
         remat_policy=remat_policy,
+        activation_offloading=activation_offloading,
         attention_impl=attention_impl,
         mesh=mesh,
         rules=tuple(merge_rules(rules)),

@@ -192,6 +192,7 @@ def from_config(
     attention_impl: str | None = None,
     value_head_kwargs: dict[str, Any] | None = None,
     vision: bool = False,
+    activation_offloading: bool = False,
 ) -> Model:
     """Randomly initialised model (normal(0, initializer_range) weights, as HF), created sharded.
     The weights depend on `seed` only, not on `scan_layers`: an unrolled stack is the scanned one
@@ -211,6 +212,7 @@ def from_config(
         mesh=mesh,
         rules=rules,
         vision=vision,
+        activation_offloading=activation_offloading,
     )
 
     def create(config: ModelConfig = config) -> Model:
@@ -507,6 +509,7 @@ def from_pretrained(
     attention_impl: str | None = None,
     value_head_kwargs: dict[str, Any] | None = None,
     vision: bool = False,
+    activation_offloading: bool = False,
 ) -> Model:
     """Load an HF checkpoint directory (or Hub id) into a sharded jaxrl model.
 
@@ -552,6 +555,7 @@ def from_pretrained(
         mesh=mesh,
         rules=rules,
         vision=vision,
+        activation_offloading=activation_offloading,
     )
     # The released GPT-OSS checkpoints' MXFP4 expert weights are read dequantized.
     reader = mxfp4.dequantizing_reader(CheckpointReader(directory), hf_config, config.param_dtype)

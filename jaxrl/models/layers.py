@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 
 from jaxrl.core import loops
@@ -675,16 +676,56 @@ def constrain_batch(x: jax.Array, config: ModelConfig) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(config.mesh, spec))
 
 
-def remat_wrap(fn: Callable, policy: str) -> Callable:
-    """Apply `jax.checkpoint` for a `remat_policy` name ("none" returns `fn` unchanged)."""
-    if policy == "none":
+LAYER_INPUT = "layer_input"  # `checkpoint_name` of a rematerialised layer's input
+OFFLOAD = ("device", "pinned_host")  # activation offloading: from device memory to the host
+
+
+def _offloaded(save: Callable | None) -> Callable:
+    """The checkpoint policy that saves what `save` saves (None: nothing), and the layer's
+    input, but offloads all of it to host memory (`OFFLOAD`)."""
+    by_name = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=[LAYER_INPUT],
+        offload_src=OFFLOAD[0],
+        offload_dst=OFFLOAD[1],
+    )
+    # jax exports no constructor for the "offload this" policy value; its dot-offloading policy
+    # returns one for a plain matmul.
+    offload = jax.checkpoint_policies.offload_dot_with_no_batch_dims(*OFFLOAD)(
+        jax.lax.dot_general_p, dimension_numbers=(((1,), (0,)), ((), ()))
+    )
+
+    def policy(prim, *args, **params):
+        named = by_name(prim, *args, **params)
+        if isinstance(named, type(offload)):
+            return named
+        return offload if save is not None and save(prim, *args, **params) else False
+
+    return policy
+
+
+def remat_wrap(fn: Callable, policy: str, offload: bool = False) -> Callable:
+    """Apply `jax.checkpoint` for a `remat_policy` name ("none" returns `fn` unchanged).
+
+    `offload` (TRL's `activation_offloading`): the same recomputation, but what the policy saves
+    for the backward pass, and the layer's input (`fn`'s first argument, saved by any policy),
+    is kept in host memory from the forward to the backward; "none" then saves everything, as
+    without a checkpoint."""
+    if policy == "none" and not offload:
         return fn
     policies = {
+        "none": jax.checkpoint_policies.everything_saveable,
         "full": None,
         "dots_saveable": jax.checkpoint_policies.dots_saveable,
         "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     }
-    return jax.checkpoint(fn, policy=policies[policy])
+    if not offload:
+        return jax.checkpoint(fn, policy=policies[policy])
+
+    def named(h, *args):
+        return fn(checkpoint_name(h, LAYER_INPUT), *args)
+
+    return jax.checkpoint(named, policy=_offloaded(policies[policy]))
 
 
 def make_layers(
@@ -730,7 +771,7 @@ def apply_layers(
                     h = block(h, *ctx, merge_flags(static, scanned))
             return constrain_batch(h, config), (stats[0] if stats else None)
 
-        return remat_wrap(fn, config.remat_policy)
+        return remat_wrap(fn, config.remat_policy, config.activation_offloading)
 
     forward_key = model_dropout.active_key()
     h_BTD = constrain_batch(h_BTD, config)

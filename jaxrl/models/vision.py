@@ -154,7 +154,9 @@ class SiglipEncoder(nnx.Module):
             def run(h, state, graphdef=graphdef):
                 return constrain_batch(nnx.merge(graphdef, state)(h), self.config)
 
-            h_NPD = remat_wrap(run, self.config.remat_policy)(h_NPD, state)
+            h_NPD = remat_wrap(run, self.config.remat_policy, self.config.activation_offloading)(
+                h_NPD, state
+            )
         return h_NPD
 
 

@@ -200,6 +200,7 @@ class Trainer(TrainLoop):
             rules=self.rules,
             scan_layers=self.scan_layers,
             remat_policy=a.remat_policy or ("full" if a.gradient_checkpointing else "none"),
+            activation_offloading=getattr(a, "activation_offloading", False),
         )
         kw.update(self._model_load_kwargs())
         if isinstance(model, str):
@@ -210,6 +211,13 @@ class Trainer(TrainLoop):
             return models.from_config(model, seed=a.seed, task=task, **kw)
         if isinstance(model, nnx.Module):
             self._check_model(model)
+            offload = kw["activation_offloading"]
+            if offload != getattr(getattr(model, "config", None), "activation_offloading", offload):
+                raise ValueError(
+                    f"activation_offloading={offload} but the given model was built with "
+                    f"activation_offloading={not offload}; build it with the same setting "
+                    "(`from_pretrained(..., activation_offloading=...)`) or pass its path."
+                )
             # Place a user-built model's params on this trainer's mesh by the sharding rules.
             params = nnx.state(model)
             shardings = parallel.param_shardings(params, self.mesh, self.rules)
