@@ -291,6 +291,10 @@ class TrainingConfig(_ForeignTrainingFields):
     # the last one, whose return value is the metrics) instead of once on all predictions,
     # which evaluate() then does not keep.
     batch_eval_metrics: bool = False
+    # HF: False hands `compute_metrics` and `predict()` one array per eval batch (a list, each
+    # batch as wide as its own rows) instead of the batches concatenated (narrower ones padded
+    # with -100 to the widest).
+    eval_do_concat_batches: bool = True
     # HF moves the eval predictions gathered on the accelerator to the CPU every N batches (None:
     # at the end); the results never depend on it. jaxrl moves each batch's predictions to the
     # host as soon as it is evaluated, so nothing accumulates on the accelerator for any N.

@@ -112,7 +112,6 @@ TRAINING_ARGUMENTS = (
     Foreign("trackio_space_id", str | None, None, "trackio is not integrated"),
     Foreign("trackio_bucket_id", str | None, None, "trackio is not integrated"),
     Foreign("trackio_static_space_id", str | bool | None, None, "trackio is not integrated"),
-    Foreign("eval_do_concat_batches", bool, True, _EVAL),
     Foreign("eval_use_gather_object", bool, False, _EVAL),
     Foreign("save_on_each_node", bool, False, "orbax writes one checkpoint shared by all hosts"),
     Foreign(

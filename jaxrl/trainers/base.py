@@ -1005,7 +1005,8 @@ class Trainer(TrainLoop):
         want_inputs = "inputs" in a.include_for_metrics
         want_losses = "loss" in a.include_for_metrics
         groups = self._prediction_groups
-        preds, labels, inputs = (PredictionGatherer(groups) for _ in range(3))
+        concat = a.eval_do_concat_batches
+        preds, labels, inputs = (PredictionGatherer(groups, concat) for _ in range(3))
         example_losses: list[np.ndarray] = []
         bs = a.per_device_eval_batch_size * self.dp
         n_batches = -(-len(ds) // bs)
@@ -1072,7 +1073,9 @@ class Trainer(TrainLoop):
                 all_preds,
                 all_labels,
                 inputs=inputs.result() if want_inputs else None,
-                losses=np.concatenate(example_losses) if example_losses else None,
+                losses=(np.concatenate(example_losses) if concat else example_losses)
+                if example_losses
+                else None,
             )
             metrics.update(self.compute_metrics(pred))
         metrics = prefixed(metrics, prefix)

@@ -124,10 +124,13 @@ class PredictionGatherer:
     example in each (DPO: the chosen rows, then the rejected rows). `result()` concatenates
     each block over all batches, so the final rows are block 0 of every example, then block 1;
     batches of different widths are padded with -100 to the widest, as HF's `nested_concat`.
+    With `concat=False` (HF's `eval_do_concat_batches=False`) `result()` is instead the list of
+    the batches' own rows (`batch_rows`), one entry per batch.
     """
 
-    def __init__(self, groups: int = 1):
+    def __init__(self, groups: int = 1, concat: bool = True):
         self.groups = groups
+        self.concat = concat
         self.parts: list[Any] = []
 
     def _blocks(self, outputs: Any, keep_B: np.ndarray) -> Any:
@@ -139,7 +142,8 @@ class PredictionGatherer:
 
     def add(self, outputs: Any, keep_B: np.ndarray) -> None:
         """`outputs`: a pytree of host arrays (already gathered across processes)."""
-        self.parts.append(self._blocks(outputs, keep_B))
+        rows = self._blocks if self.concat else self.batch_rows
+        self.parts.append(rows(outputs, keep_B))
 
     def batch_rows(self, outputs: Any, keep_B: np.ndarray) -> Any:
         """One batch's rows as `result()` lays them out for a single batch (padding rows
@@ -149,6 +153,8 @@ class PredictionGatherer:
     def result(self) -> Any:
         if not self.parts:
             return None
+        if not self.concat:
+            return list(self.parts)
 
         def concat(*xs):
             shape = tuple(np.max([x.shape[2:] for x in xs], axis=0)) if xs[0].ndim > 2 else ()
