@@ -135,13 +135,13 @@ def clone_chat_template(
     *,
     seed: int = 0,
     rules: Any = None,
-) -> tuple[nnx.Module, Any, list[Any]]:
+) -> tuple[nnx.Module, Any, list[int]]:
     """TRL's `clone_chat_template`: give `tokenizer` the chat template of the tokenizer at
     `source_tokenizer_path` (a directory, or a hub id where the hub is reachable), add that
     tokenizer's added tokens missing from `tokenizer`, make its EOS the EOS (of the tokenizer and
     of the model's HF config), and resize the model's token tables to the new vocabulary rounded
     up to `resize_to_multiple_of`, filling the tokenizer with `<extra_id_N>` tokens up to that
-    size. Returns (model, tokenizer, the added tokens), both changed in place."""
+    size. Returns (model, tokenizer, the added tokens' ids), as TRL's; both changed in place."""
     from transformers import AddedToken, AutoTokenizer
 
     source = AutoTokenizer.from_pretrained(source_tokenizer_path)
@@ -173,4 +173,4 @@ def clone_chat_template(
             f"tokens but the model's embeddings have {size} rows (a source or target tokenizer "
             "whose vocabulary exceeds the resized table)."
         )
-    return model, tokenizer, added
+    return model, tokenizer, tokenizer.convert_tokens_to_ids([t.content for t in added])

@@ -185,6 +185,15 @@ def test_cloned_chat_template_matches_trl(untied_dir, source_tokenizer, tmp_path
     assert ours.train_dataset["input_ids"] == theirs.train_dataset["input_ids"]
     assert all(row[-1] == eos for row in ours.train_dataset["input_ids"])
     assert ours.model.config.vocab_size == 64 and ours.model.config.hf_config.eos_token_id == eos
+    # The function itself returns the added tokens' ids, as TRL's (its LoRA path trains them).
+    from jaxrl import clone_chat_template
+    from jaxrl.models import from_pretrained
+
+    _, _, hf_ids = trl.clone_chat_template(
+        AutoModelForCausalLM.from_pretrained(untied_dir), make_tok(), source_tokenizer
+    )
+    _, _, ids = clone_chat_template(from_pretrained(untied_dir), make_tok(), source_tokenizer)
+    assert ids == hf_ids and len(ids) == 64 - 17 and ids[:2] == [17, 18]
 
     # The resized tables before training: TRL's model after its clone, before its steps, is the
     # checkpoint resized by transformers with the same mean init.
