@@ -39,6 +39,8 @@ def _numpy(x):
         return {k: _numpy(v) for k, v in x.items()}
     if isinstance(x, tuple):
         return tuple(_numpy(v) for v in x)
+    if isinstance(x, list):  # eval_do_concat_batches=False: one entry per batch
+        return [_numpy(v) for v in x]
     return x.numpy() if hasattr(x, "numpy") else np.asarray(x)
 
 
@@ -219,63 +221,31 @@ def test_unconcatenated_batches_match_trl(tmp_path, tokenizer, hf_model_dir, sft
     """`eval_do_concat_batches=False`: compute_metrics gets one array per eval batch (each as
     wide as its own rows) for predictions, labels, inputs and losses, as TRL's SFTTrainer hands
     them; predict() returns the same lists."""
-    import trl
-
-    seen: dict[str, list] = {}
-
-    def record(side):
-        def compute_metrics(pred):
-            seen[side] = [
-                [np.asarray(getattr(x, "numpy", lambda x=x: x)()) for x in getattr(pred, k)]
-                for k in ("predictions", "label_ids", "inputs", "losses")
-            ]
-            return {"batches": len(pred.label_ids)}
-
-        return compute_metrics
-
     args = dict(eval_do_concat_batches=False, include_for_metrics=["inputs", "loss"])
-    theirs = trl.SFTTrainer(
-        model=hf_model_dir,
-        args=trl.SFTConfig(
-            output_dir=str(tmp_path / "trl"),
-            report_to="none",
-            use_cpu=True,
-            bf16=False,
-            per_device_eval_batch_size=BATCH,
-            **args,
-        ),
-        train_dataset=sft_rows,
-        eval_dataset=sft_rows,
-        compute_metrics=record("trl"),
-    ).evaluate()
-    trainer = SFTTrainer(
-        hf_model_dir,
-        args=SFTConfig(
-            **base_args(tmp_path / "ours", max_steps=1, per_device_eval_batch_size=BATCH, **args)
-        ),
-        eval_dataset=sft_rows,
-        processing_class=tokenizer,
-        compute_metrics=record("ours"),
+    (theirs,), _ = _trl_calls("sft", hf_model_dir, sft_rows, tmp_path / "trl", **args)
+    calls = []
+    trainer = _jaxrl_trainer(
+        "sft", hf_model_dir, tokenizer, sft_rows, tmp_path / "ours", calls, **args
     )
-    metrics = trainer.evaluate()
-    assert metrics["eval_batches"] == theirs["eval_batches"] == 3
-    for name, ours, want in zip(
-        ("predictions", "labels", "inputs", "losses"), seen["ours"], seen["trl"], strict=True
-    ):
-        assert len(ours) == len(want) == 3, name
-        for b, (o, w) in enumerate(zip(ours, want, strict=True)):
+    trainer.evaluate()
+    (ours,) = calls
+    rows = trainer.eval_dataset["input_ids"]
+    for name in ("predictions", "label_ids", "inputs", "losses"):
+        got, want = getattr(ours, name), getattr(theirs, name)
+        assert isinstance(got, list) and len(got) == len(want) == 3, name
+        for b, (o, w) in enumerate(zip(got, want, strict=True)):
             assert o.shape == w.shape, name
             if name != "predictions":
                 np.testing.assert_allclose(o, w, atol=1e-6, err_msg=name)
                 continue
             # Logits at each row's own tokens (a padding position's logits are arbitrary).
-            for i, ids in enumerate(trainer.eval_dataset["input_ids"][b * BATCH : (b + 1) * BATCH]):
+            for i, ids in enumerate(rows[b * BATCH : (b + 1) * BATCH]):
                 np.testing.assert_allclose(o[i, : len(ids)], w[i, : len(ids)], atol=1e-4)
     # Batches of different widths: not padded to a common one.
-    assert len({b.shape[1] for b in seen["ours"][1]}) > 1
+    assert len({b.shape[1] for b in ours.label_ids}) > 1
     out = trainer.predict(sft_rows)
     assert isinstance(out.predictions, list) and len(out.label_ids) == 3
-    for o, w in zip(out.label_ids, seen["ours"][1], strict=True):
+    for o, w in zip(out.label_ids, ours.label_ids, strict=True):
         np.testing.assert_array_equal(o, w)
 
 
