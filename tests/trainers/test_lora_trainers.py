@@ -18,6 +18,7 @@ from jaxrl.config import DPOConfig, RewardConfig, SFTConfig
 from jaxrl.core import quant
 from jaxrl.trainers import DPOTrainer, RewardTrainer, SFTTrainer
 from jaxrl.trainers.dpo import pair_logps
+from tests.model_calls import jit_call
 
 # init_lora_weights=False: B is random too, so the adapter changes the model from step 0.
 NONZERO = lora.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
@@ -94,7 +95,7 @@ def test_sft_lora_matches_merged_model_trains_only_adapters_and_exports(
 
     # PEFT export: PeftModel over the PyTorch base gives the trained model's logits.
     ids = np.asarray([[3, 5, 7, 9, 4, 6, 8, 10]], np.int32)
-    ours = np.asarray(trainer.current_model()(ids, np.ones_like(ids)), np.float32)
+    ours = np.asarray(jit_call(trainer.current_model(), ids, np.ones_like(ids)), np.float32)
     out = trainer.save_model(str(tmp_path / "adapter"))
     with open(os.path.join(out, lora.ADAPTER_CONFIG)) as f:
         assert f'"base_model_name_or_path": "{hf_model_dir}"' in f.read()
@@ -129,11 +130,17 @@ def test_dpo_lora_reference_is_the_base_without_adapter(
     mb = {k: v for k, v in trainer._to_device({k: v[None] for k, v in host.items()}).items()}
     mb = {k: v[0] for k, v in mb.items()}
     ref_c, ref_r = jax.jit(trainer._ref_pair_logps)(state, mb)
-    base = models.from_pretrained(hf_model_dir)
-    want = pair_logps(base, mb, trainer.args.logprob_chunk_size, with_stats=False)
+    chunk = trainer.args.logprob_chunk_size
+
+    @nnx.jit  # both models' log-probs in one program (eagerly, each operation compiled its own)
+    def base_and_policy(base, policy, mb):
+        return pair_logps(base, mb, chunk, with_stats=False), pair_logps(policy, mb, chunk, False)
+
+    want, policy = base_and_policy(
+        models.from_pretrained(hf_model_dir), trainer.current_model(), mb
+    )
     np.testing.assert_allclose(ref_c, want["chosen"], rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(ref_r, want["rejected"], rtol=1e-5, atol=1e-4)
-    policy = pair_logps(trainer.current_model(), mb, trainer.args.logprob_chunk_size, False)
     assert np.max(np.abs(np.asarray(policy["chosen"]) - np.asarray(want["chosen"]))) > 1e-2
     trainer.train()
     first = train_logs(trainer)[0]
