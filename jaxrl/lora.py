@@ -750,8 +750,8 @@ def _lora_init(
 
 
 def _place(value: jax.Array, axes: tuple, model_config: ModelConfig) -> jax.Array:
-    if model_config.mesh is None:
-        return value
+    if model_config.mesh is None:  # placed as the base params of a model loaded without a mesh
+        return jax.device_put(value, hf.unsharded_placement())
     spec = parallel.logical_to_spec(axes, model_config.rules, value.shape, model_config.mesh)
     return jax.device_put(value, NamedSharding(model_config.mesh, spec))
 

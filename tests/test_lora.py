@@ -61,10 +61,8 @@ def load_hf(path):
 
 
 def forward(model, ids, mask) -> np.ndarray:
-    """`model(ids, mask)` as one compiled program, without writing the state back:
-    `lora.load_peft_adapter` leaves the adapters on one device and `nnx.jit`'s write-back moved
-    them onto the model's mesh, so `jit_call`'s next call compiled the whole model again. (Where
-    a test's eager calls reuse operations earlier tests compiled, e.g. the quantized bases'
+    """`model(ids, mask)` as one compiled program, without writing the state back. (Where a
+    test's eager calls reuse operations earlier tests compiled, e.g. the quantized bases'
     dequantization, eager calls measured cheaper than compiling the whole model.)"""
     return np.asarray(merged_call(*nnx.split(model), ids, mask))
 
@@ -116,6 +114,9 @@ def test_peft_parity_load_export_merge(hf_dir, tmp_path, family, scan, options):
     model = from_pretrained(path, scan_layers=scan)
     base_logits = forward(model, ids, mask)
     lora.load_peft_adapter(model, tmp_path / "peft")
+    # The adapters are placed as the base params are (a model loaded without a mesh: one
+    # device): a jitted call's outputs then come back placed as its inputs, not recompiled.
+    assert len({v.sharding for v in jax.tree.leaves(nnx.state(model))}) == 1
     ours = forward(model, ids, mask)
     theirs = torch_logits(policy, ids, mask)
     assert masked_max_diff(ours, theirs, mask) < ATOL

@@ -152,10 +152,16 @@ def _num_labels(hf_config: Any, task: str, num_labels: int | None) -> int:
     return 1
 
 
+def unsharded_placement() -> NamedSharding:
+    """Where a model loaded without a mesh keeps its params (adapters added later too): the
+    first device, as a one-device mesh, so every param has the same kind of sharding and a
+    jitted call's outputs come back placed as its inputs were (no recompile on the next call)."""
+    return NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), PartitionSpec())
+
+
 def _shardings(abstract_state: Any, mesh: Mesh | None, rules: parallel.Rules | None) -> Any:
     if mesh is None:
-        mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-        replicated = NamedSharding(mesh, PartitionSpec())
+        replicated = unsharded_placement()
         return jax.tree.map(
             lambda _: replicated, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
         )
