@@ -213,9 +213,7 @@ def test_bema_callback_matches_reference_exports_and_survives_resume(
       step 1 (test_explicit_ref_model checks a different reference)."""
     from transformers import AutoModelForCausalLM
 
-    kw = dict(
-        max_steps=4, learning_rate=1e-2, save_strategy="steps", save_steps=2,
-    )  # fmt: skip
+    kw = dict(max_steps=4, learning_rate=1e-2, save_strategy="steps", save_steps=2)
     bema_kw = dict(update_freq=2, lag=1, update_after=0)
     record, bema = _Record(), BEMACallback(**bema_kw)
     trainer = DPOTrainer(
