@@ -128,22 +128,26 @@ def test_int8_reference_close_to_full_precision(
     np.testing.assert_allclose(q_logs[0]["loss"], full_logs[0]["loss"], atol=5e-3)
 
 
+def _check_precomputed(pre, pre_logs, live, out) -> None:
+    """A `precompute_ref_log_probs=True` run `pre` (its output dir `out`): no reference weights
+    held during training, one cache file, and the live-reference run's metrics."""
+    assert pre.train_state.ref_params is None  # no reference weights held during training
+    cache = os.listdir(out / "ref_logps_cache")
+    assert len(cache) == 1
+    assert len(live) == len(pre_logs)
+    for a, b in zip(live, pre_logs, strict=True):
+        for key in ("loss", "rewards/chosen", "rewards/margins"):
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("prefix_sharing", [False, True])
 def test_precomputed_reference_equals_live_reference(
-    tmp_path, tokenizer, hf_model_dir, pref_data, prefix_sharing, default_run
+    tmp_path, tokenizer, hf_model_dir, pref_data, default_run
 ):
-    if prefix_sharing:
-        _, live = dpo(
-            tmp_path / "live",
-            hf_model_dir,
-            tokenizer,
-            pref_data[0],
-            max_steps=2,
-            prefix_sharing=True,
-        )
-    else:  # the live two-row run (prefix_sharing=False is the default) is `default_run`'s
-        _, live = default_run
+    """The two-row layout against `default_run` (the live two-row run); the prefix-shared layout
+    is checked in test_prefix_sharing_same_metrics_as_two_rows against its live run there (one
+    trainer fewer than a live prefix-shared run of its own)."""
+    _, live = default_run
     pre, pre_logs = dpo(
         tmp_path / "pre",
         hf_model_dir,
@@ -151,36 +155,40 @@ def test_precomputed_reference_equals_live_reference(
         pref_data[0],
         max_steps=2,
         precompute_ref_log_probs=True,
-        prefix_sharing=prefix_sharing,
     )
-    assert pre.train_state.ref_params is None  # no reference weights held during training
-    cache = os.listdir(tmp_path / "pre" / "ref_logps_cache")
-    assert len(cache) == 1
-    for a, b in zip(live, pre_logs, strict=True):
-        for key in ("loss", "rewards/chosen", "rewards/margins"):
-            np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6)
+    _check_precomputed(pre, pre_logs, live, tmp_path / "pre")
+
+
+class _Record(BEMACallback.__mro__[1]):  # TrainerCallback
+    """Host copies of the policy params at the start of training and after every step."""
+
+    def __init__(self):
+        self.initial, self.seen = None, []
+
+    def on_train_begin(self, args, state, control, trainer=None, **kw):
+        self.initial = jax.device_get(trainer.train_state.params)
+
+    def on_step_end(self, args, state, control, trainer=None, **kw):
+        self.seen.append(jax.device_get(trainer.train_state.params))
 
 
 @pytest.mark.slow
 def test_sync_ref_model_soft_update(tmp_path, tokenizer, hf_model_dir, pref_data):
     alpha = 0.6
+    record = _Record()  # policy_0: the params at the start of training (no second trainer)
     trainer, _ = dpo(
         tmp_path,
         hf_model_dir,
         tokenizer,
         pref_data[0],
+        callbacks=[record],
         max_steps=2,
         sync_ref_model=True,
         ref_model_sync_steps=2,
         ref_model_mixup_alpha=alpha,
     )
     # After 2 steps with sync at step 2: ref = alpha * policy_2 + (1 - alpha) * policy_0.
-    init = DPOTrainer(
-        hf_model_dir, args=DPOConfig(**base_args(tmp_path / "init")), processing_class=tokenizer
-    ).model
-    from flax import nnx
-
-    p0 = jax.tree.leaves(nnx.state(init))
+    p0 = jax.tree.leaves(record.initial)
     ref = jax.tree.leaves(trainer.train_state.ref_params)
     pol = jax.tree.leaves(trainer.train_state.params)
     for r, p, i in zip(ref, pol, p0, strict=True):
@@ -190,57 +198,62 @@ def test_sync_ref_model_soft_update(tmp_path, tokenizer, hf_model_dir, pref_data
 
 
 @pytest.mark.slow
-def test_multi_loss_with_weights(tmp_path, tokenizer, hf_model_dir, pref_data):
-    def first_loss(weights):
-        _, logs = dpo(
-            tmp_path / str(weights),
-            hf_model_dir,
-            tokenizer,
-            pref_data[0],
-            max_steps=1,
-            loss_type=["sigmoid", "sft"],
-            loss_weights=weights,
-        )
-        return logs[0]["loss"]
+def test_bema_callback_matches_reference_exports_and_survives_resume(
+    tmp_path, tokenizer, hf_model_dir, pref_data
+):
+    """One 4-step run (one trainer fewer for each of three checks that each ran their own):
 
-    # Step 1 (policy == reference): loss = w_sigmoid * log 2 + w_sft * sft, linear in each weight.
-    a, b = first_loss([0.5, 1.0]), first_loss([1.0, 3.0])
-    sft = a - 0.5 * math.log(2)
-    assert sft > 0.1
-    np.testing.assert_allclose(b, math.log(2) + 3.0 * sft, rtol=1e-5)
-
-
-@pytest.mark.slow
-def test_bema_callback_matches_reference_and_exports(tmp_path, tokenizer, hf_model_dir, pref_data):
-    from flax import nnx
+    - BEMA: the callback's buffers equal `averaging`'s reference applied to the params recorded
+      after every step (from the params at the start of training), and the exported BEMA
+      weights load in transformers;
+    - resume: a run killed after step 2 leaves what the uninterrupted run saved then (its
+      step-2 checkpoint, BEMA buffers included): resumed from it, steps 3-4 rebuild the
+      uninterrupted run's buffers exactly;
+    - explicit reference: the policy's own directory passed as `ref_model` gives zero rewards at
+      step 1 (test_explicit_ref_model checks a different reference)."""
     from transformers import AutoModelForCausalLM
 
-    seen = []
-
-    class Record(BEMACallback.__mro__[1]):  # TrainerCallback
-        def on_step_end(self, args, state, control, trainer=None, **kw):
-            seen.append(jax.device_get(trainer.train_state.params))
-
-    bema = BEMACallback(update_freq=2, lag=1, update_after=0)
-    trainer, _ = dpo(
-        tmp_path,
+    kw = dict(max_steps=4, learning_rate=1e-2, save_strategy="steps", save_steps=2)
+    bema_kw = dict(update_freq=2, lag=1, update_after=0)
+    record, bema = _Record(), BEMACallback(**bema_kw)
+    trainer = DPOTrainer(
         hf_model_dir,
-        tokenizer,
-        pref_data[0],
-        max_steps=4,
-        learning_rate=1e-2,
-        callbacks=[Record(), bema],
+        ref_model=hf_model_dir,
+        args=DPOConfig(**base_args(tmp_path / "full", **kw)),
+        train_dataset=pref_data[0],
+        processing_class=tokenizer,
+        callbacks=[record, bema],
     )
-    init = DPOTrainer(
-        hf_model_dir, args=DPOConfig(**base_args(tmp_path / "init")), processing_class=tokenizer
-    ).model
-    state = averaging.bema_init(jax.device_get(nnx.state(init)))
-    for step, params in enumerate(seen, start=1):
-        state = averaging.bema_update(state, params, step, update_freq=2, lag=1)
+    trainer.train()
+    assert train_logs(trainer)[0]["rewards/chosen"] == pytest.approx(0.0, abs=1e-5)
+
+    # One compiled update for the four steps (eagerly, every op compiled a program of its own).
+    update = jax.jit(averaging.bema_update, static_argnames=("update_freq", "lag"))
+    state = jax.jit(averaging.bema_init)(record.initial)
+    for step, params in enumerate(record.seen, start=1):
+        state = update(state, params, np.int32(step), update_freq=2, lag=1)
     chex.assert_trees_all_close(bema.buffers.bema, state.bema, rtol=1e-6, atol=1e-7)
     # Exported BEMA weights load in transformers.
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "bema")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "bema")
     assert model.config.vocab_size == 16
+
+    resumed = BEMACallback(**bema_kw)
+    trainer = DPOTrainer(
+        hf_model_dir,
+        ref_model=hf_model_dir,
+        args=DPOConfig(
+            **base_args(
+                tmp_path / "resumed",
+                resume_from_checkpoint=str(tmp_path / "full" / "checkpoints" / "checkpoint-2"),
+                **kw,
+            )
+        ),
+        train_dataset=pref_data[0],
+        processing_class=tokenizer,
+        callbacks=[resumed],
+    )
+    trainer.train()
+    chex.assert_trees_all_equal(resumed.buffers, bema.buffers, strict=True)
 
 
 def test_dataset_missing_columns_is_a_clear_error(tmp_path, tokenizer, hf_model_dir):
@@ -257,7 +270,8 @@ def test_dataset_missing_columns_is_a_clear_error(tmp_path, tokenizer, hf_model_
 @pytest.mark.slow
 def test_explicit_ref_model(tmp_path, tokenizer, hf_model_dir, pref_data):
     """An explicit reference different from the policy gives nonzero step-1 rewards, equal to
-    beta * (policy - ref) log-probs; the same directory as reference gives zero."""
+    beta * (policy - ref) log-probs. (The same directory as reference gives zero: checked on
+    the BEMA run of test_bema_callback_matches_reference_exports_and_survives_resume.)"""
     import torch
     from transformers import Qwen2ForCausalLM
 
@@ -274,41 +288,6 @@ def test_explicit_ref_model(tmp_path, tokenizer, hf_model_dir, pref_data):
     trainer.train()
     first = train_logs(trainer)[0]
     assert abs(first["rewards/chosen"]) > 1e-3
-    same = DPOTrainer(
-        hf_model_dir,
-        ref_model=hf_model_dir,
-        args=DPOConfig(**base_args(tmp_path / "b", max_steps=1)),
-        train_dataset=pref_data[0],
-        processing_class=tokenizer,
-    )
-    same.train()
-    assert train_logs(same)[0]["rewards/chosen"] == pytest.approx(0.0, abs=1e-5)
-
-
-@pytest.mark.slow
-def test_bema_buffers_survive_resume(tmp_path, tokenizer, hf_model_dir, pref_data):
-    """A run killed after step 2 leaves what the uninterrupted run saved then (its step-2
-    checkpoint, BEMA buffers included): resumed from it, steps 3-4 rebuild the uninterrupted
-    run's buffers exactly."""
-    kw = dict(max_steps=4, learning_rate=1e-2, save_strategy="steps", save_steps=2)
-    full = BEMACallback(update_freq=1, lag=1)
-    dpo(tmp_path / "full", hf_model_dir, tokenizer, pref_data[0], callbacks=[full], **kw)
-    resumed = BEMACallback(update_freq=1, lag=1)
-    trainer = DPOTrainer(
-        hf_model_dir,
-        args=DPOConfig(
-            **base_args(
-                tmp_path / "resumed",
-                resume_from_checkpoint=str(tmp_path / "full" / "checkpoints" / "checkpoint-2"),
-                **kw,
-            )
-        ),
-        train_dataset=pref_data[0],
-        processing_class=tokenizer,
-        callbacks=[resumed],
-    )
-    trainer.train()
-    chex.assert_trees_all_equal(resumed.buffers, full.buffers, strict=True)
 
 
 @pytest.mark.slow
@@ -347,9 +326,16 @@ def test_same_metrics_with_accumulation_and_on_a_2x2x2_mesh(
 def test_prefix_sharing_same_metrics_as_two_rows(tmp_path, tokenizer, hf_model_dir, pref_data):
     """One prefix-shared row per pair gives the two-row layout's train and eval metrics and
     compute_metrics predictions, also on a 2x2x2 mesh; rows are shorter. (RPO's `sft` term is
-    a batch token mean, so it is compared without gradient accumulation.)"""
+    a batch token mean, so it is compared without gradient accumulation.)
+
+    The same runs serve two more checks (one trainer fewer than runs of their own for each):
+    a precomputed reference gives the live prefix-shared run's metrics (the two-row layout:
+    test_precomputed_reference_equals_live_reference), and the multi-loss weights: at step 1
+    (policy == reference) loss = w_sigmoid * log 2 + w_sft * sft, linear in each weight, read
+    off the two-row run's weights [0.5, 1] and a one-step run with [1, 3]."""
     from jaxrl.train import argmax_logits, chosen_task_compute_metrics
 
+    loss = dict(loss_type=["sigmoid", "sft"], loss_weights=[0.5, 1.0])
     runs = {}
     for name, extra in {
         "rows": {},
@@ -363,9 +349,7 @@ def test_prefix_sharing_same_metrics_as_two_rows(tmp_path, tokenizer, hf_model_d
             mesh_tensor=2,
         ),
     }.items():
-        args = DPOConfig(
-            **base_args(tmp_path / name, max_steps=2, loss_type=["sigmoid", "sft"], **extra)
-        )
+        args = DPOConfig(**base_args(tmp_path / name, max_steps=2, **loss, **extra))
         trainer = DPOTrainer(
             hf_model_dir,
             args=args,
@@ -397,6 +381,24 @@ def test_prefix_sharing_same_metrics_as_two_rows(tmp_path, tokenizer, hf_model_d
             if key.endswith(("_runtime", "_per_second")):  # HF's timings
                 continue
             np.testing.assert_allclose(evals[key], want, rtol=5e-5, atol=1e-6, err_msg=key)
+
+    # A precomputed reference (prefix-shared rows) equals the live one.
+    out = tmp_path / "shared_pre"
+    pre, pre_logs = dpo(
+        out, hf_model_dir, tokenizer, pref_data[0], max_steps=2, prefix_sharing=True,
+        precompute_ref_log_probs=True, **loss,
+    )  # fmt: skip
+    _check_precomputed(pre, pre_logs, runs["shared"][1], out)
+
+    # The loss weights: a = 0.5 * log 2 + sft (the two-row run), b = log 2 + 3 * sft.
+    a = rows_logs[0]["loss"]
+    _, logs = dpo(
+        tmp_path / "weights", hf_model_dir, tokenizer, pref_data[0], max_steps=1,
+        loss_type=["sigmoid", "sft"], loss_weights=[1.0, 3.0],
+    )  # fmt: skip
+    sft = a - 0.5 * math.log(2)
+    assert sft > 0.1
+    np.testing.assert_allclose(logs[0]["loss"], math.log(2) + 3.0 * sft, rtol=1e-5)
 
 
 def test_prefix_sharing_rejects_sliding_window_models(tmp_path, tokenizer):
@@ -483,6 +485,11 @@ def test_mixed_precision_reference_keeps_matmul_weights_in_bf16(
         assert dtype == (np.float32 if kept else jax.numpy.bfloat16), name
     policy = jax.tree.leaves(trainer.train_state.params)
     assert {x.dtype for x in policy} == {np.dtype(np.float32)}
+    # A sync callback added once the step is compiled is refused with the fix while the
+    # reference holds bf16 weights (from test_synced_reference_stays_in_the_params_dtype: this
+    # compiled bf16 trainer saves it one of its own).
+    with pytest.raises(ValueError, match="Pass it in `callbacks=`"):
+        trainer.add_callback(SyncRefModelCallback())
 
     monkeypatch.setattr(DPOTrainer, "_frozen_copy", lambda self, p: jax.tree.map(jax.numpy.copy, p))
     f32_ref, f32_logs = dpo(tmp_path / "b", hf_model_dir, tokenizer, pref_data[0], **kw)
@@ -515,9 +522,7 @@ def test_synced_reference_stays_in_the_params_dtype(tmp_path, tokenizer, hf_mode
         trainer._ensure_state()  # e.g. an evaluate() before train()
         return trainer
 
-    bf16 = late(tmp_path / "b")
-    with pytest.raises(ValueError, match="Pass it in `callbacks=`"):
-        bf16.add_callback(SyncRefModelCallback())
+    # (The refusal of a bf16 reference: test_mixed_precision_reference_keeps_matmul_weights_in_bf16.)
     f32 = late(tmp_path / "c", bf16=False, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)
     ref0 = [np.asarray(x) for x in jax.tree.leaves(f32.train_state.ref_params)]
     f32.add_callback(SyncRefModelCallback())

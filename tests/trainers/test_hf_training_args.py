@@ -288,20 +288,25 @@ def test_neftune_never_noises_the_dpo_reference(tmp_path, tokenizer, pref_data):
     assert first[0] == 15  # the longest first
     assert runs[False]["num_input_tokens_seen"] == runs[True]["num_input_tokens_seen"] == want
 
+    # Reward training: the first step's noised loss is not the clean loss at the same params
+    # and rows. The clean loss is an evaluation before training (never noised, see
+    # test_neftune_and_data_seed) on the step's 8 rows (one batch of all of them, so the same
+    # mean in any order): one reward trainer fewer than a clean run of its own.
     data = pref_data[0].select(range(8))
-    losses = []
-    for alpha in (None, 5.0):
-        reward = RewardTrainer(
-            tiny_config(),
-            args=RewardConfig(
-                **base_args(tmp_path / f"rm{alpha}", max_steps=1, neftune_noise_alpha=alpha)
-            ),
-            train_dataset=data,
-            processing_class=tokenizer,
-        )
-        reward.train()
-        losses.append(train_logs(reward)[0]["loss"])
-    assert losses[0] != pytest.approx(losses[1], rel=1e-5)
+    reward = RewardTrainer(
+        tiny_config(),
+        args=RewardConfig(
+            **base_args(
+                tmp_path / "rm", max_steps=1, neftune_noise_alpha=5.0, per_device_eval_batch_size=8
+            )
+        ),
+        train_dataset=data,
+        eval_dataset=data,
+        processing_class=tokenizer,
+    )
+    clean = reward.evaluate()["eval_loss"]
+    reward.train()
+    assert train_logs(reward)[0]["loss"] != pytest.approx(clean, rel=1e-5)
 
 
 def test_neftune_is_rejected_where_not_implemented():

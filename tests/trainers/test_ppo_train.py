@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
-from trainer_utils import tiny_config
+from trainer_utils import killed_after_checkpoint, tiny_config
 from transformers import AutoModelForCausalLM
 
 from jaxrl.callbacks.base import TrainerCallback
@@ -168,8 +168,14 @@ def _step_logs(path) -> dict[int, dict]:
 
 @pytest.mark.slow  # end to end: full training runs
 def test_train_callable_reward_and_exact_resume(hf_model_dir, tmp_path):
+    """A 5-step run killed after step 4 (checkpoints at steps 2 and 4): the stop is honoured
+    (metrics.jsonl ends at step 4), TrainOutput and the logs are those of 4 steps; resumed from
+    its step-2 checkpoint (what a run killed right after saving it leaves, copied instead of
+    run: one trainer fewer), the same killed run's steps 3-4 are exactly the uninterrupted
+    run's."""
     full = tmp_path / "full"
-    trainer = _train(hf_model_dir, full, max_steps=4)
+    save = dict(max_steps=5, save_strategy="steps", save_steps=2)
+    trainer = _train(hf_model_dir, full, callbacks=[_KillAfter(4)], **save)
     logs = _step_logs(full)
     assert sorted(logs) == [1, 2, 3, 4]
     # TrainOutput.training_loss: the mean of PPO's per-step total loss (HF's training loss).
@@ -187,11 +193,10 @@ def test_train_callable_reward_and_exact_resume(hf_model_dir, tmp_path):
 
     # Killed after step 2 (checkpoint at 2), then resumed to step 4.
     part = tmp_path / "part"
-    save = dict(max_steps=4, save_strategy="steps", save_steps=2)
-    _train(hf_model_dir, part, callbacks=[_KillAfter(2)], **save)
-    assert sorted(_step_logs(part)) == [1, 2]
-    _train(hf_model_dir, part, resume=True, **save)
+    killed_after_checkpoint(full, 2, part)
+    _train(hf_model_dir, part, resume=True, callbacks=[_KillAfter(4)], **save)
     resumed = _step_logs(part)
+    assert sorted(resumed) == [3, 4]
     for step in (3, 4):
         assert resumed[step] == logs[step]
     assert logs[3] != logs[4]  # the stats move from step to step

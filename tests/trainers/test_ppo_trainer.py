@@ -197,12 +197,19 @@ def test_public_api_input_checks_and_dataloader(gpt2_dir):
     )
     assert ref_values is None and ref_logits.shape == (*logps.shape, 64)
     scores = np.asarray(g["scores"][0], np.float32)
-    rewards, non_score = trainer.compute_rewards(scores, logps, ref_logps, masks)
+    # compute_rewards and loss run eagerly, one compiled program per operation: under jit they
+    # compile once (the same methods, the same values up to float rounding).
+    rewards, non_score = jax.jit(trainer.compute_rewards)(scores, logps, ref_logps, masks)
+    non_score_np, masks_np = np.asarray(non_score), np.asarray(masks)
     np.testing.assert_allclose(
-        float((non_score * masks).sum() / masks.sum()), want["ppo/mean_non_score_reward"], atol=1e-6
+        float((non_score_np * masks_np).sum() / masks_np.sum()),
+        want["ppo/mean_non_score_reward"],
+        atol=1e-6,
     )
     values, adv, returns = trainer.compute_advantages(values, rewards, masks)
-    pg, vf, stats = trainer.loss(logps, values, ref_logits, values, logps, masks, adv, returns)
+    pg, vf, stats = jax.jit(trainer.loss)(
+        logps, values, ref_logits, values, logps, masks, adv, returns
+    )
     assert float(stats["policy/approxkl"]) == 0.0 and float(stats["val/clipfrac"]) == 0.0
     np.testing.assert_allclose(float(vf), 0.1 * float(stats["loss/value"]), rtol=1e-6)
     np.testing.assert_allclose(stats["returns/mean"], want["ppo/returns/mean"], rtol=1e-4)

@@ -167,7 +167,13 @@ def test_nan_stops_with_clear_error_and_no_bad_checkpoint(tmp_path, tokenizer, s
             assert np.isfinite(np.asarray(x)).all(), step
 
 
-def test_user_optimizer_pair(tmp_path, tokenizer, sft_data):
+def test_user_optimizer_pair_and_bema_callback(tmp_path, tokenizer, sft_data):
+    """A user (optimizer, schedule) pair sets each step's learning rate; the BEMA callback works
+    with SFT and exports a loadable model. (Two checks on one 2-step run: one trainer fewer.)"""
+    from transformers import AutoModelForCausalLM
+
+    from jaxrl import BEMACallback
+
     schedule = optax.constant_schedule(1e-2)
     trainer = SFTTrainer(
         tiny_config(),
@@ -175,17 +181,26 @@ def test_user_optimizer_pair(tmp_path, tokenizer, sft_data):
         train_dataset=sft_data[0],
         processing_class=tokenizer,
         optimizers=(optax.sgd(schedule), schedule),
+        callbacks=[BEMACallback(update_freq=1, lag=1)],
     )
     trainer.train()
     logs = train_logs(trainer)
     assert logs[-1]["learning_rate"] == pytest.approx(1e-2)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "bema")
+    assert exported.config.num_hidden_layers == 2
 
 
 @pytest.mark.slow
-def test_builtin_optimizers_train(tmp_path, tokenizer, sft_data):
+def test_builtin_optimizers_train(tmp_path, tokenizer, sft_data, full_run):
+    # adamw_torch (the default optim) is `full_run`'s: 4 steps at 1e-3 (one trainer fewer).
+    assert full_run[0].args.optim == "adamw_torch" and full_run[0].args.learning_rate == 1e-3
     last_losses = {}
-    for optim, lr in (("adamw_torch", 3e-3), ("sgd", 0.3), ("adafactor", 3e-3), ("lion", 2e-3)):
-        _, logs = run(tmp_path / optim, tokenizer, sft_data[0], optim=optim, max_steps=4, learning_rate=lr)  # fmt: skip
+    for optim, lr in (("adamw_torch", None), ("sgd", 0.3), ("adafactor", 3e-3), ("lion", 2e-3)):
+        if lr is None:
+            logs = full_run[1]
+        else:
+            _, logs = run(tmp_path / optim, tokenizer, sft_data[0], optim=optim, max_steps=4, learning_rate=lr)  # fmt: skip
+        assert len(logs) == 4
         assert logs[-1]["loss"] < logs[0]["loss"], optim  # each one actually trains
         last_losses[optim] = logs[-1]["loss"]
     # Same init and batches, different updates: the option is not ignored. (Not the second step's
@@ -197,7 +212,7 @@ def test_builtin_optimizers_train(tmp_path, tokenizer, sft_data):
 
 
 @pytest.mark.slow
-def test_packing_bfd_trains(tmp_path, tokenizer, sft_data):
+def test_packing_bfd_trains(tmp_path, tokenizer, sft_data, full_run):
     _, logs = run(
         tmp_path,
         tokenizer,
@@ -208,7 +223,8 @@ def test_packing_bfd_trains(tmp_path, tokenizer, sft_data):
         per_device_train_batch_size=2,
     )
     # Packed rows hold several documents: 2 rows carry more tokens than 2 of the longest examples.
-    longest = max(len(ids) for ids in make(tmp_path / "u", tokenizer, sft_data[0]).train_dataset["input_ids"])  # fmt: skip
+    # (The unpacked rows: `full_run`'s, the same data with the defaults; no trainer of its own.)
+    longest = max(len(ids) for ids in full_run[0].train_dataset["input_ids"])
     assert logs[0]["num_tokens"] > 2 * longest
 
 
@@ -219,6 +235,8 @@ def test_bf16_compute_over_f32_params(tmp_path, tokenizer, sft_data):
     assert abs(logs[0]["loss"] - GOLDEN_LOSS) < 0.05  # same model, lower-precision compute
     dtypes = {x.dtype for x in jax.tree.leaves(trainer.train_state.params)}
     assert dtypes == {np.dtype("float32")}  # master params stay f32
+    # bf16=True keeps torch autocast's f32 residual stream (see test_residual_dtype).
+    assert trainer.model.config.residual_dtype == jnp.float32
 
 
 @pytest.mark.parametrize(("backend", "scanned"), [("cpu", True), ("gpu", False)])
@@ -238,8 +256,7 @@ def test_scan_layers_default_follows_the_backend(
 def test_residual_dtype(tmp_path, tokenizer, sft_data):
     """bf16=True keeps torch autocast's f32 residual stream; residual_dtype="bfloat16" asks for
     bf16 activations throughout (a different loss, same model)."""
-    autocast = make(tmp_path / "a", tokenizer, sft_data[0], bf16=True)
-    assert autocast.model.config.residual_dtype == jnp.float32
+    # (bf16=True's f32 residual stream is checked on test_bf16_compute_over_f32_params' run.)
     all_bf16 = make(tmp_path / "b", tokenizer, sft_data[0], bf16=True, residual_dtype="bfloat16")
     assert all_bf16.model.config.residual_dtype == jnp.bfloat16
     with pytest.raises(ConfigError, match="residual_dtype"):
@@ -251,28 +268,14 @@ def test_fp16_on_cpu_is_a_clear_error(tmp_path, tokenizer, sft_data):
         make(tmp_path, tokenizer, sft_data[0], fp16=True, bf16=False)
 
 
-def test_bema_callback_works_with_sft(tmp_path, tokenizer, sft_data):
-    from transformers import AutoModelForCausalLM
-
-    from jaxrl import BEMACallback
-
-    trainer = SFTTrainer(
-        tiny_config(),
-        args=SFTConfig(**base_args(tmp_path, max_steps=2)),
-        train_dataset=sft_data[0],
-        processing_class=tokenizer,
-        callbacks=[BEMACallback(update_freq=1, lag=1)],
-    )
-    trainer.train()
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "bema")
-    assert exported.config.num_hidden_layers == 2
-
-
 def test_completion_only_loss_runs_the_head_on_completions(tmp_path, tokenizer, sft_data):
     """Prompt-completion rows score only their completion: `score_span` (the widest trained
     stretch of the data, rounded up to 8) is shorter than a row, and `lm_forward` restricted to
     it gives the full head's log-probs and statistics at every scored position (0 elsewhere); a
-    batch wider than the span is refused on the host."""
+    batch wider than the span is refused on the host. Then, on the same trainer: evaluating
+    on wider completions widens the span."""
+    import datasets
+
     from jaxrl.data import collate_sft
     from jaxrl.trainers.sft import lm_forward, trained_width
 
@@ -293,18 +296,15 @@ def test_completion_only_loss_runs_the_head_on_completions(tmp_path, tokenizer, 
         assert not np.any(np.asarray(a)[prompt])  # the prompt's positions were not computed
     assert trained_width([[0, 1, 1, 0], [1, 0, 0, 1, 0], [0, 0]]) == 4
 
+    span = trainer.score_span
     trainer.score_span = width - 1
     with pytest.raises(ValueError, match="score_span"):
         trainer._collate(examples)
+    trainer.score_span = span
 
-
-def test_evaluate_on_wider_completions_widens_the_span(tmp_path, tokenizer, sft_data):
-    """`evaluate(eval_dataset=...)` with completions wider than the training data's span
-    compiles the steps again with a wider one instead of refusing the batch; the loss equals
-    the one with the whole-row head."""
-    import datasets
-
-    trainer = make(tmp_path, tokenizer, sft_data[0])
+    # `evaluate(eval_dataset=...)` with completions wider than the training data's span compiles
+    # the steps again with a wider one instead of refusing the batch; the loss equals the one
+    # with the whole-row head. (Formerly a test of its own on another such trainer.)
     assert trainer.score_span == 8
     wide = datasets.Dataset.from_list([{"prompt": "9", "completion": "12345678"}] * 8)
     got = trainer.evaluate(eval_dataset=wide)["eval_loss"]
@@ -323,8 +323,12 @@ def test_max_length_none_truncates_nothing(tmp_path, tokenizer):
     import datasets
 
     long_text = "12+34=46" * 140  # 1120 characters: a 1121-token row with the EOS
-    data = datasets.Dataset.from_dict({"text": [long_text] + ["1+2=3"] * 7})
-    trainer = make(tmp_path, tokenizer, data, max_length=None, max_steps=1)
+    # Two rows, one step of both: the 1121-long rows cost in every op, and the check needs only
+    # that the long one trains (8 rows ran 4x the work for the same assertion).
+    data = datasets.Dataset.from_dict({"text": [long_text, "1+2=3"]})
+    trainer = make(
+        tmp_path, tokenizer, data, max_length=None, max_steps=1, per_device_train_batch_size=2
+    )
     assert max(len(ids) for ids in trainer.train_dataset["input_ids"]) == len(long_text) + 1
     assert trainer.seq_len == len(long_text) + 1
     trainer.train()
