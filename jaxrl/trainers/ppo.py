@@ -37,6 +37,7 @@ NumPy generator of the minibatch permutations) and saves on SIGTERM.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 import warnings
@@ -883,27 +884,7 @@ class PPOTrainer(TrainLoop):
         rmasks = None if response_masks is None else [np.asarray(m) for m in response_masks]
         masks = jnp.asarray(self._response_mask(queries, responses, np.asarray(attn), rmasks))
         graphdef, state = nnx.split(model)
-
-        @jax.jit
-        def run(state, ids, attn):
-            m = nnx.merge(graphdef, state)
-            if isinstance(m, CausalLMWithValueHead):
-                logps, values, _ = m.token_logprobs_and_values(ids, attn)
-                lm = m.pretrained_model
-            else:
-                h = m.hidden_states(ids, attn)
-                logps = token_logprobs(
-                    h[:, :-1], m.unembed_weight(), ids[:, 1:],
-                    logit_softcap=m.config.final_logit_softcap,
-                )  # fmt: skip
-                values, lm = None, m
-            logits = None
-            if return_logits:
-                h = lm.hidden_states(ids, attn)[:, :-1]
-                logits = unembed_logits(h, lm.unembed_weight(), lm.config.final_logit_softcap)
-            return logps, logits, values
-
-        logps, logits, values = run(state, ids, attn)
+        logps, logits, values = _batched_forward(graphdef, state, ids, attn, return_logits)
         return logps, logits, values, masks
 
     def log_stats(
@@ -1302,3 +1283,24 @@ def _to_scalar(v: Any) -> Any:
     if isinstance(v, np.ndarray | jax.Array) and (v.ndim == 0 or (v.ndim == 1 and v.shape[0] == 1)):
         return float(np.asarray(v).reshape(()))
     return v
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _batched_forward(graphdef, state, ids, attn, return_logits: bool):
+    """`batched_forward_pass`'s forward: one program per model structure, shapes and
+    `return_logits` (a closure built per call compiled again on every call)."""
+    m = nnx.merge(graphdef, state)
+    if isinstance(m, CausalLMWithValueHead):
+        logps, values, _ = m.token_logprobs_and_values(ids, attn)
+        lm = m.pretrained_model
+    else:
+        h = m.hidden_states(ids, attn)
+        logps = token_logprobs(
+            h[:, :-1], m.unembed_weight(), ids[:, 1:], logit_softcap=m.config.final_logit_softcap
+        )
+        values, lm = None, m
+    logits = None
+    if return_logits:
+        h = lm.hidden_states(ids, attn)[:, :-1]
+        logits = unembed_logits(h, lm.unembed_weight(), lm.config.final_logit_softcap)
+    return logps, logits, values
