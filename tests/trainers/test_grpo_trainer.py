@@ -5,6 +5,8 @@ sync_ref_model), conversational prompts and reward models."""
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import numpy as np
@@ -57,19 +59,19 @@ def test_one_step_equals_pure_loss_on_the_rollout_and_syncs_the_reference(
     (call,) = reward.calls
     assert len(call["prompts"]) == 8 and call["prompts"][0] == call["prompts"][3]
     rewards = np.array([[np.nan if r is None else r] for r in reward(**_call_args(call))])
-    adv, _ = grpo_advantages(rewards, np.ones(1, np.float32), num_generations=4)
+    # Jitted, as the losses below: called eagerly, each of their operations compiled a program.
+    advantages = jax.jit(functools.partial(grpo_advantages, num_generations=4))
+    adv, _ = advantages(rewards, np.ones(1, np.float32))
     np.testing.assert_allclose(np.sort(rollout["advantages"]), np.sort(np.asarray(adv)), atol=1e-6)
     np.testing.assert_allclose(log["reward"], np.nanmean(rewards), rtol=1e-6)
     logps = recompute_logps(hf_model_dir, rollout)
     # Step 1: the reference is the initial policy, so the ref log-probs equal the forward.
     np.testing.assert_allclose(rollout["ref_logps"], logps, atol=2e-5)
-    loss_sum, aux = grpo_loss(
+    loss_sum, aux = jax.jit(functools.partial(grpo_loss, beta=0.04, loss_type="dapo"))(
         logps,
         rollout["advantages"],
         rollout["completion_mask"],
         ref_per_token_logps_BT=rollout["ref_logps"],
-        beta=0.04,
-        loss_type="dapo",
     )
     np.testing.assert_allclose(log["loss"], loss_sum / aux["count"]["loss"], atol=1e-6)
     assert log["kl"] == pytest.approx(0.0, abs=1e-6)
@@ -125,12 +127,11 @@ def test_sampler_logps_are_old_logps_and_dapo_normalises_by_the_generation_batch
     assert log["step"] == 1
     cm = rollout["completion_mask"]
     half = slice(0, 8)  # step 1 trains on slice 0 of the shuffled 16-row generation batch
-    loss_sum, aux = grpo_loss(
+    loss_sum, aux = jax.jit(functools.partial(grpo_loss, loss_type="dapo"))(
         logps[half],
         rollout["advantages"][half],
         cm[half],
         old_per_token_logps_BT=rollout["old_logps"][half],
-        loss_type="dapo",
     )
     assert cm.sum() / 2 != cm[half].sum()  # the premise: the two normalisers differ
     np.testing.assert_allclose(log["loss"], loss_sum / (cm.sum() / 2), rtol=1e-5, atol=1e-7)
