@@ -5,6 +5,8 @@ sync_ref_model), conversational prompts and reward models."""
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import numpy as np
@@ -36,8 +38,19 @@ def make(model_dir, tokenizer, tmp_path, reward=None, train=None, callbacks=None
 
 
 @pytest.mark.slow
-def test_one_step_equals_pure_loss_on_the_rollout(hf_model_dir, tokenizer, tmp_path):
-    trainer, reward = make(hf_model_dir, tokenizer, tmp_path, beta=0.04, loss_type="dapo")
+def test_one_step_equals_pure_loss_on_the_rollout_and_syncs_the_reference(
+    hf_model_dir, tokenizer, tmp_path
+):
+    """One 1-step run with beta > 0 and a reference synced after every step (alpha 1): the step
+    equals the pure loss on its rollout, and the synced reference is the updated policy. Was two
+    tests, each building and compiling a trainer of its own (the sync check was the second half of
+    test_reference_only_when_beta_and_sync, beta=0.04, sync every step, alpha 1, lr 1e-2); the
+    sync acts after the step, so step 1's rollout, loss and KL (reference = initial policy) are
+    those of a run without it, and the learning rate moves nothing the step-1 checks read."""
+    trainer, reward = make(
+        hf_model_dir, tokenizer, tmp_path, beta=0.04, loss_type="dapo", sync_ref_model=True,
+        ref_model_sync_steps=1, ref_model_mixup_alpha=1.0, learning_rate=1e-2,
+    )  # fmt: skip
     trainer.train()
     (log,) = train_logs(trainer)
     rollout = jax.device_get(trainer.rollout)
@@ -46,19 +59,19 @@ def test_one_step_equals_pure_loss_on_the_rollout(hf_model_dir, tokenizer, tmp_p
     (call,) = reward.calls
     assert len(call["prompts"]) == 8 and call["prompts"][0] == call["prompts"][3]
     rewards = np.array([[np.nan if r is None else r] for r in reward(**_call_args(call))])
-    adv, _ = grpo_advantages(rewards, np.ones(1, np.float32), num_generations=4)
+    # Jitted, as the losses below: called eagerly, each of their operations compiled a program.
+    advantages = jax.jit(functools.partial(grpo_advantages, num_generations=4))
+    adv, _ = advantages(rewards, np.ones(1, np.float32))
     np.testing.assert_allclose(np.sort(rollout["advantages"]), np.sort(np.asarray(adv)), atol=1e-6)
     np.testing.assert_allclose(log["reward"], np.nanmean(rewards), rtol=1e-6)
     logps = recompute_logps(hf_model_dir, rollout)
     # Step 1: the reference is the initial policy, so the ref log-probs equal the forward.
     np.testing.assert_allclose(rollout["ref_logps"], logps, atol=2e-5)
-    loss_sum, aux = grpo_loss(
+    loss_sum, aux = jax.jit(functools.partial(grpo_loss, beta=0.04, loss_type="dapo"))(
         logps,
         rollout["advantages"],
         rollout["completion_mask"],
         ref_per_token_logps_BT=rollout["ref_logps"],
-        beta=0.04,
-        loss_type="dapo",
     )
     np.testing.assert_allclose(log["loss"], loss_sum / aux["count"]["loss"], atol=1e-6)
     assert log["kl"] == pytest.approx(0.0, abs=1e-6)
@@ -67,6 +80,10 @@ def test_one_step_equals_pure_loss_on_the_rollout(hf_model_dir, tokenizer, tmp_p
     assert log["num_tokens"] == rollout["attention_mask"].sum()
     for key in ("entropy", "clip_ratio/region_mean", "frac_reward_zero_std", "grad_norm"):
         assert key in log
+    # The reference synced after the step (alpha=1: ref <- policy); beta=0 (no reference params)
+    # is checked on the default run of test_default_run_one_prefill_no_reference_and_resume.
+    ref, params = trainer.train_state.frozen["ref"], trainer.train_state.params
+    chex.assert_trees_all_equal(ref, params, strict=True)
 
 
 def _call_args(call):
@@ -75,17 +92,49 @@ def _call_args(call):
     )
 
 
+class DistinctOnes(RecordingReward):
+    """RecordingReward's calls, with rewards distinct within every group (the '1' count plus
+    0.01 x the row), so that every advantage and the step's dapo loss are non-zero."""
+
+    def __call__(self, prompts, completions, completion_ids, **kwargs):
+        super().__call__(prompts, completions, completion_ids, **kwargs)
+        return [float(c.count("1")) + 0.01 * i for i, c in enumerate(completions)]
+
+
 @pytest.mark.slow
-def test_sampler_logps_are_old_logps_and_equal_forward(hf_model_dir, tokenizer, tmp_path):
-    # steps_per_generation=2: one generation serves two optimizer steps, so the update needs the
-    # sampling policy's log-probs; with num_iterations=1 they are the sampler's own.
-    trainer, reward = make(hf_model_dir, tokenizer, tmp_path, steps_per_generation=2, max_steps=2)
+def test_sampler_logps_are_old_logps_and_dapo_normalises_by_the_generation_batch_tokens(
+    hf_model_dir, tokenizer, tmp_path
+):
+    """steps_per_generation=2 (> gradient_accumulation_steps=1): one generation serves two
+    optimizer steps, so the update needs the sampling policy's log-probs; with num_iterations=1
+    they are the sampler's own. And TRL divides each step's token loss by the generation batch's
+    active tokens x 1 / 2, not by the step's own tokens. Two checks on one run: the second was
+    test_dapo_normalises_by_the_generation_batch_tokens in test_onpolicy_trl_parity.py, a 1-step
+    run of the same settings and this reward (step 1 is the same here; the second step only
+    adds the generation reuse this test checks)."""
+    trainer, reward = make(
+        hf_model_dir, tokenizer, tmp_path, reward=DistinctOnes(), steps_per_generation=2,
+        max_steps=2, loss_type="dapo",
+    )  # fmt: skip
     trainer.train()
     assert len(reward.calls) == 1  # 16 completions generated once, consumed by two steps
     rollout = jax.device_get(trainer.rollout)
     mask = rollout["completion_mask"] > 0
-    logps = recompute_logps(hf_model_dir, rollout)
+    logps = recompute_logps(hf_model_dir, rollout)  # step 1 runs with the initial weights
     np.testing.assert_allclose(rollout["old_logps"][mask], logps[mask], atol=2e-5)
+
+    log = train_logs(trainer)[0]
+    assert log["step"] == 1
+    cm = rollout["completion_mask"]
+    half = slice(0, 8)  # step 1 trains on slice 0 of the shuffled 16-row generation batch
+    loss_sum, aux = jax.jit(functools.partial(grpo_loss, loss_type="dapo"))(
+        logps[half],
+        rollout["advantages"][half],
+        cm[half],
+        old_per_token_logps_BT=rollout["old_logps"][half],
+    )
+    assert cm.sum() / 2 != cm[half].sum()  # the premise: the two normalisers differ
+    np.testing.assert_allclose(log["loss"], loss_sum / (cm.sum() / 2), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.slow
@@ -104,14 +153,15 @@ RESUME = dict(max_steps=4, save_strategy="steps", save_steps=2)
 
 @pytest.mark.slow
 def test_default_run_one_prefill_no_reference_and_resume(hf_model_dir, tokenizer, tmp_path):
-    """Three checks on one uninterrupted run of the default settings (4 steps, checkpoints at 2
+    """Four checks on one uninterrupted run of the default settings (4 steps, checkpoints at 2
     and 4), one test so that the run is built once (three tests built a trainer of these
     settings each; a module fixture shared by them was built on both xdist workers when
     worksteal split them): (1) one prefill per prompt batch (was
     test_one_prefill_per_prompt_batch, on a 1-step run of the same settings); (2) beta=0: no
     reference params, when the state is built and after training (was the first half of
     test_reference_only_when_beta_and_sync); (3) killed after step 2 and resumed, a run logs
-    what the uninterrupted one logged (test_resume_gives_the_same_metrics)."""
+    what the uninterrupted one logged (test_resume_gives_the_same_metrics); (4) no completion
+    logs by default."""
     full, _ = make(hf_model_dir, tokenizer, tmp_path / "a", **RESUME)
     full._ensure_state()
     assert full.train_state.frozen == {}  # (2)
@@ -129,6 +179,10 @@ def test_default_run_one_prefill_no_reference_and_resume(hf_model_dir, tokenizer
     assert seen == [(2, 4)] * 4
     assert full.rollout["input_ids"].shape[0] == 8
     assert full.train_state.frozen == {}  # (2)
+    # (4) log_completions is off by default: no completion logs written (was
+    # test_log_completions.py::test_off_by_default, a 3-step run of its own).
+    assert full.args.log_completions is False
+    assert not (tmp_path / "a" / "completions").exists()
 
     # (3) From the uninterrupted run's step-2 checkpoint: what a run killed then leaves.
     killed_after_checkpoint(tmp_path / "a", 2, tmp_path / "b")
@@ -140,25 +194,6 @@ def test_default_run_one_prefill_no_reference_and_resume(hf_model_dir, tokenizer
     for x, y in zip(a, b, strict=True):
         for k in ("loss", "reward", "completions/mean_length", "grad_norm", "num_tokens"):
             assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-7), k
-
-
-@pytest.mark.slow
-def test_reference_only_when_beta_and_sync(hf_model_dir, tokenizer, tmp_path):
-    # beta=0 (no reference params) is checked on the default run of
-    # test_default_run_one_prefill_no_reference_and_resume.
-    trainer, _ = make(
-        hf_model_dir,
-        tokenizer,
-        tmp_path / "b",
-        beta=0.04,
-        sync_ref_model=True,
-        ref_model_sync_steps=1,
-        ref_model_mixup_alpha=1.0,
-        learning_rate=1e-2,
-    )
-    trainer.train()
-    ref, params = trainer.train_state.frozen["ref"], trainer.train_state.params
-    chex.assert_trees_all_equal(ref, params, strict=True)  # alpha=1: ref <- policy
 
 
 @pytest.mark.slow

@@ -47,10 +47,23 @@ def _trainer(cls, hf_model_dir, tokenizer, out, **kw):
 
 @pytest.mark.parametrize("cls", [GRPOTrainer, RLOOTrainer], ids=["grpo", "rloo"])
 def test_each_step_logs_its_own_completions(cls, hf_model_dir, tokenizer, tmp_path, capsys):
-    trainer = _trainer(cls, hf_model_dir, tokenizer, tmp_path, num_completions_to_print=3)
+    """GRPO's trainer is first evaluated, untrained, and its evaluation's completion logs checked
+    (was test_evaluation_logs_the_eval_completions, which built a GRPO trainer of these settings
+    only to evaluate it); num_generations_eval only shapes evaluation, and each training step's
+    generation batch (8 completions, TRL's window) replaces what evaluation logged, so the
+    training checks below hold as on a fresh trainer (their reward calls are those after the
+    evaluation's). That log-completions are off by default is checked on test_grpo_trainer.py's
+    default run (was test_off_by_default, a 3-step run of its own)."""
+    trainer = _trainer(
+        cls, hf_model_dir, tokenizer, tmp_path, num_completions_to_print=3, num_generations_eval=2
+    )
+    if cls is GRPOTrainer:
+        check_evaluation_logs_the_eval_completions(trainer, tmp_path)
+    calls = trainer.reward_funcs[0].calls
+    n_eval_calls = len(calls)
     trainer.train()
     logs = {h["step"]: h for h in trainer.state.log_history if "reward" in h}
-    calls = trainer.reward_funcs[0].calls
+    calls = calls[n_eval_calls:]
     assert len(calls) == 3  # one generation batch of 8 completions per step
     for step in (1, 2, 3):
         frame = pd.read_parquet(tmp_path / "completions" / f"completions_{step:05d}.parquet")
@@ -69,18 +82,11 @@ def test_each_step_logs_its_own_completions(cls, hf_model_dir, tokenizer, tmp_pa
     assert "Advantage" in printed and "ones" in printed
 
 
-def test_evaluation_logs_the_eval_completions(hf_model_dir, tokenizer, tmp_path):
-    trainer = _trainer(GRPOTrainer, hf_model_dir, tokenizer, tmp_path, num_generations_eval=2)
+def check_evaluation_logs_the_eval_completions(trainer, out):
     trainer.evaluate()
-    frame = pd.read_parquet(tmp_path / "completions" / "completions_00000.parquet")
+    frame = pd.read_parquet(out / "completions" / "completions_00000.parquet")
     eval_prompts = prompt_rows(3, "test")["prompt"]
     assert frame["prompt"].tolist() == [p for p in eval_prompts for _ in range(2)]
-
-
-def test_off_by_default(hf_model_dir, tokenizer, tmp_path):
-    trainer = _trainer(GRPOTrainer, hf_model_dir, tokenizer, tmp_path, log_completions=False)
-    trainer.train()
-    assert not (tmp_path / "completions").exists()
 
 
 def _logs(n_prompts: int, group: int) -> dict:

@@ -53,6 +53,14 @@ def digits(prompts, completions, **kw):
     return [sum(int(c) for c in s if c.isdigit()) + 0.1 * len(s) for s in completions]
 
 
+def always(prompts, completions, **kw):
+    return [1.0 for _ in completions]
+
+
+def never(prompts, completions, **kw):
+    return [None for _ in completions]  # e.g. a math-only reward on a code batch
+
+
 def _ours(trainer_cls, config_cls, model_dir, tokenizer, out, **kw):
     args = config_cls(**base_args(out, **{**SETTINGS, **kw}))
     trainer = trainer_cls(
@@ -186,12 +194,12 @@ def test_coefficient_follows_trl(tmp_path, tokenizer, moe_dir, hf_model_dir):
     """None takes the model config's coefficient (Qwen3-MoE's default 0.001), 0.0 turns the loss
     off (no `aux_loss` metric), a nonzero one on a dense model is an error, as in TRL."""
 
-    def make(trainer_cls, model, name, **kw):
+    def make(trainer_cls, model, name, reward_funcs=digits, **kw):
         config_cls = GRPOConfig if trainer_cls is GRPOTrainer else RLOOConfig
         args = config_cls(**base_args(tmp_path / name, **{**SETTINGS, "max_steps": 1, **kw}))
         return trainer_cls(
             model,
-            reward_funcs=digits,
+            reward_funcs=reward_funcs,
             args=args,
             train_dataset=prompt_rows(8),
             processing_class=tokenizer,
@@ -204,7 +212,11 @@ def test_coefficient_follows_trl(tmp_path, tokenizer, moe_dir, hf_model_dir):
         assert default.router_aux_loss_coef == 0.001
         assert default.model.config.hf_config.output_router_logits is True
         assert default.model.config.hf_config.router_aux_loss_coef == 0.001
-        off = make(trainer_cls, moe_dir, "off", router_aux_loss_coef=0.0)
+        # The trained (RLOO) one also carries test_onpolicy_trl_parity.py's RLOO NaN reward
+        # metrics check (was test_rloo_nan_reward_metrics, a dense RLOO run of its own): a
+        # reward that is None for every completion is logged as None, not raised on.
+        rewards = [digits, always, never]
+        off = make(trainer_cls, moe_dir, "off", reward_funcs=rewards, router_aux_loss_coef=0.0)
         assert off.router_aux_loss_coef == 0.0
         assert off.model.config.hf_config.output_router_logits is False
         dense = make(trainer_cls, hf_model_dir, "dense", router_aux_loss_coef=None)
@@ -214,3 +226,4 @@ def test_coefficient_follows_trl(tmp_path, tokenizer, moe_dir, hf_model_dir):
     off.train()  # RLOO's
     (log,) = train_logs(off)
     assert "aux_loss" not in log and np.isfinite(log["loss"])
+    assert log["rewards/never/mean"] is None and log["rewards/always/mean"] == 1.0

@@ -4,8 +4,8 @@ stops the run; reward functions get `log_extra` and `log_metric` (every value av
 stop ids are the tokenizer's EOS plus the model's generation-config EOS ids, and a completion
 ending with the pad token is not truncated; `generate_completions` and
 `LogCompletionsCallback` work; config spellings (`pad_to_multiple_of="auto"`,
-`max_completion_length=None`, the global eval batch check); DAPO's generation-batch token
-normaliser when a generation spans several optimizer steps."""
+`max_completion_length=None`, the global eval batch check); DAPO's token-count normaliser
+(the run with a generation spanning several optimizer steps is in test_grpo_trainer.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from onpolicy_utils import prompt_rows, recompute_logps
+from onpolicy_utils import prompt_rows
 from trainer_utils import base_args, tiny_config, train_logs
 
 from jaxrl.config import ConfigError
@@ -29,7 +29,6 @@ from jaxrl.losses.rloo import rloo_loss
 from jaxrl.trainers.grpo import GRPOTrainer
 from jaxrl.trainers.grpo_config import GRPOConfig
 from jaxrl.trainers.loop import TrainLoop
-from jaxrl.trainers.rloo import RLOOTrainer
 from jaxrl.trainers.rloo_config import RLOOConfig
 
 SETTINGS = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=4)
@@ -192,12 +191,8 @@ def test_every_completion_masked_logs_no_clip_extrema(hf_model_dir, tokenizer, t
     assert log["loss"] == 0.0
 
 
-@pytest.mark.slow
-def test_rloo_nan_reward_metrics(hf_model_dir, tokenizer, tmp_path):
-    trainer = make(hf_model_dir, tokenizer, tmp_path, [always, never], trainer_cls=RLOOTrainer)
-    trainer.train()
-    (log,) = train_logs(trainer)
-    assert log["rewards/never/mean"] is None and log["rewards/always/mean"] == 1.0
+# RLOO's NaN reward metrics (a reward that is None for every completion) are checked on the
+# RLOO run of test_onpolicy_moe.py::test_coefficient_follows_trl.
 
 
 def test_clip_extrema_are_nan_when_every_row_is_masked():
@@ -350,27 +345,6 @@ def test_token_count_replaces_the_dapo_normaliser():
     assert float(n) == 2.0  # sequence-normalised types ignore it
 
 
-@pytest.mark.slow
-def test_dapo_normalises_by_the_generation_batch_tokens(hf_model_dir, tokenizer, tmp_path):
-    """steps_per_generation=2 > gradient_accumulation_steps=1: TRL divides each step's token
-    loss by the generation batch's active tokens x 1 / 2, not by the step's own tokens."""
-    trainer = make(
-        hf_model_dir, tokenizer, tmp_path, lambda prompts, completions, **kw: [
-            float(c.count("1")) + 0.01 * i for i, c in enumerate(completions)
-        ], steps_per_generation=2, max_steps=1, loss_type="dapo",
-    )  # fmt: skip
-    trainer.train()
-    (log,) = train_logs(trainer)
-    ro = jax.device_get(trainer.rollout)
-    mask = ro["completion_mask"]
-    half = slice(0, 8)  # step 1 trains on slice 0 of the shuffled 16-row generation batch
-    logps = recompute_logps(hf_model_dir, ro)  # step 1 runs with the initial weights
-    loss_sum, aux = grpo_loss(
-        logps[half],
-        ro["advantages"][half],
-        mask[half],
-        old_per_token_logps_BT=ro["old_logps"][half],
-        loss_type="dapo",
-    )
-    assert mask.sum() / 2 != mask[half].sum()  # the premise: the two normalisers differ
-    np.testing.assert_allclose(log["loss"], loss_sum / (mask.sum() / 2), rtol=1e-5, atol=1e-7)
+# DAPO's generation-batch normaliser on a run (steps_per_generation=2) is checked with the
+# sampler log-probs on one run: test_grpo_trainer.py::
+# test_sampler_logps_are_old_logps_and_dapo_normalises_by_the_generation_batch_tokens.
