@@ -125,26 +125,20 @@ def test_conversational_matches_trl(conversational_runs):
     np.testing.assert_allclose(preds * mask, logits.numpy() * mask, atol=2e-5)
 
 
-def _reference_logps(logs: list[dict], side: str) -> float:
-    """Step 2's mean reference log-prob of `side`, from its policy log-probs and rewards."""
-    return logs[1][f"logps/{side}"] - logs[1][f"rewards/{side}"] / COMMON["beta"]
+def _reference_logps(logs: list[dict], side: str, step: int = 1) -> float:
+    """Step `step + 1`'s (default 2) mean reference log-prob of `side`, from its policy
+    log-probs and rewards."""
+    return logs[step][f"logps/{side}"] - logs[step][f"rewards/{side}"] / COMMON["beta"]
 
 
-def test_reference_model_variants(vlm_dir, tmp_path, conversational_runs):  # noqa: F811
+def test_explicit_reference_model_is_the_initial_model(conversational_runs):
     """An explicit `ref_model` (the same checkpoint, loaded with its vision tower: the run of
-    `conversational_runs`, SPLIT on `_pairs()`) and an int8 reference (vision tower included,
-    nearly) are the initial model on the images: step 2 (the same 4 pairs) reads step 1's policy
-    log-probs as its reference's."""
-    data, (_, explicit_logs), _ = conversational_runs
-    int8 = _dpo(vlm_dir, tmp_path / "b", data, ref_model_quantization="int8", **SPLIT)
-    int8.train()
+    `conversational_runs`, SPLIT on `_pairs()`) is the initial model on the images: step 2 (the
+    same 4 pairs) reads step 1's policy log-probs as its reference's. (The int8 reference's
+    check is in `test_buckets_and_resume`, on that run.)"""
+    _, (_, logs), _ = conversational_runs
     for side in ("chosen", "rejected"):
-        logs = explicit_logs
         np.testing.assert_allclose(_reference_logps(logs, side), logs[0][f"logps/{side}"], 1e-6)
-        logs = train_logs(int8)
-        got, want = _reference_logps(logs, side), logs[0][f"logps/{side}"]
-        np.testing.assert_allclose(got, want, rtol=1e-3)
-        assert got != want
 
 
 def test_standard_pairs_with_zero_one_and_two_images_match_trl(vlm_dir, tmp_path):  # noqa: F811
@@ -265,20 +259,36 @@ def test_lora_reference_is_the_base_model_on_the_images(vlm_dir, tmp_path):  # n
 def test_buckets_and_resume(vlm_dir, tmp_path):  # noqa: F811
     """8 pairs in order, 2 steps of 4 (2 devices x 2 accumulated micro-batches of 1), the first
     step short enough for a smaller length bucket, whose log-probs are transformers' on the
-    images; killed after step 1 and resumed, step 2 is the uninterrupted run's bit for bit."""
+    images; killed after step 1 and resumed, step 2 is the uninterrupted run's bit for bit.
+
+    The reference is int8 (vision tower included): at both steps its log-probs are, nearly,
+    transformers' initial model's on that step's images (step 2: after an update, on other
+    pairs). This run used to be a test of its own (an int8 reference on `_pairs()`, reading step
+    1's policy log-probs at step 2); one run checks both (in f32 the reference is the same
+    frozen copy of the initial weights, quantized or not, resumed alike)."""
     short = _pairs(4, seed=1, counts=(1,))
-    data = datasets.concatenate_datasets([short, _pairs(4, seed=2, counts=(3,))])
+    long = _pairs(4, seed=2, counts=(3,))
+    data = datasets.concatenate_datasets([short, long])
     split = dict(
         SPLIT, train_sampling_strategy="sequential", length_buckets=[32], save_strategy="steps",
-        save_steps=1,
+        save_steps=1, ref_model_quantization="int8",
     )  # fmt: skip
     full = _dpo(vlm_dir, tmp_path / "full", data, **split)
     lengths = record_step_lengths(full)
     full.train()
     assert full.seq_len > 32 and lengths == [32, full.seq_len]
     logs = train_logs(full)
-    for side, want in zip(("chosen", "rejected"), _torch_logps(vlm_dir, short), strict=True):
+    # transformers' initial model on each step's pairs.
+    initial = [_torch_logps(vlm_dir, short), _torch_logps(vlm_dir, long)]
+    for i, side in enumerate(("chosen", "rejected")):
+        want = initial[0][i]
         np.testing.assert_allclose(logs[0][f"logps/{side}"], want, rtol=1e-5, err_msg=side)
+        # The int8 reference: the initial model (nearly) at step 1 and, after an update, at
+        # step 2; quantized, it is not step 1's full-precision (initial) policy bit for bit.
+        for step in (0, 1):
+            got = _reference_logps(logs, side, step)
+            np.testing.assert_allclose(got, initial[step][i], rtol=1e-3, err_msg=f"{side} {step}")
+        assert _reference_logps(logs, side, 0) != logs[0][f"logps/{side}"]
     # A run killed after step 1 leaves what this one saved then: its step-1 checkpoint.
     checkpoint = tmp_path / "full" / "checkpoints" / "checkpoint-1"
     resumed = _dpo(

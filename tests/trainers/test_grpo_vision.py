@@ -30,7 +30,11 @@ prompts."""
 
 from __future__ import annotations
 
+import functools
+
 import datasets
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_sft_vision import _image, vlm_dir  # noqa: F401  (the module-scoped model fixture)
@@ -311,8 +315,6 @@ def test_greedy_sampling_matches_transformers(vlm_dir):  # noqa: F811
     within each image in the prefill) and `suppress_tokens=[image_token_id]`, token for token;
     the same prompts with other images give other completions. A suppressed id is never
     chosen even where it has the largest logit (its log-prob is left as it is)."""
-    import jax
-    import jax.numpy as jnp
     import torch
     from transformers import Gemma3ForConditionalGeneration
 
@@ -357,15 +359,23 @@ def test_greedy_sampling_matches_transformers(vlm_dir):  # noqa: F811
     other = sampler(None, ids, config, pixel_values=pixels[::-1, ::-1].copy() * 0.5)
     assert not np.array_equal(np.asarray(other.completion_ids_BN)[:2], ours[:2])
 
-    logits = jnp.zeros((2, len(tok))).at[:, image_token].set(5.0).at[:, 3].set(1.0)
+    logits = np.zeros((2, len(tok)), np.float32)
+    logits[:, image_token], logits[:, 3] = 5.0, 1.0
     for sample in (False, True):
         cfg = GenerationConfig(do_sample=sample, top_k=0, suppress_token_ids=(image_token,))
-        tokens, logps = choose_tokens(logits, jax.random.key(0), jnp.int32(0), cfg)
+        tokens, logps, want_logp = _choose_tokens(logits, cfg)
         assert np.asarray(tokens).tolist() != [image_token] * 2
         if not sample:
             assert np.asarray(tokens).tolist() == [3, 3]
-            want_logp = jax.nn.log_softmax(logits[0])[3]
             np.testing.assert_allclose(np.asarray(logps), float(want_logp), rtol=1e-6)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _choose_tokens(logits, cfg):
+    """`choose_tokens` at step 0 (key 0) and the log-prob of token 3 in row 0, as one compiled
+    program per config (run eagerly, each of their operations compiled a program: ~55)."""
+    tokens, logps = choose_tokens(logits, jax.random.key(0), jnp.int32(0), cfg)
+    return tokens, logps, jax.nn.log_softmax(logits[0])[3]
 
 
 def _trl_rloo_inputs(rows: dict, image_token: int) -> dict:
