@@ -38,6 +38,7 @@ This module does no tokenization and no scoring.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -443,9 +444,20 @@ class Sampler:
         self.mesh, self.rules = mesh, rules
         self.prompt_buckets = None if prompt_buckets is None else tuple(sorted(prompt_buckets))
         self._config: ModelConfig | None = None
-        self._prefill = jax.jit(self._prefill_fn, static_argnums=(4, 5))
-        # The state (KV cache included) is dead after decoding: donate it.
-        self._decode = jax.jit(self._decode_fn, static_argnums=(2,), donate_argnums=(1,))
+        # What the traced programs depend on besides their arguments: samplers of the same model
+        # structure, mesh and rules share the compiled prefill and decode programs.
+        self._spec = _SamplerSpec(self.graphdef, mesh, _frozen(rules), self._trace_context)
+
+    # A context manager entered while the programs are traced (e.g. `lora.disable_adapter`).
+    _trace_context: Any = None
+
+    def _prefill(self, params, prompt_ids_BP, prompt_mask_BP, rng, config, group_size=1, *pv):
+        return _prefill_program(
+            self._spec, params, prompt_ids_BP, prompt_mask_BP, rng, config, group_size, *pv
+        )
+
+    def _decode(self, params: Any, state: SamplingState, config: GenerationConfig):
+        return _decode_program(self._spec, params, state, config)
 
     def __call__(
         self,
@@ -549,118 +561,149 @@ class Sampler:
             )
         return jax.device_put(x, batch_sharding(self.mesh, self.rules))
 
-    def _prefill_fn(
-        self,
-        params: Any,
-        prompt_ids_BP: jax.Array,
-        prompt_mask_BP: jax.Array,
-        rng: jax.Array,
-        config: GenerationConfig,
-        group_size: int = 1,
-        pixel_values: jax.Array | None = None,
-    ) -> SamplingState:
-        model = nnx.merge(self.graphdef, params)
-        batch, prompt_len = prompt_ids_BP.shape
-        n_new = config.max_new_tokens
-        cache_len = prompt_len + n_new - 1  # the last chosen token is never fed back
-        cache = init_cache(model.config, batch, cache_len, self.mesh, self.rules)
-        key_mask_BS = jnp.concatenate(
-            [prompt_mask_BP.astype(bool), jnp.ones((batch, n_new - 1), bool)], axis=1
+
+class _SamplerSpec(NamedTuple):
+    graphdef: Any
+    mesh: Mesh | None
+    rules: Any
+    trace_context: Any
+
+
+def _frozen(x: Any) -> Any:
+    """`x` with every list a tuple (sharding rules from YAML/JSON), so that it hashes."""
+    if isinstance(x, list | tuple):
+        return tuple(_frozen(v) for v in x)
+    return x
+
+
+def _traced(spec: _SamplerSpec, body: Any, *args: Any) -> Any:
+    if spec.trace_context is None:
+        return body(spec, *args)
+    with spec.trace_context():
+        return body(spec, *args)
+
+
+def _prefill_body(
+    spec: _SamplerSpec,
+    params: Any,
+    prompt_ids_BP: jax.Array,
+    prompt_mask_BP: jax.Array,
+    rng: jax.Array,
+    config: GenerationConfig,
+    group_size: int = 1,
+    pixel_values: jax.Array | None = None,
+) -> SamplingState:
+    model = nnx.merge(spec.graphdef, params)
+    batch, prompt_len = prompt_ids_BP.shape
+    n_new = config.max_new_tokens
+    cache_len = prompt_len + n_new - 1  # the last chosen token is never fed back
+    cache = init_cache(model.config, batch, cache_len, spec.mesh, spec.rules)
+    key_mask_BS = jnp.concatenate(
+        [prompt_mask_BP.astype(bool), jnp.ones((batch, n_new - 1), bool)], axis=1
+    )
+    positions_BP = default_positions(prompt_mask_BP, None, prompt_len)
+    view = CacheView(jnp.zeros((), jnp.int32), key_mask_BS, prefill=True)
+    if pixel_values is None:  # text prompts: the text-only program, unchanged
+        h_BPD, cache = model.cached_hidden_states(prompt_ids_BP, positions_BP, cache, view)
+    else:
+        h_BPD, cache = model.cached_hidden_states(
+            prompt_ids_BP, positions_BP, cache, view, pixel_values=pixel_values
         )
-        positions_BP = default_positions(prompt_mask_BP, None, prompt_len)
-        view = CacheView(jnp.zeros((), jnp.int32), key_mask_BS, prefill=True)
-        if pixel_values is None:  # text prompts: the text-only program, unchanged
-            h_BPD, cache = model.cached_hidden_states(prompt_ids_BP, positions_BP, cache, view)
-        else:
-            h_BPD, cache = model.cached_hidden_states(
-                prompt_ids_BP, positions_BP, cache, view, pixel_values=pixel_values
+    # Left padding: every row's last prompt token sits in the last slot.
+    logits_BV = unembed_logits(
+        h_BPD[:, -1], model.unembed_weight(), model.config.final_logit_softcap
+    )
+    seen_BV = None
+    if config.repetition_penalty != 1.0:
+        # transformers penalises every id of input_ids but its left padding (generate passes
+        # the leading pad count as `prompt_ignore_length`); here padding is always left.
+        seen_BV = token_presence(prompt_ids_BP, prompt_mask_BP, logits_BV.shape[-1])
+    if group_size > 1:
+        # One prefill per prompt; its cache rows serve the whole group (rows i*G .. i*G+G-1).
+        batch *= group_size
+        cache, logits_BV, key_mask_BS, prompt_mask_BP, seen_BV = (
+            jax.tree.map(lambda x, a=axis: jnp.repeat(x, group_size, axis=a), tree)
+            for tree, axis in (
+                (cache, 1 if model.config.scan_layers else 0),
+                (logits_BV, 0),
+                (key_mask_BS, 0),
+                (prompt_mask_BP, 0),
+                (seen_BV, 0),
             )
-        # Left padding: every row's last prompt token sits in the last slot.
-        logits_BV = unembed_logits(
-            h_BPD[:, -1], model.unembed_weight(), model.config.final_logit_softcap
         )
-        seen_BV = None
-        if config.repetition_penalty != 1.0:
-            # transformers penalises every id of input_ids but its left padding (generate passes
-            # the leading pad count as `prompt_ignore_length`); here padding is always left.
-            seen_BV = token_presence(prompt_ids_BP, prompt_mask_BP, logits_BV.shape[-1])
-        if group_size > 1:
-            # One prefill per prompt; its cache rows serve the whole group (rows i*G .. i*G+G-1).
-            batch *= group_size
-            cache, logits_BV, key_mask_BS, prompt_mask_BP, seen_BV = (
-                jax.tree.map(lambda x, a=axis: jnp.repeat(x, group_size, axis=a), tree)
-                for tree, axis in (
-                    (cache, 1 if model.config.scan_layers else 0),
-                    (logits_BV, 0),
-                    (key_mask_BS, 0),
-                    (prompt_mask_BP, 0),
-                    (seen_BV, 0),
-                )
+        if spec.mesh is not None:
+            cache = jax.lax.with_sharding_constraint(
+                cache, cache_shardings(model.config, batch, cache_len, spec.mesh, spec.rules)
             )
-            if self.mesh is not None:
-                cache = jax.lax.with_sharding_constraint(
-                    cache, cache_shardings(model.config, batch, cache_len, self.mesh, self.rules)
-                )
-        if seen_BV is not None and self.mesh is not None:
-            seen_BV = jax.lax.with_sharding_constraint(
-                seen_BV, batch_sharding(self.mesh, self.rules)
-            )
-        step = jnp.zeros((), jnp.int32)
-        tokens_B, logprobs_B = choose_tokens(logits_BV, rng, step, config, seen_BV)
-        return SamplingState(
-            step=step + 1,
-            tokens_BN=jnp.full((batch, n_new), config.pad_id, jnp.int32).at[:, 0].set(tokens_B),
-            logprobs_BN=jnp.zeros((batch, n_new), jnp.float32).at[:, 0].set(logprobs_B),
-            done_B=jnp.isin(tokens_B, jnp.asarray(config.stop_ids, jnp.int32)),
-            lengths_B=jnp.ones((batch,), jnp.int32),
-            positions_B=jnp.sum(prompt_mask_BP, axis=1).astype(jnp.int32),
-            key_mask_BS=key_mask_BS,
+    if seen_BV is not None and spec.mesh is not None:
+        seen_BV = jax.lax.with_sharding_constraint(seen_BV, batch_sharding(spec.mesh, spec.rules))
+    step = jnp.zeros((), jnp.int32)
+    tokens_B, logprobs_B = choose_tokens(logits_BV, rng, step, config, seen_BV)
+    return SamplingState(
+        step=step + 1,
+        tokens_BN=jnp.full((batch, n_new), config.pad_id, jnp.int32).at[:, 0].set(tokens_B),
+        logprobs_BN=jnp.zeros((batch, n_new), jnp.float32).at[:, 0].set(logprobs_B),
+        done_B=jnp.isin(tokens_B, jnp.asarray(config.stop_ids, jnp.int32)),
+        lengths_B=jnp.ones((batch,), jnp.int32),
+        positions_B=jnp.sum(prompt_mask_BP, axis=1).astype(jnp.int32),
+        key_mask_BS=key_mask_BS,
+        cache=cache,
+        rng=rng,
+        seen_BV=None if seen_BV is None else mark_seen(seen_BV, tokens_B),
+    )
+
+
+def _decode_body(
+    spec: _SamplerSpec, params: Any, state: SamplingState, config: GenerationConfig
+) -> tuple[SamplingState, jax.Array]:
+    model = nnx.merge(spec.graphdef, params)
+    unembed_DV = model.unembed_weight()
+    n_new = config.max_new_tokens
+    prompt_len = state.key_mask_BS.shape[1] - (n_new - 1)
+    stop_ids = jnp.asarray(config.stop_ids, jnp.int32)
+
+    def unfinished(s: SamplingState) -> jax.Array:
+        return (s.step < n_new) & ~jnp.all(s.done_B)
+
+    def one_token(s: SamplingState) -> SamplingState:
+        last_B1 = jax.lax.dynamic_slice_in_dim(s.tokens_BN, s.step - 1, 1, axis=1)
+        view = CacheView(prompt_len + s.step - 1, s.key_mask_BS)
+        h_B1D, cache = model.cached_hidden_states(last_B1, s.positions_B[:, None], s.cache, view)
+        logits_BV = unembed_logits(h_B1D[:, 0], unembed_DV, model.config.final_logit_softcap)
+        tokens_B, logprobs_B = choose_tokens(logits_BV, s.rng, s.step, config, s.seen_BV)
+        tokens_B = jnp.where(s.done_B, config.pad_id, tokens_B)
+        logprobs_B = jnp.where(s.done_B, 0.0, logprobs_B)
+        # (Finished rows add the pad id, as in transformers; their tokens are pad anyway.)
+        seen_BV = None if s.seen_BV is None else mark_seen(s.seen_BV, tokens_B)
+        return s.replace(
+            step=s.step + 1,
+            tokens_BN=jax.lax.dynamic_update_slice_in_dim(
+                s.tokens_BN, tokens_B[:, None], s.step, axis=1
+            ),
+            logprobs_BN=jax.lax.dynamic_update_slice_in_dim(
+                s.logprobs_BN, logprobs_B[:, None], s.step, axis=1
+            ),
+            done_B=s.done_B | jnp.isin(tokens_B, stop_ids),
+            lengths_B=jnp.where(s.done_B, s.lengths_B, s.lengths_B + 1),
+            positions_B=s.positions_B + 1,
             cache=cache,
-            rng=rng,
-            seen_BV=None if seen_BV is None else mark_seen(seen_BV, tokens_B),
+            seen_BV=seen_BV,
         )
 
-    def _decode_fn(
-        self, params: Any, state: SamplingState, config: GenerationConfig
-    ) -> tuple[SamplingState, jax.Array]:
-        model = nnx.merge(self.graphdef, params)
-        unembed_DV = model.unembed_weight()
-        n_new = config.max_new_tokens
-        prompt_len = state.key_mask_BS.shape[1] - (n_new - 1)
-        stop_ids = jnp.asarray(config.stop_ids, jnp.int32)
+    state = jax.lax.while_loop(unfinished, one_token, state)
+    mask_BN = (jnp.arange(n_new)[None, :] < state.lengths_B[:, None]).astype(jnp.int32)
+    # The whole final state is returned so every donated buffer (the cache above all) is
+    # updated in place by the loop rather than copied into it.
+    return state, mask_BN
 
-        def unfinished(s: SamplingState) -> jax.Array:
-            return (s.step < n_new) & ~jnp.all(s.done_B)
 
-        def one_token(s: SamplingState) -> SamplingState:
-            last_B1 = jax.lax.dynamic_slice_in_dim(s.tokens_BN, s.step - 1, 1, axis=1)
-            view = CacheView(prompt_len + s.step - 1, s.key_mask_BS)
-            h_B1D, cache = model.cached_hidden_states(
-                last_B1, s.positions_B[:, None], s.cache, view
-            )
-            logits_BV = unembed_logits(h_B1D[:, 0], unembed_DV, model.config.final_logit_softcap)
-            tokens_B, logprobs_B = choose_tokens(logits_BV, s.rng, s.step, config, s.seen_BV)
-            tokens_B = jnp.where(s.done_B, config.pad_id, tokens_B)
-            logprobs_B = jnp.where(s.done_B, 0.0, logprobs_B)
-            # (Finished rows add the pad id, as in transformers; their tokens are pad anyway.)
-            seen_BV = None if s.seen_BV is None else mark_seen(s.seen_BV, tokens_B)
-            return s.replace(
-                step=s.step + 1,
-                tokens_BN=jax.lax.dynamic_update_slice_in_dim(
-                    s.tokens_BN, tokens_B[:, None], s.step, axis=1
-                ),
-                logprobs_BN=jax.lax.dynamic_update_slice_in_dim(
-                    s.logprobs_BN, logprobs_B[:, None], s.step, axis=1
-                ),
-                done_B=s.done_B | jnp.isin(tokens_B, stop_ids),
-                lengths_B=jnp.where(s.done_B, s.lengths_B, s.lengths_B + 1),
-                positions_B=s.positions_B + 1,
-                cache=cache,
-                seen_BV=seen_BV,
-            )
+@functools.partial(jax.jit, static_argnums=(0, 5, 6))
+def _prefill_program(spec, params, prompt_ids_BP, prompt_mask_BP, rng, config, group_size, *pv):
+    args = (params, prompt_ids_BP, prompt_mask_BP, rng, config, group_size, *pv)
+    return _traced(spec, _prefill_body, *args)
 
-        state = jax.lax.while_loop(unfinished, one_token, state)
-        mask_BN = (jnp.arange(n_new)[None, :] < state.lengths_B[:, None]).astype(jnp.int32)
-        # The whole final state is returned so every donated buffer (the cache above all) is
-        # updated in place by the loop rather than copied into it.
-        return state, mask_BN
+
+# The state (KV cache included) is dead after decoding: donate it.
+@functools.partial(jax.jit, static_argnums=(0, 3), donate_argnums=(2,))
+def _decode_program(spec, params, state, config):
+    return _traced(spec, _decode_body, params, state, config)

@@ -1244,13 +1244,7 @@ class _AdapterOffSampler(Sampler):
     """A sampler whose traced model skips every LoRA branch: the reference of a LoRA policy
     (the context variable is read when the model is traced, so it wraps the traced functions)."""
 
-    def _prefill_fn(self, *args: Any) -> Any:
-        with lora.disable_adapter():
-            return super()._prefill_fn(*args)
-
-    def _decode_fn(self, *args: Any) -> Any:
-        with lora.disable_adapter():
-            return super()._decode_fn(*args)
+    _trace_context = staticmethod(lora.disable_adapter)
 
 
 def _save_value_head(policy: CausalLMWithValueHead, path: Path) -> None:

@@ -302,6 +302,26 @@ def test_group_sampling_honours_the_repetition_penalty(llama, scan):
     assert rejected_without_penalty > 0  # the draws follow the penalised distribution
 
 
+def test_samplers_of_one_model_structure_share_their_programs(sampler, llama):
+    """A second sampler of a model with the same structure (another load of the checkpoint, as
+    a second trainer builds) reuses the compiled prefill and decode programs: the same tokens,
+    nothing compiled again."""
+    from jaxrl import generation
+
+    config = GenerationConfig(max_new_tokens=3)
+    prompts = ragged_prompts(seed=2)
+    first = sampler(None, prompts, config, seed=1)
+    sizes = (generation._prefill_program._cache_size(), generation._decode_program._cache_size())
+    again = Sampler(models.from_pretrained(llama.path))(None, prompts, config, seed=1)
+    assert sizes == (
+        generation._prefill_program._cache_size(),
+        generation._decode_program._cache_size(),
+    )
+    np.testing.assert_array_equal(
+        np.asarray(again.completion_ids_BN), np.asarray(first.completion_ids_BN)
+    )
+
+
 def test_state_carries_a_seen_mask_only_with_a_penalty(sampler):
     ids, mask = left_pad(ragged_prompts(seed=1), None, None, 0)
     args = (sampler.params, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0))
