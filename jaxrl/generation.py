@@ -53,7 +53,7 @@ from jaxrl.core.logprobs import unembed_logits
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.kv_cache import Cache, CacheView, cache_shardings, init_cache
 from jaxrl.models.layers import default_positions
-from jaxrl.parallel import Rules, batch_sharding, data_parallel_size
+from jaxrl.parallel import Rules, batch_sharding, data_parallel_size, merge_rules
 
 MIN_BUCKET = 16
 # transformers GenerationConfig fields that change the output and that we do not implement,
@@ -429,6 +429,9 @@ class Sampler:
     keep whatever sharding they have.
     """
 
+    # A context manager entered while the programs are traced (e.g. `lora.disable_adapter`).
+    _trace_context: Any = None
+
     def __init__(
         self,
         graphdef_or_model: nnx.GraphDef | nnx.Module,
@@ -446,15 +449,16 @@ class Sampler:
         self._config: ModelConfig | None = None
         # What the traced programs depend on besides their arguments: samplers of the same model
         # structure, mesh and rules share the compiled prefill and decode programs.
-        self._spec = _SamplerSpec(self.graphdef, mesh, _frozen(rules), self._trace_context)
+        # (`merge_rules`: the rules as hashable tuples, over the defaults as every user reads them.)
+        self._spec = _SamplerSpec(self.graphdef, mesh, merge_rules(rules), self._trace_context)
 
-    # A context manager entered while the programs are traced (e.g. `lora.disable_adapter`).
-    _trace_context: Any = None
-
-    def _prefill(self, params, prompt_ids_BP, prompt_mask_BP, rng, config, group_size=1, *pv):
+    def _prefill(
+        self, params, prompt_ids_BP, prompt_mask_BP, rng, config, group_size=1, pixel_values=None
+    ):
         return _prefill_program(
-            self._spec, params, prompt_ids_BP, prompt_mask_BP, rng, config, group_size, *pv
-        )
+            self._spec, params, prompt_ids_BP, prompt_mask_BP, rng, config, group_size,
+            pixel_values,
+        )  # fmt: skip
 
     def _decode(self, params: Any, state: SamplingState, config: GenerationConfig):
         return _decode_program(self._spec, params, state, config)
@@ -494,10 +498,8 @@ class Sampler:
             pixel_values = self._check_pixel_values(model_config, ids_BP, pixel_values)
             pixel_values = self._place(pixel_values)
         ids_BP, mask_BP = self._place(ids_BP), self._place(mask_BP)
-        prefill_args = (params, ids_BP, mask_BP, rng, config, group_size)
-        if pixel_values is not None:  # text prompts: the text-only call, unchanged
-            prefill_args += (pixel_values,)
-        state = self._prefill(*prefill_args)
+        # (Text prompts pass pixel_values=None: no leaves, the text-only program.)
+        state = self._prefill(params, ids_BP, mask_BP, rng, config, group_size, pixel_values)
         state, completion_mask_BN = self._decode(params, state, config)
         if group_size > 1:
             ids_BP, mask_BP = (jnp.repeat(x, group_size, axis=0) for x in (ids_BP, mask_BP))
@@ -567,13 +569,6 @@ class _SamplerSpec(NamedTuple):
     mesh: Mesh | None
     rules: Any
     trace_context: Any
-
-
-def _frozen(x: Any) -> Any:
-    """`x` with every list a tuple (sharding rules from YAML/JSON), so that it hashes."""
-    if isinstance(x, list | tuple):
-        return tuple(_frozen(v) for v in x)
-    return x
 
 
 def _traced(spec: _SamplerSpec, body: Any, *args: Any) -> Any:
@@ -698,8 +693,10 @@ def _decode_body(
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6))
-def _prefill_program(spec, params, prompt_ids_BP, prompt_mask_BP, rng, config, group_size, *pv):
-    args = (params, prompt_ids_BP, prompt_mask_BP, rng, config, group_size, *pv)
+def _prefill_program(
+    spec, params, prompt_ids_BP, prompt_mask_BP, rng, config, group_size, pixel_values
+):
+    args = (params, prompt_ids_BP, prompt_mask_BP, rng, config, group_size, pixel_values)
     return _traced(spec, _prefill_body, *args)
 
 

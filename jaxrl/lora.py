@@ -53,7 +53,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from jaxrl import parallel
 from jaxrl.core import quant
@@ -749,15 +748,8 @@ def _lora_init(
     return a, jnp.zeros(b_shape, jnp.float32)
 
 
-def _place(value: jax.Array, axes: tuple, model_config: ModelConfig) -> jax.Array:
-    if model_config.mesh is None:  # placed as the base params of a model loaded without a mesh
-        return jax.device_put(value, hf.unsharded_placement())
-    spec = parallel.logical_to_spec(axes, model_config.rules, value.shape, model_config.mesh)
-    return jax.device_put(value, NamedSharding(model_config.mesh, spec))
-
-
 def _lora_param(value: jax.Array, axes: tuple, model_config: ModelConfig) -> nnx.LoRAParam:
-    value = _place(value, axes, model_config)
+    value = hf.place(value, axes, model_config)
     return nnx.LoRAParam(value, out_sharding=axes, eager_sharding=False)
 
 

@@ -159,6 +159,16 @@ def unsharded_placement() -> NamedSharding:
     return NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), PartitionSpec())
 
 
+def place(value: Any, axes: tuple, config: ModelConfig) -> jax.Array:
+    """`value` placed as a param with logical `axes` of a model of `config` is: on its mesh by
+    its sharding rules, or, loaded without a mesh, at `unsharded_placement()` (parameters added
+    or replaced after loading: LoRA adapters, resized token tables)."""
+    if config.mesh is None:
+        return jax.device_put(value, unsharded_placement())
+    spec = parallel.logical_to_spec(axes, config.rules, value.shape, config.mesh)
+    return jax.device_put(value, NamedSharding(config.mesh, spec))
+
+
 def _shardings(abstract_state: Any, mesh: Mesh | None, rules: parallel.Rules | None) -> Any:
     if mesh is None:
         replicated = unsharded_placement()

@@ -18,9 +18,9 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
 
 from jaxrl import parallel
+from jaxrl.models import hf
 from jaxrl.models.layers import Embed
 
 # transformers' scale of the old rows' covariance for the added rows' distribution.
@@ -56,8 +56,8 @@ def mean_resized_rows(old_VD: np.ndarray, added: int, rng: np.random.Generator) 
     return rows.astype(old_VD.dtype)
 
 
-def _resized(variable: nnx.Variable, size: int, rows_axis: int, rng, mesh, rules) -> jax.Array:
-    """`variable`'s array with `size` rows along `rows_axis`, placed on `mesh` by `rules`."""
+def _resized(variable: nnx.Variable, size: int, rows_axis: int, rng, config) -> jax.Array:
+    """`variable`'s array with `size` rows along `rows_axis`, placed as the model's params."""
     host = np.asarray(jax.device_get(variable.get_value()))
     table = np.moveaxis(host, rows_axis, 0)
     old = table.shape[0]
@@ -66,8 +66,7 @@ def _resized(variable: nnx.Variable, size: int, rows_axis: int, rng, mesh, rules
     else:
         new = np.concatenate([table, mean_resized_rows(table, size - old, rng)])
     new = np.ascontiguousarray(np.moveaxis(new, 0, rows_axis))
-    spec = parallel.logical_to_spec(parallel.variable_axes(variable), rules, new.shape, mesh)
-    return jax.device_put(new, NamedSharding(mesh, spec))
+    return hf.place(new, parallel.variable_axes(variable), config)
 
 
 def token_tables(model: nnx.Module) -> list[tuple[nnx.Variable, int]]:
@@ -88,13 +87,11 @@ def resize_token_embeddings(
     *,
     pad_to_multiple_of: int | None = None,
     seed: int = 0,
-    mesh: Mesh | None = None,
-    rules: Any = None,
 ) -> int:
     """Resize `model`'s token tables in place to `new_num_tokens` rows rounded up to
     `pad_to_multiple_of` (module docstring); returns the new vocabulary size. The new arrays are
-    placed on `mesh` (default: the mesh of the current table) by the sharding `rules`. Models
-    with LoRA adapters or a quantized base are refused: resize before adding them."""
+    placed as the model's params are (its config's mesh and sharding rules). Models with LoRA
+    adapters or a quantized base are refused: resize before adding them."""
     config = model.config
     tables = token_tables(model)
     if not tables:
@@ -106,8 +103,6 @@ def resize_token_embeddings(
                 "base model."
             )
     size = resized_vocab_size(int(new_num_tokens), pad_to_multiple_of)
-    if mesh is None:
-        mesh = tables[0][0].get_value().sharding.mesh
     rng = np.random.default_rng(seed)
     for variable, rows_axis in tables:
         value = variable.get_value()
@@ -116,7 +111,7 @@ def resize_token_embeddings(
                 f"A token table has {value.shape[rows_axis]} rows but the config's vocab_size is "
                 f"{config.vocab_size}."
             )
-        variable.set_value(_resized(variable, size, rows_axis, rng, mesh, rules))
+        variable.set_value(_resized(variable, size, rows_axis, rng, config))
     hf_config = config.hf_config
     if hf_config is not None:
         hf_config.get_text_config().vocab_size = size
@@ -134,7 +129,6 @@ def clone_chat_template(
     resize_to_multiple_of: int | None = 64,
     *,
     seed: int = 0,
-    rules: Any = None,
 ) -> tuple[nnx.Module, Any, list[int]]:
     """TRL's `clone_chat_template`: give `tokenizer` the chat template of the tokenizer at
     `source_tokenizer_path` (a directory, or a hub id where the hub is reachable), add that
@@ -159,7 +153,6 @@ def clone_chat_template(
         len(tokenizer.get_vocab()),
         pad_to_multiple_of=resize_to_multiple_of,
         seed=seed,
-        rules=rules,
     )
     index = 0
     while len(tokenizer.get_vocab()) < size:

@@ -362,9 +362,7 @@ class Trainer(TrainLoop):
                 "embeddings and sets its config's EOS, which needs a model loaded from a "
                 "checkpoint or a transformers config."
             )
-        _, _, added = clone_chat_template(
-            self.model, processing_class, path, seed=self.args.seed, rules=self.rules
-        )
+        _, _, added = clone_chat_template(self.model, processing_class, path, seed=self.args.seed)
         logger.info(
             "Cloned the chat template of %s: %d tokens added, vocabulary %d.",
             path,

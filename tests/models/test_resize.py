@@ -88,7 +88,7 @@ def test_resize_on_a_mesh_keeps_the_vocab_sharding(model_dir):
     assert embed.get_value().shape == (192, HIDDEN) and embed.get_value().sharding.mesh == mesh
 
 
-def test_refusals(model_dir):
+def test_refusals():
     with pytest.raises(ValueError, match="positive"):
         resized_vocab_size(0, 64)
     with pytest.raises(ValueError, match="pad_to_multiple_of"):

@@ -168,9 +168,9 @@ def test_default_run_one_prefill_no_reference_and_resume(hf_model_dir, tokenizer
     seen = []
     prefill = full.rollout_sampler._prefill
 
-    def spy(params, ids, mask, rng, config, group_size):
+    def spy(params, ids, mask, rng, config, group_size, pixel_values=None):
         seen.append((ids.shape[0], group_size))
-        return prefill(params, ids, mask, rng, config, group_size)
+        return prefill(params, ids, mask, rng, config, group_size, pixel_values)
 
     full.rollout_sampler._prefill = spy
     full.train()
