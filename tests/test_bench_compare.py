@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxrl import bench
+from jaxrl.bench import compare
 
 
 def test_dpo_runs_trls_objective_on_both_sides():
@@ -51,12 +52,12 @@ def test_sweep_interleaves_sides_and_reports_ratio_and_rss(monkeypatch, capsys):
         assert side == "jaxrl" or "GLIBC_TUNABLES" not in env
         # TRL's script imports jaxrl: the checkout is on its path (a source checkout is not
         # installed), ahead of the user's PYTHONPATH.
-        root = str(Path(bench.__file__).resolve().parents[1])
+        root = str(Path(bench.__file__).resolve().parents[2])
         assert side == "jaxrl" or env["PYTHONPATH"] == os.pathsep.join((root, "/user/site"))
         step = {"jaxrl": 0.5, "trl": 1.0}[side]
         return {"step_s": step + 0.01 * len(calls), "peak_rss_bytes": {"jaxrl": 3, "trl": 2}[side]}
 
-    monkeypatch.setattr(bench, "run_child", fake_child)
+    monkeypatch.setattr(compare, "run_child", fake_child)
     assert bench.main(["--algo", "sft", "--compare", "trl", "--sweep", "--reps", "2"]) == 0
     assert calls == ["jaxrl", "trl"] * 2 * len(bench.SWEEP)
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -11,6 +11,7 @@ time is the rest of the optimizer step.
 
 Bench flags: --steps N timed steps per round (default 5), --warmup N (default 1), --rounds R
 (default 2). Other flags are `GRPOConfig` fields (both sides get the same values).
+Must not give one side a setting the other lacks: TRL's config is built from jaxrl's.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl.bench.common import peak_memory, split_flags
+from jaxrl.rewards import arith_correct
+from jaxrl.train import build_trainer
+
 _FLAGS = {"--steps": int, "--warmup": int, "--rounds": int}
 
 
 def _split(argv: list[str]) -> tuple[dict, list[str]]:
-    from jaxrl.bench import split_flags
-
     return split_flags(argv, _FLAGS, {"steps": 5, "warmup": 1, "rounds": 2})
 
 
@@ -61,8 +64,6 @@ def _trl_round(
     import torch
     import trl
     from transformers import AutoModelForCausalLM, TrainerCallback
-
-    from jaxrl.rewards import arith_correct
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     out = tempfile.mkdtemp(prefix="trl_grpo_bench_")
@@ -120,9 +121,6 @@ def _trl_round(
 
 
 def run(argv: list[str]) -> dict:
-    from jaxrl.bench import _peak_bytes
-    from jaxrl.train import build_trainer
-
     opts, rest = _split(argv)
     overrides = [
         "--eval_strategy",
@@ -153,7 +151,7 @@ def run(argv: list[str]) -> dict:
     ours_a, theirs_a = np.asarray(ours), np.asarray(theirs)
     step_s = float(np.median(ours_a.sum(1)))
     trl_step_s = float(np.median(theirs_a.sum(1)))
-    peak_bytes, _ = _peak_bytes()
+    peak_bytes, _ = peak_memory()
     return {
         "algo": "grpo",
         "step_s": step_s,
