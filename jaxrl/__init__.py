@@ -25,7 +25,7 @@ from jaxrl.callbacks.base import (
 from jaxrl.callbacks.bema import BEMACallback
 from jaxrl.callbacks.completions import LogCompletionsCallback, WeaveCallback
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
-from jaxrl.config import DPOConfig, RewardConfig, SFTConfig, TrainingConfig
+from jaxrl.config import TrainingConfig
 from jaxrl.models.hf import AutoModelForCausalLMWithValueHead
 from jaxrl.models.resize import clone_chat_template
 from jaxrl.scripting import (
@@ -40,13 +40,16 @@ from jaxrl.scripting import (
 from jaxrl.trainers import (
     DDPOConfig,
     DDPOTrainer,
+    DPOConfig,
     DPOTrainer,
     EvalPrediction,
     GRPOConfig,
     GRPOTrainer,
+    RewardConfig,
     RewardTrainer,
     RLOOConfig,
     RLOOTrainer,
+    SFTConfig,
     SFTTrainer,
 )
 from jaxrl.trainers.ppo import PPOTrainer

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxrl import config, scripting
-from jaxrl.trainers.grpo_config import GRPOConfig
-from jaxrl.trainers.rloo_config import RLOOConfig
+from jaxrl import scripting
+from jaxrl.config import TrainingConfig
+from jaxrl.trainers.registry import ALGORITHMS
 
 # Fields jaxrl accepts and translates into its own terms (anything else it has is implemented
 # as TRL documents it, or listed in config_fields.py as rejected when set).
@@ -83,13 +83,15 @@ NOTES = {
     "them; GRPO/RLOO reject it (their `num_tokens` is TRL's count)",
 }
 
+# The algorithms whose config the installed TRL still has (PPO and DDPO follow TRL v0.7.2's).
+TRL_ALGOS = ("sft", "reward", "dpo", "grpo", "rloo")
+
 SECTIONS = (
-    ("TrainingArguments (transformers)", "TrainingArguments", config.TrainingConfig),
-    ("SFTConfig (trl)", "SFTConfig", config.SFTConfig),
-    ("RewardConfig (trl)", "RewardConfig", config.RewardConfig),
-    ("DPOConfig (trl)", "DPOConfig", config.DPOConfig),
-    ("GRPOConfig (trl)", "GRPOConfig", GRPOConfig),
-    ("RLOOConfig (trl)", "RLOOConfig", RLOOConfig),
+    ("TrainingArguments (transformers)", "TrainingArguments", TrainingConfig),
+    *(
+        (f"{cls.__name__} (trl)", cls.__name__, cls)
+        for cls in (ALGORITHMS[algo].config_class for algo in TRL_ALGOS)
+    ),
     ("ScriptArguments (trl)", "ScriptArguments", scripting.ScriptArguments),
     ("ModelConfig (trl)", "ModelConfig", scripting.ModelConfig),
 )
@@ -100,15 +102,7 @@ def reference_classes() -> dict[str, type]:
     import trl
 
     out = {"TrainingArguments": transformers.TrainingArguments}
-    for name in (
-        "SFTConfig",
-        "RewardConfig",
-        "DPOConfig",
-        "GRPOConfig",
-        "RLOOConfig",
-        "ScriptArguments",
-        "ModelConfig",
-    ):
+    for _, name, _ in SECTIONS[1:]:
         out[name] = getattr(trl, name)
     return out
 
@@ -151,11 +145,11 @@ def render() -> str:
             state, note = status(cls, name)
             lines.append(f"| `{name}` | {state} | {note} |")
         ours = [f.name for f in dataclasses.fields(cls) if f.init]
-        if cls is config.TrainingConfig:
+        if cls is TrainingConfig:
             trl_names = {f.name for r in refs.values() for f in dataclasses.fields(r)}
             extra = [n for n in ours if n not in trl_names]
         else:
-            shared = {f.name for f in dataclasses.fields(config.TrainingConfig)}
+            shared = {f.name for f in dataclasses.fields(TrainingConfig)}
             extra = [n for n in ours if n not in set(names) | hf_names | shared]
         if extra:
             lines += ["", "jaxrl-only: " + ", ".join(f"`{n}`" for n in extra) + "."]

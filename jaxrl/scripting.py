@@ -22,9 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxrl.config import (
-    ATTN_IMPLEMENTATIONS,
-    DTYPES,
+from jaxrl.config import ATTN_IMPLEMENTATIONS, DTYPES
+from jaxrl.config_cli import (
     ConfigError,
     PeftArguments,
     coerce,

@@ -11,18 +11,28 @@ input one paragraph on stderr and status 2.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.config import PeftArguments
+from jaxrl import parallel, run_dir, scripting
+from jaxrl.config import ConfigError
+from jaxrl.config_cli import PeftArguments, parse_config
+from jaxrl.data import task
+from jaxrl.data.loading import load_dataset_any
+from jaxrl.models.diffusion import rewards as image_rewards
+from jaxrl.models.diffusion.tiny import TINY_PROMPTS
+from jaxrl.rewards import arith_correct, script_reward_funcs
+from jaxrl.trainers import TrainingInterrupted
+from jaxrl.trainers.ddpo_config import parse_ddpo_cli
+from jaxrl.trainers.registry import ALGORITHMS
 
-ALGOS = ("sft", "reward", "dpo", "ppo", "grpo", "rloo")
-ONLINE_ALGOS = ("grpo", "rloo")
 DEFAULT_ALGO = "dpo"
 # Recipes ship inside the package so that an installed wheel runs the embedded job too.
 CONFIG_DIR = Path(__file__).resolve().parent / "recipes"
@@ -47,20 +57,16 @@ def recipe_path(name_or_path: str) -> Path:
 
 def argmax_logits(logits: Any, labels: Any) -> Any:
     """`preprocess_logits_for_metrics` of the embedded recipes: token ids, reduced on device."""
-    import jax.numpy as jnp
-
     return jnp.argmax(logits, axis=-1)
 
 
 def task_compute_metrics(pred) -> dict[str, float]:
     """Held-out accuracy of the embedded task: a row is right when every trained token is the
     teacher-forced argmax (HF layout: prediction `t` scores label `t + 1`)."""
-    from jaxrl.data.task import exact_match
-
     preds, labels = np.asarray(pred.predictions), np.asarray(pred.label_ids)
     targets = labels[:, 1:]
     mask = targets != -100
-    return {"task_accuracy": float(np.mean(exact_match(preds[:, :-1], targets, mask)))}
+    return {"task_accuracy": float(np.mean(task.exact_match(preds[:, :-1], targets, mask)))}
 
 
 def chosen_task_compute_metrics(pred) -> dict[str, float]:
@@ -76,9 +82,6 @@ PEFT_FIELDS = tuple(f.name for f in dataclasses.fields(PeftArguments))
 def peft_options(script: Any) -> tuple[Any, str | None]:
     """`(peft_config, quantization_config)` for the trainer from the PEFT flags, built as TRL's
     `get_peft_config` / `get_quantization_config` build them from a `ModelConfig`."""
-    from jaxrl import scripting
-    from jaxrl.config import ConfigError
-
     values = {name: getattr(script, name) for name in PEFT_FIELDS}
     defaults = {name: getattr(type(script)(), name) for name in PEFT_FIELDS}
     changed = sorted(k for k in PEFT_FIELDS if values[k] != defaults[k])
@@ -103,8 +106,10 @@ def _split_algo(argv: list[str]) -> tuple[str, list[str]]:
         else:
             rest.append(argv[i])
             i += 1
-    if algo not in ALGOS:
-        raise ValueError(f"--algo {algo!r} is not one of {ALGOS}.")
+    # DDPO's image pipeline has a CLI of its own (`main_ddpo`, before this parser).
+    algos = tuple(name for name, a in ALGORITHMS.items() if a.script_class is not None)
+    if algo not in algos:
+        raise ValueError(f"--algo {algo!r} is not one of {algos}.")
     return algo, rest
 
 
@@ -130,8 +135,6 @@ def _without_config(argv: list[str]) -> list[str]:
 
 
 def _load_split(script, split: str):
-    from jaxrl.data.loading import load_dataset_any
-
     try:
         return load_dataset_any(script.dataset_name, split=split)
     except (KeyError, ValueError) as e:
@@ -150,23 +153,20 @@ def _recipe_yaml(algo: str, rest: list[str]) -> Path | None:
         _flag_value(rest, "model_name_or_path") is None
         and _flag_value(rest, "dataset_name") is None
     ):
-        return CONFIG_DIR / f"{algo}.yaml"
+        return CONFIG_DIR / f"{ALGORITHMS[algo].recipe}.yaml"
     return None
 
 
 def build_trainer(argv: list[str]) -> Any:
     """Parse the command line and build the trainer (shared by `jaxrl.train` and `jaxrl.bench`)."""
-    from jaxrl import run_dir, trainers
-    from jaxrl.config import parse_config
-    from jaxrl.data import task
-
     algo, rest = _split_algo(argv)
+    spec = ALGORITHMS[algo]
     if algo == "ppo":
         return build_ppo_trainer(rest)
-    if algo in ONLINE_ALGOS:
+    if spec.takes_reward_funcs:
         return build_online_trainer(algo, rest)
     args, script = parse_config(
-        config_class(algo), yaml_path=_recipe_yaml(algo, rest), cli_args=_without_config(rest)
+        spec.config_class, yaml_path=_recipe_yaml(algo, rest), cli_args=_without_config(rest)
     )
     peft_config, quantization_config = peft_options(script)
     # Fail on an unusable output_dir before loading any data or model.
@@ -193,7 +193,7 @@ def build_trainer(argv: list[str]) -> Any:
     if script.model_name_or_path is None:
         tokenizer = task.load_tokenizer()
         if algo == "sft":
-            from transformers import AutoConfig
+            from transformers import AutoConfig  # ~3 s to import: only the runs that need it
 
             # The embedded SFT job trains the shipped tiny config from random weights.
             model = AutoConfig.from_pretrained(str(task.asset_path("model_config")))
@@ -202,13 +202,12 @@ def build_trainer(argv: list[str]) -> Any:
     else:
         model = script.model_name_or_path
     if script.tokenizer_name_or_path is not None:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # ~3 s to import: only the runs that need it
 
         tokenizer = AutoTokenizer.from_pretrained(script.tokenizer_name_or_path)
     if args.eval_strategy == "no" and not args.eval_on_start:
         eval_ds = None
-    cls = {"sft": trainers.SFTTrainer, "reward": trainers.RewardTrainer, "dpo": trainers.DPOTrainer}
-    return cls[algo](
+    return spec.trainer_class(
         model=model,
         args=args,
         train_dataset=train_ds,
@@ -226,15 +225,9 @@ def build_ppo_trainer(rest: list[str]) -> Any:
     SFT model with a new value head, prompts of the arithmetic task, reward 1 for a correct sum
     and 0 otherwise (`arith_correct`'s None, a non-task prompt, counts as 0). With
     `--reward_model DIR` the completions are scored by that reward model instead."""
-    from jaxrl import run_dir
-    from jaxrl.config import parse_config
-    from jaxrl.data import task
-    from jaxrl.data.loading import load_dataset_any
-    from jaxrl.rewards import arith_correct
-    from jaxrl.trainers.ppo import PPOTrainer
-
+    spec = ALGORITHMS["ppo"]
     args, script = parse_config(
-        config_class("ppo"), yaml_path=_recipe_yaml("ppo", rest), cli_args=_without_config(rest)
+        spec.config_class, yaml_path=_recipe_yaml("ppo", rest), cli_args=_without_config(rest)
     )
     peft_config, quantization_config = peft_options(script)
     run_dir.check_output_dir(
@@ -258,10 +251,10 @@ def build_ppo_trainer(rest: list[str]) -> Any:
     if tok_path is None:
         tokenizer = task.load_tokenizer()
     else:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # ~3 s to import: only the runs that need it
 
         tokenizer = AutoTokenizer.from_pretrained(tok_path)
-    return PPOTrainer(
+    return spec.trainer_class(
         args,
         model,
         tokenizer=tokenizer,
@@ -278,19 +271,12 @@ def build_online_trainer(algo: str, rest: list[str]) -> Any:
     (held-out accuracy: `eval_greedy/rewards/arith_correct/mean`, greedy exact match). TRL's GRPO
     script flags `--reward_model_name_or_path` / `--reward_funcs` pick other rewards; a
     `--dataset_name` needs one of them."""
-    from jaxrl import run_dir
-    from jaxrl.config import ConfigError, OnlineScriptArguments, parse_config
-    from jaxrl.data import task
-    from jaxrl.rewards import arith_correct, script_reward_funcs
-    from jaxrl.trainers.grpo import GRPOTrainer
-    from jaxrl.trainers.rloo import RLOOTrainer
-
-    trainer_cls = {"grpo": GRPOTrainer, "rloo": RLOOTrainer}[algo]
+    spec = ALGORITHMS[algo]
     args, script = parse_config(
-        config_class(algo),
+        spec.config_class,
         yaml_path=_recipe_yaml(algo, rest),
         cli_args=_without_config(rest),
-        script_class=OnlineScriptArguments,
+        script_class=spec.script_class,
     )
     reward_funcs = script_reward_funcs(script.reward_funcs, script.reward_model_name_or_path)
     if not reward_funcs:
@@ -319,12 +305,12 @@ def build_online_trainer(algo: str, rest: list[str]) -> Any:
     else:
         model = script.model_name_or_path
     if script.tokenizer_name_or_path is not None:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # ~3 s to import: only the runs that need it
 
         tokenizer = AutoTokenizer.from_pretrained(script.tokenizer_name_or_path)
     if args.eval_strategy == "no":
         eval_ds = None
-    return trainer_cls(
+    return spec.trainer_class(
         model=model,
         reward_funcs=reward_funcs,
         args=args,
@@ -339,20 +325,15 @@ def build_online_trainer(algo: str, rest: list[str]) -> Any:
 def main_ddpo(argv: list[str]) -> int:
     """`--algo ddpo`: DDPO on the tiny random SD pipeline (or --pretrained_model DIR) with a
     JPEG reward and prompts drawn from a fixed list of animals (TRL's example script)."""
-    from jaxrl.models.diffusion import rewards
-    from jaxrl.models.diffusion.tiny import TINY_PROMPTS
-    from jaxrl.trainers.ddpo import DDPOTrainer
-    from jaxrl.trainers.ddpo_config import parse_ddpo_cli
-
     try:
         config, reward = parse_ddpo_cli(argv)
     except ValueError as e:
         print(f"jaxrl.train: error: {e}", file=sys.stderr)
         return 2
     rng = np.random.default_rng(config.seed)
-    trainer = DDPOTrainer(
+    trainer = ALGORITHMS["ddpo"].trainer_class(
         config,
-        getattr(rewards, reward),
+        getattr(image_rewards, reward),
         lambda: (str(rng.choice(TINY_PROMPTS)), {}),
         config.pretrained_model or None,
     )
@@ -362,38 +343,15 @@ def main_ddpo(argv: list[str]) -> int:
     return 0
 
 
-def config_class(algo: str) -> type:
-    """The config dataclass of `--algo ALGO` (TRL's class for it)."""
-    from jaxrl.config import CONFIGS
-
-    if algo == "ppo":
-        from jaxrl.trainers.ppo_config import PPOConfig
-
-        return PPOConfig
-    if algo == "grpo":
-        from jaxrl.trainers.grpo_config import GRPOConfig
-
-        return GRPOConfig
-    if algo == "rloo":
-        from jaxrl.trainers.rloo_config import RLOOConfig
-
-        return RLOOConfig
-    if algo == "ddpo":
-        from jaxrl.trainers.ddpo_config import DDPOConfig
-
-        return DDPOConfig
-    return CONFIGS[algo]
-
-
 def usage(algo: str) -> str:
     """`--help`: the module's synopsis and every flag `--algo ALGO` accepts, with its default."""
     lines = [(__doc__ or "").strip(), "", f"Flags of --algo {algo} (name, type, default):"]
-    from jaxrl.config import OnlineScriptArguments, ScriptArguments
-
+    spec = ALGORITHMS[algo]
     seen: set[str] = set()
     # DDPO's CLI reads its config class only; the others add the script-level fields.
-    script = OnlineScriptArguments if algo in ONLINE_ALGOS else ScriptArguments
-    classes = [config_class(algo)] if algo == "ddpo" else [script, config_class(algo)]
+    classes = [spec.config_class]
+    if spec.script_class is not None:
+        classes.insert(0, spec.script_class)
     for cls in classes:
         lines.append(f"  [{cls.__name__}]")
         for f in dataclasses.fields(cls):
@@ -415,17 +373,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         algo = _flag_value(argv, "algo")
-        print(usage(algo if algo in (*ALGOS, "ddpo") else DEFAULT_ALGO))
+        print(usage(algo if algo in ALGORITHMS else DEFAULT_ALGO))
         return 0
     pairs = [(a, b) for a, b in zip(argv, argv[1:], strict=False) if a == "--algo"]
     if "--algo=ddpo" in argv or ("--algo", "ddpo") in pairs:
         i = argv.index("--algo=ddpo") if "--algo=ddpo" in argv else argv.index("--algo")
         return main_ddpo(argv[:i] + argv[i + (1 if argv[i] == "--algo=ddpo" else 2) :])
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from jaxrl import parallel
-    from jaxrl.config import ConfigError
-    from jaxrl.trainers import TrainingInterrupted
-
     parallel.initialize_distributed()
     try:
         trainer = build_trainer(argv)
@@ -450,8 +404,6 @@ def _tune_gc() -> None:
     constantly. Rarer young passes, and the modules imported so far frozen out of every pass,
     cut a small DPO run's CPU time by ~13% (21.9 -> 19.1 s). Only the CLI: a library import
     leaves the host program's GC alone."""
-    import gc
-
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)

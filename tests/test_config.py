@@ -6,16 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from jaxrl import DPOConfig, RewardConfig, SFTConfig, TrainingConfig
 from jaxrl import config as config_module
-from jaxrl.config import (
-    CONFIGS,
-    ConfigError,
-    DPOConfig,
-    RewardConfig,
-    SFTConfig,
-    TrainingConfig,
-    parse_config,
-)
+from jaxrl.config import ConfigError
+from jaxrl.config_cli import parse_config
+from jaxrl.trainers.registry import ALGORITHMS
 
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "jaxrl" / "recipes"
 
@@ -59,7 +54,11 @@ def test_resolved_defaults():
     assert RewardConfig().learning_rate == 1e-4
     dpo = DPOConfig(loss_type="ipo")
     assert dpo.learning_rate == 1e-6 and dpo.loss_type == ["ipo"]
-    assert set(CONFIGS) == {"sft", "reward", "dpo"}
+    assert [ALGORITHMS[a].config_class for a in ("sft", "reward", "dpo")] == [
+        SFTConfig,
+        RewardConfig,
+        DPOConfig,
+    ]
 
 
 @pytest.mark.parametrize("cls", [SFTConfig, RewardConfig, DPOConfig], ids=lambda c: c.__name__)
@@ -241,7 +240,8 @@ def test_yaml_round_trip(tmp_path):
 
 @pytest.mark.parametrize("algo", ["sft", "reward", "dpo"])
 def test_embedded_yaml_configs_load(algo):
-    config, _ = parse_config(CONFIGS[algo], CONFIGS_DIR / f"{algo}.yaml")
+    spec = ALGORITHMS[algo]
+    config, _ = parse_config(spec.config_class, CONFIGS_DIR / f"{spec.recipe}.yaml")
     assert config.output_dir == f"outputs/{algo}" and config.bf16 is False
     assert config.max_steps > 0 and config.save_steps % config.eval_steps == 0
 

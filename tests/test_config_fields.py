@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl import config_docs
-from jaxrl.config import ConfigError, DPOConfig, RewardConfig, SFTConfig, TrainingConfig
+from jaxrl import DPOConfig, RewardConfig, SFTConfig, TrainingConfig, config_docs
+from jaxrl.config import ConfigError
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config_fields.md"
 

@@ -5,8 +5,8 @@ import types
 
 import pytest
 
-from jaxrl import hub
-from jaxrl.config import ConfigError, SFTConfig
+from jaxrl import SFTConfig, hub
+from jaxrl.config import ConfigError
 
 
 class FakeApi:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from jaxrl import loop_options
-from jaxrl.config import ConfigError, SFTConfig
+from jaxrl import SFTConfig, loop_options
+from jaxrl.config import ConfigError
 
 
 def test_best_model_defaults_and_comparison():

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl.config import ConfigError, DPOConfig, SFTConfig
+from jaxrl import DPOConfig, SFTConfig
+from jaxrl.config import ConfigError
 from jaxrl.data import task
 from jaxrl.train import CONFIG_DIR, build_trainer, main, recipe_path
 

@@ -28,7 +28,6 @@ import numpy as np
 from flax import nnx
 
 from jaxrl import lora, parallel
-from jaxrl.config import DPOConfig
 from jaxrl.core import quant
 from jaxrl.core.logprobs import scored_logprobs, unembed_logits
 from jaxrl.data import vision
@@ -43,6 +42,7 @@ from jaxrl.data.vision_preference import VisionPreferenceCollator
 from jaxrl.losses.dpo import LABEL_SMOOTHING_TYPES, dpo_multi_loss
 from jaxrl.trainers import router_aux
 from jaxrl.trainers.base import Trainer, weighted_token_count
+from jaxrl.trainers.dpo_config import DPOConfig
 from jaxrl.trainers.evaluation import label_ids_from_loss_mask, label_ids_from_trained
 from jaxrl.trainers.image_text import ImageTextMixin
 from jaxrl.trainers.sft import (

@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.config import RewardConfig
 from jaxrl.data.collate import collate_reward, model_masks
 from jaxrl.data.reward import prepare_reward_dataset
 from jaxrl.losses.reward import reward_loss
 from jaxrl.models.heads import score_mask
 from jaxrl.trainers.base import Trainer
+from jaxrl.trainers.reward_config import RewardConfig
 
 
 def pair_scores(model, mb: dict, pad_token_id: int | None = None) -> tuple[dict, jax.Array]:

@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.config import SFTConfig
 from jaxrl.core.logprobs import scored_logprobs, unembed_logits
 from jaxrl.data import vision
 from jaxrl.data.collate import (
@@ -39,6 +38,7 @@ from jaxrl.trainers import router_aux
 from jaxrl.trainers.base import Trainer, weighted_token_count
 from jaxrl.trainers.evaluation import label_ids_from_loss_mask
 from jaxrl.trainers.image_text import ImageTextMixin
+from jaxrl.trainers.sft_config import SFTConfig
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ import struct
 
 import pytest
 
+from jaxrl import SFTConfig
 from jaxrl.callbacks import TrainerControl, TrainerState
-from jaxrl.config import SFTConfig
 
 
 def _scalars(log_dir) -> dict[str, list[tuple[int, float]]]:

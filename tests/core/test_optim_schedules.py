@@ -4,7 +4,8 @@ HF optimizer names map to optax updates equal to torch's."""
 import numpy as np
 import pytest
 
-from jaxrl.config import LR_SCHEDULERS, SFTConfig
+from jaxrl import SFTConfig
+from jaxrl.config import LR_SCHEDULERS
 from jaxrl.core import optim
 
 LR, TOTAL, WARMUP = 3e-4, 40, 6

@@ -16,7 +16,7 @@ from trl.trainer.dpo_trainer import DPOTrainer as TRLDPOTrainer
 from trl.trainer.reward_trainer import RewardTrainer as TRLRewardTrainer
 from trl.trainer.sft_trainer import SFTTrainer as TRLSFTTrainer
 
-from jaxrl.config import SFTConfig
+from jaxrl import SFTConfig
 from jaxrl.data import (
     build_char_tokenizer,
     collate_preference,

@@ -14,7 +14,8 @@ from trainer_utils import base_args, killed_after_checkpoint, tiny_config, train
 
 from jaxrl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from jaxrl.callbacks.base import DefaultFlowCallback, TrainerControl, TrainerState
-from jaxrl.config import ConfigError, parse_config
+from jaxrl.config import ConfigError
+from jaxrl.config_cli import parse_config
 from jaxrl.data.batching import length_grouped_order
 from jaxrl.data.collate import (
     collate_preference,

@@ -10,7 +10,8 @@ import pytest
 from trainer_utils import base_args, tiny_config, train_logs
 
 from jaxrl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
-from jaxrl.config import ConfigError, parse_config
+from jaxrl.config import ConfigError
+from jaxrl.config_cli import parse_config
 from jaxrl.data.collate import AUTO_MIN_BUCKET, bucket_length, length_buckets
 
 BUCKETS = [16, 32]

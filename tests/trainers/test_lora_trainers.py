@@ -11,10 +11,9 @@ import pytest
 from flax import nnx
 from trainer_utils import base_args, killed_after_checkpoint, train_logs
 
-from jaxrl import lora, models
+from jaxrl import DPOConfig, RewardConfig, SFTConfig, lora, models
 from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.callbacks.bema import BEMACallback
-from jaxrl.config import DPOConfig, RewardConfig, SFTConfig
 from jaxrl.core import quant
 from jaxrl.trainers import DPOTrainer, RewardTrainer, SFTTrainer
 from jaxrl.trainers.dpo import pair_logps

@@ -13,7 +13,7 @@ import pytest
 from test_trl_defaults import MODEL
 from trainer_utils import base_args
 
-from jaxrl import config, trainers
+from jaxrl import trainers
 from jaxrl.data import task
 
 
@@ -23,9 +23,9 @@ def _rows(name: str) -> datasets.Dataset:
 
 
 CASES = {
-    "sft": (config.SFTConfig, trainers.SFTTrainer, "sft"),
-    "dpo": (config.DPOConfig, trainers.DPOTrainer, "dpo"),
-    "reward": (config.RewardConfig, trainers.RewardTrainer, "dpo"),
+    "sft": (trainers.SFTConfig, trainers.SFTTrainer, "sft"),
+    "dpo": (trainers.DPOConfig, trainers.DPOTrainer, "dpo"),
+    "reward": (trainers.RewardConfig, trainers.RewardTrainer, "dpo"),
 }
 
 

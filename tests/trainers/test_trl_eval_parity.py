@@ -56,12 +56,12 @@ def _trl_eval(algo: str, model: str, ds, out) -> dict:
 
 
 def _jaxrl_eval(algo: str, model: str, ds, out) -> dict:
-    from jaxrl import config, trainers
+    from jaxrl import trainers
 
     config_cls, trainer_cls = {
-        "sft": (config.SFTConfig, trainers.SFTTrainer),
-        "reward": (config.RewardConfig, trainers.RewardTrainer),
-        "dpo": (config.DPOConfig, trainers.DPOTrainer),
+        "sft": (trainers.SFTConfig, trainers.SFTTrainer),
+        "reward": (trainers.RewardConfig, trainers.RewardTrainer),
+        "dpo": (trainers.DPOConfig, trainers.DPOTrainer),
     }[algo]
     args = config_cls(**base_args(out, per_device_eval_batch_size=3))
     trainer = trainer_cls(model=model, args=args, train_dataset=ds, eval_dataset=ds)
