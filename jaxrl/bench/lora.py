@@ -19,9 +19,8 @@ import numpy as np
 
 from jaxrl import lora
 from jaxrl.bench.common import last_json_line, peak_memory, synthetic_examples
-from jaxrl.config import SFTConfig
 from jaxrl.data import task
-from jaxrl.trainers import SFTTrainer
+from jaxrl.trainers import SFTConfig, SFTTrainer
 
 _LORA_FLAGS = {
     "--use_peft": str,

@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl import trainers
 from jaxrl.bench.common import (
     LENGTHS,
     long_tail_lengths,
@@ -28,9 +27,10 @@ from jaxrl.bench.common import (
     split_flags,
     synthetic_examples,
 )
-from jaxrl.config import CONFIGS, parse_config
+from jaxrl.config_cli import parse_config
 from jaxrl.models import presets
 from jaxrl.train import CONFIG_DIR, build_trainer
+from jaxrl.trainers.registry import ALGORITHMS
 
 
 def build(argv: list[str]) -> tuple[Any, dict, str]:
@@ -48,9 +48,9 @@ def build(argv: list[str]) -> tuple[Any, dict, str]:
     rest = [a for i, a in enumerate(rest) if a != "--algo" and (i == 0 or rest[i - 1] != "--algo")]
     rest = [a for a in rest if not a.startswith("--algo=")]
     cfg_algo = "sft" if algo == "forward" else algo
-    yaml_path = CONFIG_DIR / f"{cfg_algo}.yaml"
+    yaml_path = CONFIG_DIR / f"{ALGORITHMS[cfg_algo].recipe}.yaml"
     args, _ = parse_config(
-        CONFIGS[cfg_algo],
+        ALGORITHMS[cfg_algo].config_class,
         yaml_path=yaml_path if yaml_path.exists() else None,
         cli_args=rest,
         overrides={
@@ -63,12 +63,7 @@ def build(argv: list[str]) -> tuple[Any, dict, str]:
     )
     hf_config = presets.get_preset(opts["preset"])
     tok = SimpleNamespace(pad_token_id=0, pad_token="<pad>", eos_token="<eos>")
-    cls = {
-        "sft": trainers.SFTTrainer,
-        "forward": trainers.SFTTrainer,
-        "reward": trainers.RewardTrainer,
-        "dpo": trainers.DPOTrainer,
-    }[algo]
+    cls = ALGORITHMS[cfg_algo].trainer_class
     trainer = cls(model=hf_config, args=args, processing_class=tok)
     trainer.seq_len = opts["seq_len"]
     if algo == "dpo" and args.prefix_sharing:  # one row holds the prompt and both completions
