@@ -176,6 +176,7 @@ class Trainer(
         self._jit_eval_step = None
         self._event("on_init_end")
 
+    # ----------------------------------------------------------------- data
     @staticmethod
     def _load_data(dataset: Any, split: str) -> Any:
         """A dataset object passes through; a path or hub id is loaded (a single file is the

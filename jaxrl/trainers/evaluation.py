@@ -246,8 +246,7 @@ class EvaluationMixin:
 
     def _prediction_fn(self) -> Callable | None:
         """`(model, micro_batch) -> (logits, label_ids)` of one eval batch in HF's layout (see
-        `jaxrl.trainers.evaluation`); traced inside the jitted predict step. None: no
-        predictions."""
+        the module docstring); traced inside the jitted predict step. None: no predictions."""
         return None
 
     # Rows of predictions per example: DPO predicts a chosen and a rejected row per pair.
