@@ -13,20 +13,31 @@ longest (rounded up to `pad_to_multiple_of`), `pad_across_processes` fills the r
 batch's width with -100 (before `preprocess_logits_for_metrics`), and batches of different
 widths are concatenated with -100 padding (`nested_concat(..., padding_index=-100)`). jaxrl's
 batches are padded further, to a length bucket; `beyond_widths` and `trim_sequences` give them
-HF's widths, so predictions do not depend on the buckets. Everything here is host numpy or a
-tiny pure function; no model code.
+HF's widths, so predictions do not depend on the buckets. The functions and classes here are
+host numpy or tiny pure functions.
+
+`EvaluationMixin` is `jaxrl.trainers.base.Trainer`'s `evaluate()` and `predict()`: fixed-order
+eval batches, the jitted eval and predict steps run over them and HF's metric and prediction
+layout made of their outputs. The loss and the predictions are the trainer's (`_loss_fn`,
+`_prediction_fn`); no model code here.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxrl import parallel
+from jaxrl.data.collate import trl_example_widths
+
+logger = logging.getLogger("jaxrl")
 
 IGNORE_INDEX = -100  # HF's label for positions without loss
 
@@ -226,3 +237,285 @@ def hf_eval_loss(batch_losses: Sequence[float], num_samples: int, batch_size: in
     if finite.any():
         losses = losses[finite]
     return float(losses.mean())
+
+
+class EvaluationMixin:
+    """`Trainer`'s `evaluate()` / `predict()` (subclass hooks: `_prediction_fn`,
+    `_prediction_input_ids`, `_prediction_groups`, `_predictions_per_position`,
+    `_before_evaluation`, `_models_prepared_at_init`, `_eval_batches`, `_hf_widths`)."""
+
+    def _prediction_fn(self) -> Callable | None:
+        """`(model, micro_batch) -> (logits, label_ids)` of one eval batch in HF's layout (see
+        the module docstring); traced inside the jitted predict step. None: no predictions."""
+        return None
+
+    # Rows of predictions per example: DPO predicts a chosen and a rejected row per pair.
+    _prediction_groups = 1
+    # Whether predictions and labels are per position `[rows, T, ...]` (SFT, DPO), so that
+    # they take HF's per-batch widths; reward predictions are per pair.
+    _predictions_per_position = True
+
+    def _prediction_input_ids(self, mb: dict) -> jax.Array:
+        """The input ids of an eval micro-batch's prediction rows, as `_prediction_fn` lays its
+        rows out (`EvalPrediction.inputs` with `include_for_metrics=["inputs"]`): by default the
+        batch's `input_ids` (SFT `[B, T]`, reward `[B, 2, T]` pairs). Traced in the predict step."""
+        return mb["input_ids"]
+
+    def _prepare_for_evaluation(self) -> None:
+        """`_ensure_state` for `evaluate()` / `predict()`. HF: when they run before any training,
+        they prepare the model themselves, and that time (here: building the sharded state and
+        compiling the steps) is `{prefix}_model_preparation_time` (s, 4 decimals) in their
+        metrics from then on, left out of `{prefix}_runtime`."""
+        if self.train_state is None:
+            start = time.time()
+            self._ensure_state()
+            if not self._models_prepared_at_init():
+                self.model_preparation_time = round(time.time() - start, 4)
+
+    def _models_prepared_at_init(self) -> bool:
+        """Whether TRL's trainer hands a model (a reference, a reward model) to accelerate in its
+        constructor: then HF's evaluation finds accelerate already holding models and reports no
+        `model_preparation_time`."""
+        return False
+
+    def _eval_batches(self, dataset):
+        """Fixed-order eval batches, each padded to its own bucket (`_batch_seq_len`); the last
+        one is filled with weight-0 copies."""
+        bs = self.args.per_device_eval_batch_size * self.dp
+        n = len(dataset)
+        per_host = bs // jax.process_count()
+        for start in range(0, n, bs):
+            idx = [min(start + i, n - 1) for i in range(bs)]
+            real = [start + i < n for i in range(bs)]
+            lo = jax.process_index() * per_host
+            rows = [dataset[i] for i in idx[lo : lo + per_host]]
+            batch = self._collate(rows, self._batch_seq_len(dataset, idx, "eval"))
+            batch["example_mask"] = np.asarray(real[lo : lo + per_host], np.float32)
+            yield {k: v[None] for k, v in batch.items()}
+
+    def _before_evaluation(self, dataset: Any) -> None:
+        """Host-side work an algorithm does at each evaluation before the metric pass (DPO's
+        `generate_during_eval`); none by default."""
+
+    def evaluate(
+        self,
+        eval_dataset: Any = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> dict:
+        """Eval loss and metrics over `eval_dataset` (default: the trainer's), logged and
+        returned with keys `{metric_key_prefix}_*` (HF). With `compute_metrics`, it also gets
+        the gathered predictions (HF's layout; `preprocess_logits_for_metrics` runs on device),
+        or each batch's with `batch_eval_metrics` (see `_evaluation_loop`)."""
+        self._prepare_for_evaluation()
+        ds = (
+            self.eval_dataset
+            if eval_dataset is None
+            else self._admit(self._prepare_dataset(eval_dataset, "eval"))
+        )
+        if ds is None:
+            raise ValueError("evaluate() needs an eval_dataset.")
+        self._before_evaluation(ds)
+        want = self.compute_metrics is not None and not self.args.prediction_loss_only
+        metrics, _ = self._evaluation_loop(ds, metric_key_prefix, ignore_keys, want)
+        self.log(metrics)
+        self._event("on_evaluate", metrics=metrics)
+        return metrics
+
+    def predict(
+        self,
+        test_dataset: Any,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "test",
+    ) -> PredictionOutput:
+        """HF's `predict`: predictions and labels over `test_dataset` (raw rows, a path or hub id,
+        or already tokenized), with the eval metrics (and `compute_metrics`') under
+        `{metric_key_prefix}_*`. Predictions per trainer: SFT, the logits `[N, T, V]` (or the
+        output of `preprocess_logits_for_metrics`); DPO, those of the `prompt + chosen` rows then
+        the `prompt + rejected` rows `[2N, ...]`; reward, the `[N, 2]` (chosen, rejected) scores
+        with label 0 (the chosen column). `T` and the -100 padding are HF's: each eval batch as
+        wide as TRL pads its devices' rows, the narrower batches padded to the widest with -100
+        (`jaxrl.trainers.evaluation`), whatever `length_buckets`. Not logged; callbacks get
+        `on_predict`."""
+        self._prepare_for_evaluation()
+        ds = self._admit(self._prepare_dataset(test_dataset, "test"))
+        want = not self.args.prediction_loss_only  # HF: then no predictions, no labels
+        metrics, (preds, labels) = self._evaluation_loop(
+            ds, metric_key_prefix, ignore_keys, want, predicting=True
+        )
+        self._event("on_predict", metrics=metrics)
+        return PredictionOutput(preds, labels, metrics)
+
+    def _admit(self, ds: Any) -> Any:
+        """A dataset given to `evaluate`/`predict` after the steps were compiled: where the LM
+        head runs on a `score_span` (SFT, DPO) too short for it, the span widens and the steps
+        are compiled again."""
+        if self.score_span is not None and ds is not None:
+            needed = self._score_span([ds])
+            if needed is None or needed > self.score_span:
+                self.score_span = needed
+                self._compile(self.train_state)
+        return ds
+
+    def _evaluation_loop(
+        self,
+        ds: Any,
+        prefix: str,
+        ignore_keys: list[str] | None,
+        want_predictions: bool,
+        predicting: bool = False,
+    ) -> tuple[dict, tuple[Any, Any]]:
+        """Eval metrics (prefixed) and, when asked for and the trainer has them, the predictions
+        and labels of every example in order (gathered across processes on every host).
+
+        Averaged as HF and TRL do: each metric's value is taken per eval batch
+        (`per_device_eval_batch_size` x data-parallel devices; the last one holds the remaining
+        examples), then the loss is averaged over the batches weighted by their example counts,
+        non-finite ones left out (HF's `eval_loss`, `hf_eval_loss`) and every other metric, a
+        batch's min and max included, is the plain mean of the batch values (TRL's `log()`).
+        `num_tokens` is the training tokens seen so far, as TRL logs it at evaluation. HF's
+        `{prefix}_runtime`, `_samples_per_second` and `_steps_per_second` are added.
+
+        `compute_metrics` as HF's `evaluation_loop` calls it: once on everything gathered, or,
+        with `batch_eval_metrics`, on each batch's rows with `compute_result=False` and on the
+        last batch's with `compute_result=True`, the last call's return value being the
+        metrics (evaluate() then keeps no predictions; predict() still returns them).
+        `include_for_metrics` adds `inputs` and/or `losses` to its `EvalPrediction`. Each
+        batch's outputs reach the host as soon as it is done (HF's `eval_accumulation_steps=1`),
+        so nothing accumulates on the accelerator."""
+        start = time.time()
+        a = self.args
+        batch_values: dict[str, list[float]] = {}
+        batch_losses: list[float] = []
+        seen_totals: set[str] = set()
+        # HF drops model outputs named in ignore_keys; the only output here is `logits`.
+        want_predictions = want_predictions and "logits" not in (ignore_keys or [])
+        predict = self._jitted_predict() if want_predictions else None
+        per_batch = a.batch_eval_metrics and self.compute_metrics is not None
+        keep_all = not per_batch or predicting  # HF: batch_eval_metrics keeps them for predict()
+        want_inputs = "inputs" in a.include_for_metrics
+        want_losses = "loss" in a.include_for_metrics
+        groups = self._prediction_groups
+        concat = a.eval_do_concat_batches
+        preds, labels, inputs = (PredictionGatherer(groups, concat) for _ in range(3))
+        example_losses: list[np.ndarray] = []
+        bs = a.per_device_eval_batch_size * self.dp
+        n_batches = -(-len(ds) // bs)
+        batch_metrics = None
+        for step, host in enumerate(self._eval_batches(ds)):
+            batch = self._to_device(host)
+            aux = jax.device_get(self._jit_eval_step(self.train_state, batch))
+            values = {
+                k: float(np.sum(v)) / max(float(np.sum(aux["count"][k])), 1.0)
+                for k, v in aux.get("sum", {}).items()
+            }
+            values.update({k: float(np.nanmin(v)) for k, v in aux.get("min", {}).items()})
+            values.update({k: float(np.nanmax(v)) for k, v in aux.get("max", {}).items()})
+            seen_totals.update(aux.get("total", {}))
+            for k, v in values.items():
+                if k == self._loss_metric:
+                    batch_losses.append(v)
+                else:
+                    batch_values.setdefault(k, []).append(v)
+            if predict is None:
+                continue
+            p, lab, ids, widths = predict(self.current_params(), batch)
+            p, lab, widths = parallel.to_host((p, lab, widths))
+            ids = parallel.to_host(ids) if want_inputs else None
+            keep = parallel.to_host(batch["example_mask"])[0] > 0
+            if widths is not None:  # HF's batch width: its widest device's rows
+                t, width = host["input_ids"].shape[-1], int(widths[keep].max())
+                if self._predictions_per_position:
+                    p, lab = trim_sequences((p, lab), t, width)
+                ids = None if ids is None else trim_sequences(ids, t, width, axis=-1)
+            losses = None
+            if want_losses and self._loss_metric in values:
+                losses = batch_losses_per_example(values[self._loss_metric], int(keep.sum()))
+            if keep_all:
+                preds.add(p, keep)
+                labels.add(lab, keep)
+            if per_batch:
+                one = PredictionGatherer(groups)
+                batch_metrics = self.compute_metrics(
+                    EvalPrediction(
+                        one.batch_rows(p, keep),
+                        one.batch_rows(lab, keep),
+                        inputs=None if ids is None else one.batch_rows(ids, keep),
+                        losses=losses,
+                    ),
+                    compute_result=step == n_batches - 1,
+                )
+                continue
+            if ids is not None:  # for the one compute_metrics call after the loop
+                inputs.add(ids, keep)
+            if losses is not None:
+                example_losses.append(losses)
+        metrics = {}
+        if batch_losses:
+            metrics[self._loss_metric] = hf_eval_loss(batch_losses, len(ds), bs)
+        metrics.update({k: float(np.mean(v)) for k, v in batch_values.items()})
+        if "num_tokens" in seen_totals:
+            metrics["num_tokens"] = float(getattr(self, "_tokens_seen", 0))
+        all_preds, all_labels = preds.result(), labels.result()
+        if per_batch:
+            metrics.update(batch_metrics or {})
+        elif self.compute_metrics is not None and all_preds is not None:
+            pred = EvalPrediction(
+                all_preds,
+                all_labels,
+                inputs=inputs.result() if want_inputs else None,
+                losses=(np.concatenate(example_losses) if concat else example_losses)
+                if example_losses
+                else None,
+            )
+            metrics.update(self.compute_metrics(pred))
+        metrics = prefixed(metrics, prefix)
+        prep = getattr(self, "model_preparation_time", None)
+        metrics.update(speed_metrics(prefix, start, len(ds), bs, prep))
+        return metrics, (all_preds, all_labels)
+
+    def _hf_widths(self, mb: dict) -> jax.Array | None:
+        """Per example of an eval micro-batch `[B]`: the width HF's evaluation gives its rows
+        (its device's longest row, rounded up to `pad_to_multiple_of`); None for best-fit packed
+        rows, which keep the static length."""
+        if "segment_ids" in mb:
+            return None
+        a = self.args
+        return trl_example_widths(
+            mb, mb["example_mask"], a.per_device_eval_batch_size, a.pad_to_multiple_of
+        )
+
+    def _jitted_predict(self) -> Callable | None:
+        """The jitted `(params, batch) -> (predictions, label_ids, input_ids, widths)` (built
+        once), or None; `input_ids` are in the predictions' row layout (`_prediction_input_ids`),
+        `widths` HF's per example (`_hf_widths`), past which the rest are -100."""
+        if self._jit_predict is None:
+            fn = self._prediction_fn()
+            if fn is None:
+                return None
+            input_ids = self._prediction_input_ids
+            preprocess = self.preprocess_logits_for_metrics
+            if preprocess is None and self.model_task == "causal_lm":
+                logger.warning(
+                    "%s hands compute_metrics/predict the full logits [N, T, vocab] on the host, "
+                    "as HF does; pass preprocess_logits_for_metrics (e.g. an argmax) to reduce "
+                    "them on device.",
+                    type(self).__name__,
+                )
+
+            def predict(params, batch_A):
+                mb = {k: v[0] for k, v in batch_A.items()}
+                logits, label_ids = fn(self.apply_model(params), mb)
+                ids = input_ids(mb)
+                widths_B = self._hf_widths(mb)
+                if widths_B is not None:  # -100 past each device's rows, as HF pads them
+                    if self._predictions_per_position:
+                        logits = beyond_widths(logits, widths_B, 1)
+                        label_ids = beyond_widths(label_ids, widths_B, 1)
+                    ids = beyond_widths(ids, widths_B, ids.ndim - 1)
+                if preprocess is not None:
+                    logits = preprocess(logits, label_ids)
+                return logits, label_ids, ids, widths_B
+
+            self._jit_predict = jax.jit(predict)
+        return self._jit_predict

@@ -40,6 +40,9 @@ from jaxrl.callbacks.base import (
 )
 from jaxrl.callbacks.collapse import CollapseWarningCallback
 from jaxrl.callbacks.jsonl import JsonlMetricsCallback
+from jaxrl.callbacks.progress import RichProgressCallback
+from jaxrl.callbacks.tensorboard import TensorBoardCallback
+from jaxrl.callbacks.wandb import WandbCallback
 from jaxrl.checkpoint import (
     CheckpointCorruptError,
     Checkpointer,
@@ -166,16 +169,10 @@ class TrainLoop:
         report = self.args.report_to
         report = [report] if isinstance(report, str) else list(report or [])
         if "wandb" in report or "all" in report:
-            from jaxrl.callbacks.wandb import WandbCallback
-
             cbs.append(WandbCallback(**self._wandb_options()))
         if "tensorboard" in report:
-            from jaxrl.callbacks.tensorboard import TensorBoardCallback
-
             cbs.append(TensorBoardCallback())
         if not self.args.disable_tqdm:
-            from jaxrl.callbacks.progress import RichProgressCallback
-
             cbs.append(RichProgressCallback())
         return cbs
 

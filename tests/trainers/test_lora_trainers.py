@@ -181,7 +181,7 @@ def test_lora_rejections(tmp_path, tokenizer, hf_model_dir, pref_data, sft_data)
 def test_quantization_config_from_bitsandbytes_fields():
     from transformers import BitsAndBytesConfig
 
-    from jaxrl.trainers.base import _quantization_scheme
+    from jaxrl.trainers.model_setup import _quantization_scheme
 
     assert (
         _quantization_scheme(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"))

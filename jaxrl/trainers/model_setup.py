@@ -1,0 +1,158 @@
+"""How a trainer gets its model: the device mesh, the compute and param dtypes, the model loaded
+(a path or hub id, a transformers config for a random init, or a user-built nnx model) with its
+params placed on the mesh by the sharding rules, and LoRA / QLoRA set up on it (TRL's
+`peft_config`, `quantization_config`).
+
+`ModelSetupMixin` is one of the pieces `jaxrl.trainers.base.Trainer` is composed of: its methods
+read `self.args` (and the mesh, rules and dtypes the constructor keeps) and return what they
+build; `_setup_peft` sets `self.lora_config` and `self.is_peft`. No data, no training step, no
+export here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl import lora, models, parallel
+
+logger = logging.getLogger("jaxrl")
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class ModelSetupMixin:
+    """`Trainer`'s mesh, dtypes, model loading and LoRA / QLoRA setup (subclass hooks:
+    `_model_load_kwargs`, `_check_model`, `_default_peft_task`)."""
+
+    def _make_mesh(self):
+        a = self.args
+        devices = jax.devices("cpu") if a.use_cpu else jax.devices()  # HF `use_cpu`
+        return parallel.config_mesh(a.mesh_data, a.mesh_fsdp, a.mesh_tensor, devices=devices)
+
+    def _compute_dtype(self):
+        a = self.args
+        if a.fp16:
+            return jnp.float16
+        if a.bf16:
+            return jnp.bfloat16
+        return jnp.float32
+
+    def _param_dtype(self):
+        return _DTYPES[self.args.param_dtype]
+
+    def _load_model(self, model: Any, task: str):
+        a = self.args
+        kw = dict(
+            dtype=self.compute_dtype,
+            param_dtype=self._param_dtype(),
+            residual_dtype=a.residual_dtype,
+            mesh=self.mesh,
+            rules=self.rules,
+            scan_layers=self.scan_layers,
+            remat_policy=a.remat_policy or ("full" if a.gradient_checkpointing else "none"),
+            activation_offloading=getattr(a, "activation_offloading", False),
+        )
+        kw.update(self._model_load_kwargs())
+        if isinstance(model, str):
+            return models.from_pretrained(model, task=task, **kw)
+        from transformers import PretrainedConfig
+
+        if isinstance(model, PretrainedConfig):  # random init from a config (from scratch)
+            return models.from_config(model, seed=a.seed, task=task, **kw)
+        if isinstance(model, nnx.Module):
+            self._check_model(model)
+            offload = kw["activation_offloading"]
+            if offload != getattr(getattr(model, "config", None), "activation_offloading", offload):
+                raise ValueError(
+                    f"activation_offloading={offload} but the given model was built with "
+                    f"activation_offloading={not offload}; build it with the same setting "
+                    "(`from_pretrained(..., activation_offloading=...)`) or pass its path."
+                )
+            # Place a user-built model's params on this trainer's mesh by the sharding rules.
+            params = nnx.state(model)
+            shardings = parallel.param_shardings(params, self.mesh, self.rules)
+            nnx.update(model, jax.device_put(params, shardings))
+            return model
+        raise TypeError(
+            "model must be a path/hub id, a transformers config (random init) or a jaxrl nnx "
+            f"model, got {type(model).__name__}."
+        )
+
+    def _model_load_kwargs(self) -> dict[str, Any]:
+        """Extra `from_pretrained` / `from_config` arguments (SFT on images: `vision=True`)."""
+        return {}
+
+    def _check_model(self, model: Any) -> None:
+        """Checks a user-built model must pass (none here)."""
+
+    # ----------------------------------------------------------------- LoRA / QLoRA
+    def _default_peft_task(self) -> str:
+        return "CAUSAL_LM"
+
+    def _setup_peft(self, peft_config: Any, quantization_config: Any) -> None:
+        """Wrap the policy in LoRA adapters (TRL's `peft_config`), optionally over a quantized
+        base (TRL's `quantization_config`: a `BitsAndBytesConfig`, or "int8" / "nf4"). A model
+        that already carries adapters (`lora.load_peft_adapter`) trains them as is."""
+        scheme = _quantization_scheme(quantization_config)
+        if peft_config is not None:
+            if getattr(self.model, "lora_config", None) is not None:
+                raise ValueError(
+                    "The model already has LoRA adapters and peft_config was given too; merge the "
+                    "adapters first (lora.merge_lora) or drop peft_config."
+                )
+            config = peft_config
+            if not isinstance(config, lora.LoraConfig):
+                config = lora.LoraConfig.from_peft(peft_config)
+            if config.task_type is None:
+                config = dataclasses.replace(config, task_type=self._default_peft_task())
+            if config.task_type != self._default_peft_task():
+                raise ValueError(
+                    f"peft_config.task_type={config.task_type!r} does not fit "
+                    f"{type(self).__name__}; use {self._default_peft_task()!r}."
+                )
+            lora.apply_lora(self.model, config, nnx.Rngs(self.args.seed))
+        self.lora_config = getattr(self.model, "lora_config", None)
+        self.is_peft = self.lora_config is not None
+        if scheme is not None:
+            if not self.is_peft:
+                raise ValueError(
+                    "quantization_config needs peft_config: a quantized base cannot be trained in "
+                    "full, only LoRA adapters on top of it (QLoRA)."
+                )
+            lora.quantize_base(self.model, scheme)
+        if self.is_peft:
+            trainable, total = lora.trainable_parameters(self.model)
+            logger.info(
+                "LoRA: trainable params %d || all params %d || trainable%% %.4f",
+                trainable,
+                total,
+                100 * trainable / total,
+            )
+
+
+def _quantization_scheme(quantization_config: Any) -> str | None:
+    """`lora.quantize_base`'s scheme for TRL's `quantization_config`: None, "int8", "nf4", or a
+    transformers `BitsAndBytesConfig` (`load_in_8bit`, or `load_in_4bit` with NF4)."""
+    if quantization_config is None or quantization_config in ("int8", "nf4"):
+        return quantization_config
+    if isinstance(quantization_config, str):
+        raise ValueError(
+            f"quantization_config={quantization_config!r}: use 'int8', 'nf4' or a "
+            "transformers BitsAndBytesConfig."
+        )
+    q = quantization_config
+    return lora.base_quantization(
+        SimpleNamespace(
+            load_in_8bit=getattr(q, "load_in_8bit", False),
+            load_in_4bit=getattr(q, "load_in_4bit", False),
+            bnb_4bit_quant_type=getattr(q, "bnb_4bit_quant_type", "nf4"),
+            use_bnb_nested_quant=getattr(q, "bnb_4bit_use_double_quant", False),
+        )
+    )
