@@ -26,7 +26,7 @@ from jaxrl.callbacks.bema import BEMACallback
 from jaxrl.callbacks.completions import LogCompletionsCallback, WeaveCallback
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.config import TrainingConfig
-from jaxrl.models.hf import AutoModelForCausalLMWithValueHead
+from jaxrl.lora.value_head import AutoModelForCausalLMWithValueHead
 from jaxrl.models.resize import clone_chat_template
 from jaxrl.scripting import (
     DatasetMixtureConfig,

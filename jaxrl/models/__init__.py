@@ -16,7 +16,6 @@ from jaxrl.models.heads import (
     ValueHead,
 )
 from jaxrl.models.hf import (
-    AutoModelForCausalLMWithValueHead,
     build_model,
     from_config,
     from_pretrained,
@@ -28,7 +27,6 @@ from jaxrl.models.vision import Gemma3ForConditionalGeneration
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
-    "AutoModelForCausalLMWithValueHead",
     "CausalLM",
     "CausalLMWithValueHead",
     "GPT2ForCausalLM",

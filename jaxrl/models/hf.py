@@ -2,10 +2,9 @@
 
 Params are created or loaded directly into their sharding: the model is built abstractly
 (`nnx.eval_shape`), each param's NamedSharding comes from its logical axes and the rules, and each
-checkpoint tensor is read lazily and placed straight into its shards. Our module tree mirrors HF's
-names, so the key mapping is mechanical: `kernel`/`scale`/`embedding` -> `weight`, layer index
-inserted for scanned stacks, torch `nn.Linear` weights transposed ([out, in] -> [in, out]),
-GPT-2 `Conv1D` weights only reshaped.
+checkpoint tensor is read lazily and placed straight into its shards. Which checkpoint key and
+layout each param has is `hf_keys.py`. This file knows no adapters: LoRA on a loaded model and
+TRL's value-head loader with PEFT options are `jaxrl.lora`.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import copy
 import dataclasses
 import functools
 import json
-import math
 import types
 import warnings
 from pathlib import Path
@@ -28,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl import parallel
-from jaxrl.models import gpt_oss, mxfp4
+from jaxrl.models import hf_keys, mxfp4
 from jaxrl.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, config_from_hf
 from jaxrl.models.gpt2 import GPT2ForCausalLM
 from jaxrl.models.gpt_oss import GptOssForCausalLM
@@ -40,7 +38,6 @@ from jaxrl.models.weights_io import CheckpointReader, parse_size, plan_shards, w
 TASKS = ("causal_lm", "sequence_classification", "causal_lm_with_value_head")
 # TRL's AutoModelForCausalLMWithValueHead keys: the LM's own keys plus these.
 V_HEAD_KEYS = ("v_head.summary.weight", "v_head.summary.bias")
-BASE_PREFIX = {"gpt2": "transformer"}  # HF base_model_prefix; "model" for the Llama family
 HF_CAUSAL_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -81,12 +78,8 @@ HF_SEQ_CLS_ARCH = {
     "gpt_oss": "GptOssForSequenceClassification",
     "gpt2": "GPT2ForSequenceClassification",
 }
-# Top-level modules of an image-text model outside its language model: transformers v5 names
-# them under `model.` (`model.vision_tower...`), checkpoints keep them at the top.
-VISION_MODULES = ("vision_tower", "multi_modal_projector")
 # Checkpoint entries that are buffers or derived values, never parameters.
 IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
-CONV1D_MODULES = ("c_attn", "c_proj", "c_fc")
 Model = (
     LlamaForCausalLM
     | GPT2ForCausalLM
@@ -97,16 +90,6 @@ Model = (
 
 
 # ---------------------------------------------------------------- building
-
-
-def _base_prefix(config: ModelConfig) -> str:
-    return config.language_model_prefix or BASE_PREFIX.get(config.model_type, "model")
-
-
-def checkpoint_model_type(config: ModelConfig) -> str:
-    """The checkpoint's own model_type: the language model's, or that of the image-text model
-    around it (Gemma 3's "gemma3")."""
-    return getattr(config.hf_config, "model_type", None) or config.model_type
 
 
 def build_model(
@@ -268,8 +251,8 @@ def _unstacked_init(
     for path, sharding in nnx.to_flat_state(shardings):
         stack = next(
             (i for i in range(len(path) - 1)
-             if _is_layer_stack(path[i]) and isinstance(path[i + 1], int)
-             and path[0] not in VISION_MODULES),
+             if hf_keys.is_layer_stack(path[i]) and isinstance(path[i + 1], int)
+             and path[0] not in hf_keys.VISION_MODULES),
             None,
         )  # fmt: skip
         if stack is None:
@@ -297,120 +280,6 @@ def _layer_slice(sharding: NamedSharding) -> Any:
         lambda stacked, i: jax.lax.dynamic_index_in_dim(stacked, i, keepdims=False),
         out_shardings=sharding,
     )
-
-
-# ---------------------------------------------------------------- key mapping
-
-
-def _is_layer_stack(name: Any) -> bool:
-    return name in ("layers", "h")
-
-
-def _hf_key_template(path: tuple, config: ModelConfig, per_expert: bool = False) -> tuple[str, int]:
-    """HF key for a flat-state path, and how many leading axes of the param are split into
-    separate HF keys: each "{}" stands for one, the layer index of a stacked (scanned) param,
-    then the expert index of an MoE expert weight (`experts.{e}.gate_proj.weight`)."""
-    parts: list[str] = []
-    split = 0
-    if path[0] == "pretrained_model":  # value-head wrapper: the LM keeps its own HF keys
-        path = path[1:]
-    for i, name in enumerate(path):
-        if i == 0 and (name == "backbone" or (name == "model" and config.language_model_prefix)):
-            name = _base_prefix(config)
-        if i == 0 and name in VISION_MODULES:  # module-named as transformers v5 (`_disk_key`)
-            name = f"model.{name}"
-        parts.append(str(name))
-        stacked = i + 1 < len(path) and not isinstance(path[i + 1], int)
-        if _is_layer_stack(name) and config.scan_layers and stacked:
-            parts.append("{}")
-            split += 1
-    if per_expert:  # [..., "experts", "gate_proj"] -> "experts.{}.gate_proj.weight"
-        return ".".join([*parts[:-1], "{}", parts[-1], "weight"]), split + 1
-    leaf = {"kernel": "weight", "scale": "weight", "embedding": "weight"}.get(parts[-1], parts[-1])
-    return ".".join([*parts[:-1], leaf]), split
-
-
-def _is_conv1d(path: tuple, config: ModelConfig) -> bool:
-    return config.model_type == "gpt2" and path[-1] == "kernel" and path[-2] in CONV1D_MODULES
-
-
-def _is_linear(path: tuple, config: ModelConfig) -> bool:
-    """A torch `nn.Linear`-layout weight ([out, in]): our kernels [in..., out...] and the MoE
-    expert weights [in, out] per expert (a param with an `hf_layout` is never asked)."""
-    return (path[-1] == "kernel" and not _is_conv1d(path, config)) or (
-        len(path) > 1 and path[-2] == "experts"
-    )
-
-
-def _hf_shape(
-    path: tuple,
-    shape: tuple[int, ...],
-    n_in: int | None,
-    config: ModelConfig,
-    layout: str | None = None,
-) -> tuple:
-    """Shape of the HF tensor for one (unstacked) param of ours."""
-    if layout is not None:
-        return gpt_oss.hf_shape(layout, shape)
-    if path[-1] == "kernel" or _is_linear(path, config):
-        fan_in, fan_out = math.prod(shape[:n_in]), math.prod(shape[n_in:])
-        return (fan_in, fan_out) if _is_conv1d(path, config) else (fan_out, fan_in)
-    if path[-1] == "bias":
-        return (math.prod(shape),)
-    return shape
-
-
-def _hf_to_ours(
-    x: np.ndarray,
-    path: tuple,
-    shape: tuple[int, ...],
-    config: ModelConfig,
-    layout: str | None = None,
-) -> np.ndarray:
-    if layout is not None:
-        return gpt_oss.from_hf(layout, x, shape)
-    if _is_linear(path, config):
-        x = x.T  # torch nn.Linear stores [out, in]
-    return x.reshape(shape)
-
-
-def _ours_to_hf(
-    x: np.ndarray, path: tuple, hf_shape: tuple, config: ModelConfig, layout: str | None = None
-) -> np.ndarray:
-    if layout is not None:
-        return gpt_oss.to_hf(layout, x, hf_shape)
-    if _is_linear(path, config):
-        return x.reshape(hf_shape[::-1]).T
-    return x.reshape(hf_shape)
-
-
-class _ParamEntry:
-    """One param of ours and the HF key(s) it maps to: one key per index of its `split` leading
-    axes (layers of a scanned stack, then experts), in row-major order."""
-
-    def __init__(self, path: tuple, variable: nnx.Variable, config: ModelConfig):
-        self.path = path
-        self.variable = variable
-        metadata = variable.get_metadata()
-        self.template, self.split = _hf_key_template(path, config, bool(metadata.get("per_expert")))
-        shape = tuple(variable.shape)
-        self.split_shape = shape[: self.split]
-        self.layer_shape = shape[self.split :]
-        self.n_in = metadata.get("n_in")
-        # How the HF tensor's layout differs from ours when not the usual mapping (GPT-OSS's
-        # interleaved gate/up experts: `gpt_oss.INTERLEAVED`, `gpt_oss.AS_IS`).
-        self.layout = metadata.get("hf_layout")
-        self.hf_shape = _hf_shape(path, self.layer_shape, self.n_in, config, self.layout)
-
-    def indices(self) -> list[tuple[int, ...]]:
-        return list(np.ndindex(*self.split_shape))
-
-    def keys(self) -> list[str]:
-        return [self.template.format(*index) for index in self.indices()]
-
-
-def _entries(state: Any, config: ModelConfig) -> list[_ParamEntry]:
-    return [_ParamEntry(tuple(p), v, config) for p, v in nnx.to_flat_state(state)]
 
 
 # ---------------------------------------------------------------- loading
@@ -449,44 +318,13 @@ class MissingWeightError(KeyError, ValueError):
         return str(self.args[0])
 
 
-def _disk_key(key: str, config: ModelConfig) -> str:
-    """The checkpoint key of a module-named key. transformers keeps image-text checkpoints in
-    their original layout (its conversion mapping renames `language_model.model.*` to
-    `model.language_model.*` and `language_model.lm_head` to `lm_head` on load, and back on
-    save); jaxrl writes that layout too and reads either."""
-    prefix = config.language_model_prefix
-    if prefix and key.startswith(prefix + "."):
-        return "language_model.model." + key[len(prefix) + 1 :]
-    if prefix and key.startswith(tuple(f"model.{m}." for m in VISION_MODULES)):
-        return key[len("model.") :]
-    if prefix and key.startswith("lm_head."):
-        return "language_model." + key
-    return key
-
-
-def _lookup_key(key: str, reader: CheckpointReader, config: ModelConfig) -> str | None:
-    if key in reader:
-        return key
-    if _disk_key(key, config) in reader:
-        return _disk_key(key, config)
-    prefix = _base_prefix(config) + "."
-    if key.startswith(prefix) and key[len(prefix) :] in reader:  # base-model checkpoints
-        return key[len(prefix) :]
-    tower = "vision_tower."
-    disk = _disk_key(key, config)
-    if disk.startswith(tower):  # transformers v4's SigLIP layout (the released Gemma 3 files)
-        old = tower + "vision_model." + disk[len(tower) :]
-        return old if old in reader else None
-    return None
-
-
 def _read_param(
-    entry: _ParamEntry, reader: CheckpointReader, config: ModelConfig, directory: Path
+    entry: hf_keys.ParamEntry, reader: CheckpointReader, config: ModelConfig, directory: Path
 ) -> np.ndarray:
     """Our (stacked, for scanned layers) host array for one param, in the param dtype."""
     out = np.empty(entry.variable.shape, config.param_dtype)
     for index, key in zip(entry.indices(), entry.keys(), strict=True):
-        found = _lookup_key(key, reader, config)
+        found = hf_keys.lookup_key(key, reader, config)
         if found is None:
             raise MissingWeightError(
                 f"Checkpoint {directory} has no weight '{key}' needed by {config.model_type} "
@@ -501,7 +339,7 @@ def _read_param(
             )
         # Filled in place so a scanned stack costs one stacked tensor of host memory.
         target = out[index]
-        target[...] = _hf_to_ours(x, entry.path, entry.layer_shape, config, entry.layout)
+        target[...] = hf_keys.hf_to_ours(x, entry.path, entry.layer_shape, config, entry.layout)
     return out
 
 
@@ -599,7 +437,7 @@ def from_pretrained(
         )
     used: set[str] = set()
     loaded = []
-    for entry in _entries(abstract_state, config):
+    for entry in hf_keys.entries(abstract_state, config):
         sharding = flat_shardings[entry.path]
         if fresh_head and entry.path[0] == "score":
             init = functools.partial(
@@ -619,9 +457,9 @@ def from_pretrained(
             value = _place(np.asarray(host), sharding)
         else:
             value = _place(_read_param(entry, reader, config, directory), sharding)
-            used.update(_lookup_key(k, reader, config) for k in entry.keys())
+            used.update(hf_keys.lookup_key(k, reader, config) for k in entry.keys())
         loaded.append((entry.path, entry.variable.replace(value=value)))
-    own = {_disk_key(k, config) for k in used}
+    own = {hf_keys.disk_key(k, config) for k in used}
     _warn_unused(
         set(reader.keys()) - used - set(_passthrough_keys(config, reader, own)),
         config,
@@ -642,7 +480,7 @@ def _passthrough_keys(
         return []
     lm = ("language_model.", config.language_model_prefix + ".", "lm_head.", "score.", "v_head.")
     return sorted(
-        k for k in reader.keys() if not k.startswith(lm) and _disk_key(k, config) not in own
+        k for k in reader.keys() if not k.startswith(lm) and hf_keys.disk_key(k, config) not in own
     )
 
 
@@ -671,13 +509,13 @@ def save_pretrained(model: Model, path: str | Path, *, max_shard_size: int | str
     path = Path(path)
     write = jax.process_index() == 0
     state = nnx.state(model)
-    entries = _entries(state, config)
+    entries = hf_keys.entries(state, config)
     dtype = np.dtype(config.param_dtype)
     specs: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
-    key_to_entry: dict[str, tuple[_ParamEntry, tuple[int, ...]]] = {}
+    key_to_entry: dict[str, tuple[hf_keys.ParamEntry, tuple[int, ...]]] = {}
     for entry in entries:
         for index, key in zip(entry.indices(), entry.keys(), strict=True):
-            key = _disk_key(key, config)
+            key = hf_keys.disk_key(key, config)
             specs[key] = (tuple(entry.hf_shape), dtype)
             key_to_entry[key] = (entry, index)
 
@@ -700,7 +538,7 @@ def save_pretrained(model: Model, path: str | Path, *, max_shard_size: int | str
             cache.clear()
             cache[entry.path] = parallel.to_host(entry.variable[...])
         x = cache[entry.path][index]
-        return _ours_to_hf(x, entry.path, entry.hf_shape, config, entry.layout)
+        return hf_keys.ours_to_hf(x, entry.path, entry.hf_shape, config, entry.layout)
 
     shards = list(plan_shards(specs, parse_size(max_shard_size)))
     names = (
@@ -735,8 +573,8 @@ def _passthrough_reader(config: ModelConfig) -> CheckpointReader | None:
         if config.vision is not None:  # the vision weights are the model's own
             return None
         warnings.warn(
-            f"This {checkpoint_model_type(config)} model was not loaded from a checkpoint, so "
-            "there are no vision-tower weights to save with it: transformers will initialise "
+            f"This {hf_keys.checkpoint_model_type(config)} model was not loaded from a checkpoint, "
+            "so there are no vision-tower weights to save with it: transformers will initialise "
             "them randomly when it loads the saved model.",
             stacklevel=3,
         )
@@ -744,9 +582,10 @@ def _passthrough_reader(config: ModelConfig) -> CheckpointReader | None:
     directory = Path(config.passthrough_dir)
     if not directory.is_dir():
         raise FileNotFoundError(
-            f"Cannot save this {checkpoint_model_type(config)} model: its vision-tower weights are "
-            f"copied from the checkpoint it was loaded from, {directory}, which no longer exists. "
-            "Restore that directory (or load the model again from a copy) before saving."
+            f"Cannot save this {hf_keys.checkpoint_model_type(config)} model: its vision-tower "
+            f"weights are copied from the checkpoint it was loaded from, {directory}, which no "
+            "longer exists. Restore that directory (or load the model again from a copy) before "
+            "saving."
         )
     return CheckpointReader(directory)
 
@@ -754,7 +593,7 @@ def _passthrough_reader(config: ModelConfig) -> CheckpointReader | None:
 def _write_config(config: ModelConfig, task: str, model: Model, path: Path) -> None:
     hf_config = copy.deepcopy(config.hf_config)
     archs = HF_SEQ_CLS_ARCH if task == "sequence_classification" else HF_CAUSAL_ARCH
-    hf_config.architectures = [archs[checkpoint_model_type(config)]]
+    hf_config.architectures = [archs[hf_keys.checkpoint_model_type(config)]]
     if task == "sequence_classification":
         hf_config.num_labels = model.num_labels
     hf_config.dtype = str(jnp.dtype(config.param_dtype))
@@ -763,74 +602,3 @@ def _write_config(config: ModelConfig, task: str, model: Model, path: Path) -> N
     if getattr(hf_config, "quantization_config", None) is not None:
         del hf_config.quantization_config
     hf_config.save_pretrained(path)
-
-
-class AutoModelForCausalLMWithValueHead:
-    """TRL's loader name: `from_pretrained(path, summary_dropout_prob=..., v_head_init_strategy=...,
-    v_head_initializer_range=..., **load_kwargs)` gives a `CausalLMWithValueHead`; a checkpoint
-    written by TRL (LM keys + `v_head.summary.*`) keeps its value head. `save_pretrained(model,
-    path)` writes the same layout, so TRL's class reads the value head back."""
-
-    @staticmethod
-    def from_pretrained(
-        path_or_hub_id: str | Path,
-        *,
-        summary_dropout_prob: float | None = None,
-        v_head_init_strategy: str | None = None,
-        v_head_initializer_range: float = 0.2,
-        seed: int = 0,
-        peft_config: Any = None,
-        load_in_8bit: bool = False,
-        load_in_4bit: bool = False,
-        **load_kwargs: Any,
-    ) -> CausalLMWithValueHead:
-        """TRL v0.7.2's PEFT options: `peft_config` puts LoRA adapters on the LM (the value
-        head stays a full layer); `load_in_8bit` / `load_in_4bit` store its frozen base as int8
-        / NF4 (QLoRA; only together with `peft_config`)."""
-        head = dict(
-            summary_dropout_prob=summary_dropout_prob,
-            v_head_init_strategy=v_head_init_strategy,
-            v_head_initializer_range=v_head_initializer_range,
-        )
-        if load_in_8bit and load_in_4bit:
-            raise ValueError("Set at most one of load_in_8bit and load_in_4bit.")
-        if (load_in_8bit or load_in_4bit) and peft_config is None:
-            raise ValueError(
-                "load_in_8bit / load_in_4bit need peft_config: a quantized base cannot be trained "
-                "in full, only LoRA adapters on top of it (QLoRA)."
-            )
-        model = from_pretrained(
-            path_or_hub_id,
-            task="causal_lm_with_value_head",
-            value_head_kwargs={**head, "seed": seed},
-            **load_kwargs,
-        )
-        if peft_config is not None:
-            from jaxrl import lora
-
-            if not isinstance(peft_config, lora.LoraConfig):
-                peft_config = lora.LoraConfig.from_peft(peft_config)
-            lora.apply_lora(model.pretrained_model, peft_config, nnx.Rngs(seed))
-            if load_in_8bit or load_in_4bit:
-                lora.quantize_base(model.pretrained_model, "int8" if load_in_8bit else "nf4")
-        return model
-
-    @staticmethod
-    def from_config(
-        hf_config: Any,
-        *,
-        summary_dropout_prob: float | None = None,
-        v_head_init_strategy: str | None = None,
-        v_head_initializer_range: float = 0.2,
-        **kwargs: Any,
-    ) -> CausalLMWithValueHead:
-        head = dict(
-            summary_dropout_prob=summary_dropout_prob,
-            v_head_init_strategy=v_head_init_strategy,
-            v_head_initializer_range=v_head_initializer_range,
-        )
-        return from_config(
-            hf_config, task="causal_lm_with_value_head", value_head_kwargs=head, **kwargs
-        )
-
-    save_pretrained = staticmethod(save_pretrained)

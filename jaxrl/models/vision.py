@@ -12,8 +12,8 @@
   (transformers' training mask), through the attention kernels' key limit.
 
 Attribute names follow transformers v5's module tree (`vision_tower.encoder.layers...`,
-`multi_modal_projector...`), so checkpoint keys and PEFT module names map one to one (`hf.py`,
-`lora.py`). This file does no data processing: pixel values come from the processor.
+`multi_modal_projector...`), so checkpoint keys and PEFT module names map one to one (`hf_keys.py`,
+`jaxrl.lora`). This file does no data processing: pixel values come from the processor.
 """
 
 from __future__ import annotations

@@ -62,10 +62,11 @@ from jaxrl.core.onpolicy import (
 )
 from jaxrl.core.state import TrainState
 from jaxrl.generation import GenerationConfig, Sampler
+from jaxrl.lora.value_head import AutoModelForCausalLMWithValueHead
 from jaxrl.losses.ppo import ppo_loss
 from jaxrl.models.causal_lm import CausalLM
 from jaxrl.models.heads import CausalLMWithValueHead
-from jaxrl.models.hf import AutoModelForCausalLMWithValueHead, from_pretrained, save_pretrained
+from jaxrl.models.hf import from_pretrained, save_pretrained
 from jaxrl.trainers.loop import TrainLoop
 from jaxrl.trainers.ppo_config import PPOConfig
 
@@ -1250,15 +1251,17 @@ class _AdapterOffSampler(Sampler):
 def _save_value_head(policy: CausalLMWithValueHead, path: Path) -> None:
     """`model.safetensors` with only TRL's `v_head.summary.*` keys (TRL saves a PEFT value-head
     model's head beside the adapter and reads it back from there)."""
-    from jaxrl.models import hf
+    from jaxrl.models import hf_keys
     from jaxrl.models.weights_io import write_safetensors
 
     state = nnx.state(policy, nnx.PathContains("v_head"))
     tensors = {}
-    for entry in hf._entries(state, policy.config):
+    for entry in hf_keys.entries(state, policy.config):
         value = jax.device_get(entry.variable.get_value())
         (key,) = entry.keys()
-        tensors[key] = hf._ours_to_hf(np.asarray(value), entry.path, entry.hf_shape, policy.config)
+        tensors[key] = hf_keys.ours_to_hf(
+            np.asarray(value), entry.path, entry.hf_shape, policy.config
+        )
     if jax.process_index() != 0:
         return
     specs = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}

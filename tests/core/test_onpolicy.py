@@ -13,10 +13,10 @@ import pytest
 import transformers
 from flax import nnx
 
+from jaxrl import AutoModelForCausalLMWithValueHead
 from jaxrl.core import rl
 from jaxrl.core.onpolicy import make_ppo_loss_fn, make_ppo_update, make_rollout_forward
 from jaxrl.core.state import TrainState
-from jaxrl.models import AutoModelForCausalLMWithValueHead
 
 B, L, V = 4, 7, 48
 

@@ -22,7 +22,7 @@ from safetensors.numpy import save_file
 
 from jaxrl import lora, parallel
 from jaxrl.models import from_config, from_pretrained, save_pretrained
-from jaxrl.models.hf import _entries, _ours_to_hf
+from jaxrl.models.hf_keys import entries, ours_to_hf
 from tests.model_calls import jit_call
 from tests.models.conftest import FAMILIES
 
@@ -173,10 +173,10 @@ def test_gradients_match_torch(ref):
 
     grads = jax.jit(jax.grad(loss))(params)  # one program, not op-by-op compiles
     got = {}
-    for entry in _entries(grads, model.config):
+    for entry in entries(grads, model.config):
         (key,) = entry.keys()
         value = np.asarray(entry.variable.get_value())
-        got[key] = _ours_to_hf(value, entry.path, entry.hf_shape, model.config, entry.layout)
+        got[key] = ours_to_hf(value, entry.path, entry.hf_shape, model.config, entry.layout)
     assert set(got) == set(want)
     for key in (
         "model.vision_tower.embeddings.patch_embedding.weight",

@@ -12,7 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from jaxrl.models import AutoModelForCausalLMWithValueHead, CausalLMWithValueHead, save_pretrained
+from jaxrl import AutoModelForCausalLMWithValueHead
+from jaxrl.models import CausalLMWithValueHead, save_pretrained
 from tests.models.conftest import padded_batch
 
 

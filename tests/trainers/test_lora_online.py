@@ -282,7 +282,7 @@ def test_ppo_lora_rejections(tmp_path, hf_model_dir):
 def test_ppo_qlora_from_trl_v072_loader_arguments(tmp_path, tokenizer, hf_model_dir):
     from peft import LoraConfig
 
-    from jaxrl.models.hf import AutoModelForCausalLMWithValueHead
+    from jaxrl import AutoModelForCausalLMWithValueHead
 
     # TRL v0.7.2's PEFT PPO: the adapter and the 4-bit base come with the value-head model.
     model = AutoModelForCausalLMWithValueHead.from_pretrained(

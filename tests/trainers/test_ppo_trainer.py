@@ -15,7 +15,7 @@ import pytest
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
-from jaxrl.models import AutoModelForCausalLMWithValueHead
+from jaxrl import AutoModelForCausalLMWithValueHead
 from jaxrl.trainers.ppo import PPOTrainer
 from jaxrl.trainers.ppo_config import PPOConfig
 
