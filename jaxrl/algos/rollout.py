@@ -13,6 +13,7 @@ chunked: never a full f32 `[B, T, V]`), divided by `temperature` as TRL.
 - `rollout_token_weights`: the tokens TRL's loss forward attends to (the MoE load-balancing
   loss's average).
 - `make_policy_logps`: the body of the jitted scoring pass of the sampling policy's log-probs.
+- `make_buffer_step`: one optimizer step over micro-batches sliced from the generation buffer.
 
 Pure functions of a model and arrays: no sampler, rewards, host loop or LoRA switching here (the
 trainer picks which model a pass runs, e.g. the reference with its adapter off).
@@ -128,3 +129,21 @@ def make_policy_logps(
         return completion_logprobs(model, batch, temperature=config.temperature, chunk_size=chunk)
 
     return logps
+
+
+def make_buffer_step(
+    step: Callable[[Any, dict], Any], steps_per_generation: int
+) -> Callable[[Any, dict[str, jax.Array], jax.Array], Any]:
+    """`update(state, buffer, slices_A) -> step(state, batch_A)`: the generation buffer's rows
+    `[steps_per_generation * b, ...]` viewed as `steps_per_generation` slices of b rows, micro-step
+    j of the optimizer step (`step`, a `make_train_step`) taking slice `slices_A[j]`."""
+    spg = steps_per_generation
+
+    def update(state, buffer, slices_A):
+        # Buffer rows [spg * b, ...] -> [spg, b, ...]; micro-step j takes slice slices_A[j].
+        batch_A = jax.tree.map(
+            lambda x: x.reshape(spg, x.shape[0] // spg, *x.shape[1:])[slices_A], buffer
+        )
+        return step(state, batch_A)
+
+    return update

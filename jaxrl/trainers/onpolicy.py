@@ -71,7 +71,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl import generation, lora, parallel
-from jaxrl.algos.rollout import completion_logprobs, make_policy_logps
+from jaxrl.algos.rollout import completion_logprobs, make_buffer_step, make_policy_logps
 from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.callbacks.completions import write_completions_log
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
@@ -577,17 +577,8 @@ class OnPolicyTrainer(ImageTextMixin, Trainer):
             self._state_updates(),
             loss_units=self._loss_units() if self.router_aux_loss_coef else None,
         )
-        spg = self.steps_per_generation
-
-        def update(state, buffer, slices_A):
-            # Buffer rows [spg * b, ...] -> [spg, b, ...]; micro-step j takes slice slices_A[j].
-            batch_A = jax.tree.map(
-                lambda x: x.reshape(spg, x.shape[0] // spg, *x.shape[1:])[slices_A], buffer
-            )
-            return step(state, batch_A)
-
         self._jit_train_step = jax.jit(
-            update,
+            make_buffer_step(step, self.steps_per_generation),
             in_shardings=(state_sh, None, None),
             out_shardings=(state_sh, repl),
             donate_argnums=0,

@@ -133,3 +133,15 @@ def test_make_policy_logps_uses_the_configs_temperature():
     np.testing.assert_allclose(logps, want, rtol=1e-5, atol=1e-5)
     z, _ = np_completion_logits(params, batch, temperature=1.0)
     assert not np.allclose(want, np.take_along_axis(z, batch["input_ids"][:, 3:, None], -1)[..., 0])
+
+
+def test_buffer_step_feeds_the_planned_slices_as_micro_batches():
+    def step(state, batch_A):
+        return state + 1, batch_A
+
+    update = rollout.make_buffer_step(step, steps_per_generation=3)
+    buffer = {"x": jnp.arange(12).reshape(6, 2), "y": jnp.arange(6)}
+    state, seen = jax.jit(update)(jnp.int32(0), buffer, jnp.asarray([2, 0], jnp.int32))
+    assert int(state) == 1
+    np.testing.assert_array_equal(seen["y"], [[4, 5], [0, 1]])
+    np.testing.assert_array_equal(seen["x"], [[[8, 9], [10, 11]], [[0, 1], [2, 3]]])
