@@ -13,16 +13,17 @@ replays the same rollouts), shuffles the rows once and then feeds micro-step `m`
 jitted `make_train_step` call.
 
 Log-probs: completion tokens only, from `logits / temperature` (TRL), through
-`jaxrl.core.logprobs` (chunked, never a full f32 [B, T, V]). The sampling policy's log-probs are
+`jaxrl.algos.rollout` (chunked, never a full f32 [B, T, V]). The sampling policy's log-probs are
 the sampler's own when a generation batch spans several optimizer steps with
 `num_iterations == 1`; with `num_iterations > 1` one jitted forward recomputes them, as TRL; when
 generation and update are aligned (the default) the update is on-policy and needs none. A
-subclass supplies `_advantages` (per algorithm) and `_loss_fn`. No algorithm math here.
+subclass supplies `_advantages` (per algorithm) and `_loss_fn` (built by `jaxrl.algos.<algo>`).
+No algorithm math here.
 
 Mixture-of-experts policies (`router_aux_loss_coef`, TRL's semantics, `jaxrl.trainers.router_aux`):
 the policy's loss forward, and no other (not the reference's, not the sampling policy's),
 collects the routing statistics of the micro-batch's `prompt + completion` tokens
-(`rollout_token_weights`) and adds transformers' load-balancing loss as TRL does: `coef x
+(`jaxrl.algos.rollout.rollout_token_weights`) and adds transformers' load-balancing loss as TRL does: `coef x
 aux_loss` divided by the accumulation steps per micro-batch (GRPO divides the term itself; RLOO
 returns it undivided and HF's Trainer divides), undivided in evaluation. The algorithms'
 `_loss_units` hand `make_train_step` the step's loss-unit count, so that this weight holds
@@ -70,11 +71,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl import generation, lora, parallel
+from jaxrl.algos.rollout import completion_logprobs, make_buffer_step, make_policy_logps
 from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.callbacks.completions import write_completions_log
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.config import ConfigError
-from jaxrl.core.logprobs import token_logprobs
 from jaxrl.core.step import make_eval_step, make_train_step, reduce_aux
 from jaxrl.data import vision, vision_prompts
 from jaxrl.data.batching import BatchIterator
@@ -95,67 +96,6 @@ from jaxrl.trainers.onpolicy_config import OnPolicyConfig
 logger = logging.getLogger("jaxrl")
 
 PROMPT_IDS = "prompt_ids"  # the tokenized prompt column added by `_prepare_dataset`
-
-
-def completion_hidden(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """The hidden states `[B, C, D]` at the C positions of `prompt + completion` rows that
-    predict completion tokens, and those tokens `[B, C]` (see `completion_logprobs`)."""
-    ids_BT = batch["input_ids"]
-    n_completion = batch["completion_mask"].shape[1]
-    n_prompt = ids_BT.shape[1] - n_completion
-    if "pixel_values" in batch:
-        # Image prompts (Gemma 3): TRL's forward gets the processor's `pixel_values` and
-        # `token_type_ids` (1 on the prompt's image tokens, 0 on the completion), so each image's
-        # tokens attend to the whole image.
-        is_image_BT = ids_BT == model.config.vision.image_token_id
-        in_prompt_T = jnp.arange(ids_BT.shape[1]) < n_prompt
-        token_type_ids_BT = (is_image_BT & in_prompt_T[None]).astype(jnp.int32)
-        h_BTD = model.hidden_states(
-            ids_BT, batch["attention_mask"], pixel_values=batch["pixel_values"],
-            token_type_ids=token_type_ids_BT,
-        )  # fmt: skip
-    else:
-        h_BTD = model.hidden_states(ids_BT, batch["attention_mask"])
-    return h_BTD[:, n_prompt - 1 : n_prompt + n_completion - 1], ids_BT[:, n_prompt:]
-
-
-def rollout_token_weights(batch: dict[str, jax.Array]) -> jax.Array:
-    """`[B, P + C]` f32: the tokens of `prompt + completion` rows TRL's loss forward attends to
-    (its `attention_mask`, `cat([prompt_mask, completion_mask])`), the tokens the MoE
-    load-balancing loss averages over. The completion part is the loss mask, so a completion
-    masked out by `mask_truncated_completions` is left out, as in TRL."""
-    n_completion = batch["completion_mask"].shape[1]
-    n_prompt = batch["input_ids"].shape[1] - n_completion
-    prompt_BP = batch["attention_mask"][:, :n_prompt]
-    return jnp.concatenate(
-        [prompt_BP.astype(jnp.float32), batch["completion_mask"].astype(jnp.float32)], axis=1
-    )
-
-
-def completion_logprobs(
-    model: Any,
-    batch: dict[str, jax.Array],
-    *,
-    temperature: float,
-    chunk_size: int,
-    with_stats: bool = False,
-):
-    """Log-probs `[B, C]` of the completion tokens of `prompt + completion` rows.
-
-    `batch`: `input_ids`/`attention_mask` `[B, P + C]` (left-padded prompt, then completion) and
-    `completion_mask` `[B, C]`. Only the C positions that predict completion tokens go through
-    the unembedding, divided by `temperature` as TRL.
-    """
-    h_BCD, targets_BC = completion_hidden(model, batch)
-    return token_logprobs(
-        h_BCD,
-        model.unembed_weight(),
-        targets_BC,
-        chunk_size=chunk_size,
-        with_stats=with_stats,
-        temperature=temperature,
-        logit_softcap=model.config.final_logit_softcap,
-    )
 
 
 # `generation_kwargs` keys the rollouts honour (the sampler's fields), accept as harmless, or
@@ -637,28 +577,13 @@ class OnPolicyTrainer(ImageTextMixin, Trainer):
             self._state_updates(),
             loss_units=self._loss_units() if self.router_aux_loss_coef else None,
         )
-        spg = self.steps_per_generation
-
-        def update(state, buffer, slices_A):
-            # Buffer rows [spg * b, ...] -> [spg, b, ...]; micro-step j takes slice slices_A[j].
-            batch_A = jax.tree.map(
-                lambda x: x.reshape(spg, x.shape[0] // spg, *x.shape[1:])[slices_A], buffer
-            )
-            return step(state, batch_A)
-
         self._jit_train_step = jax.jit(
-            update,
+            make_buffer_step(step, self.steps_per_generation),
             in_shardings=(state_sh, None, None),
             out_shardings=(state_sh, repl),
             donate_argnums=0,
         )
-        chunk = a.logprob_chunk_size
-
-        def logps(params, batch):
-            model = self.apply_model(params)
-            return completion_logprobs(model, batch, temperature=a.temperature, chunk_size=chunk)
-
-        self._jit_logps = jax.jit(logps)
+        self._jit_logps = jax.jit(make_policy_logps(a, self.apply_model))
         self._jit_ref_logps = jax.jit(self.reference_logps)
         # The training loss, forward only and without dropout (TRL evaluates in eval mode):
         # `evaluate()`'s per-batch `eval_loss`.

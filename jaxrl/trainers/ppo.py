@@ -4,7 +4,7 @@ TRL's stats dict.
 
 Host side here: input checks, padding, the response masks of TRL's `batched_forward_pass`,
 stats formatting, the KL-controller update and logging. Everything that touches parameters is
-jitted (`core.onpolicy`): one forward pass of policy and reference over the rollout, then the
+jitted (`jaxrl.algos.ppo`): one forward pass of policy and reference over the rollout, then the
 whole optimisation phase as one call with the train state donated.
 
 Differences from TRL v0.7.2, all deliberate:
@@ -37,7 +37,6 @@ NumPy generator of the minibatch permutations) and saves on SIGTERM.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import time
 import warnings
@@ -52,18 +51,11 @@ import optax
 from flax import nnx
 
 from jaxrl import lora
+from jaxrl.algos import ppo
 from jaxrl.core import rl
-from jaxrl.core.logprobs import token_logprobs, unembed_logits
-from jaxrl.core.onpolicy import (
-    UPDATE_SCALARS,
-    make_ppo_loss_fn,
-    make_ppo_update,
-    make_rollout_forward,
-)
 from jaxrl.core.state import TrainState
 from jaxrl.generation import GenerationConfig, Sampler
 from jaxrl.lora.value_head import AutoModelForCausalLMWithValueHead
-from jaxrl.losses.ppo import ppo_loss
 from jaxrl.models.causal_lm import CausalLM
 from jaxrl.models.heads import CausalLMWithValueHead
 from jaxrl.models.hf import from_pretrained, save_pretrained
@@ -133,21 +125,6 @@ def _learning_rate_hyperparams(opt_state: Any) -> list[Any]:
 
     visit(opt_state)
     return found
-
-
-def _with_learning_rate(opt_state: Any, lr: jax.Array) -> Any:
-    def replace(node):
-        if hasattr(node, "hyperparams") and "learning_rate" in node.hyperparams:
-            hyper = dict(node.hyperparams)
-            hyper["learning_rate"] = jnp.asarray(lr, hyper["learning_rate"].dtype)
-            return node._replace(hyperparams=hyper)
-        if isinstance(node, tuple) and not hasattr(node, "_fields"):
-            return tuple(replace(c) for c in node)
-        if isinstance(node, list):
-            return [replace(c) for c in node]
-        return node
-
-    return replace(opt_state)
 
 
 def _masked_updates(mask: Any) -> optax.GradientTransformation:
@@ -461,70 +438,11 @@ class PPOTrainer(TrainLoop):
             apply_ref = lambda p: lora.without_adapter(nnx.merge(self.ref_graphdef, p))  # noqa: E731
         else:
             apply_ref = lambda p: nnx.merge(self.ref_graphdef, p)  # noqa: E731
-        forward = make_rollout_forward(apply_policy, apply_ref, kl_kind=c.kl_penalty)
-        fbs = c.mini_batch_size
-
-        def rollout(params, ref_params, input_ids_BL, attention_mask_BL):
-            # TRL's forward batches of mini_batch_size rows, one after the other.
-            B, L = input_ids_BL.shape
-            chunks = lambda x: x.reshape(B // fbs, fbs, L)  # noqa: E731
-            out = jax.lax.map(
-                lambda xs: forward(params, ref_params, *xs),
-                (chunks(input_ids_BL), chunks(attention_mask_BL)),
-            )
-            return jax.tree.map(lambda x: x.reshape(B, *x.shape[2:]), out)
-
-        self._jit_rollout = jax.jit(rollout)
-
-        def rewards(scores_B, moments, kl_BT, mask_BT, kl_coef):
-            scores_B, moments = rl.scale_scores(
-                scores_B,
-                moments,
-                use_score_scaling=c.use_score_scaling,
-                use_score_norm=c.use_score_norm,
-                score_clip=c.score_clip,
-            )
-            r, nsr = rl.compute_rewards(scores_B, kl_BT, mask_BT, kl_coef)
-            return scores_B, moments, r, nsr
-
-        self._jit_rewards = jax.jit(rewards)
-        self._jit_advantages = jax.jit(
-            lambda v, r, m: rl.compute_advantages(
-                v, r, m, gamma=c.gamma, lam=c.lam, whiten_rewards=c.whiten_rewards
-            )
-        )
-        loss_fn = make_ppo_loss_fn(
-            apply_policy,
-            cliprange=c.cliprange,
-            cliprange_value=c.cliprange_value,
-            vf_coef=c.vf_coef,
-            ratio_threshold=c.ratio_threshold,
-        )
-        if self.is_peft_model:
-            full_loss = loss_fn
-
-            def loss_fn(params, state, mb, rng, extras):
-                # Gradients reach only `params` (adapter + value head); the base is a constant.
-                full = nnx.merge_state(params, state.frozen["base"])
-                return full_loss(full, state, mb, rng, extras)
-
-        update = make_ppo_update(
-            loss_fn,
-            self.tx,
-            batch_size=c.batch_size,
-            mini_batch_size=c.mini_batch_size,
-            gradient_accumulation_steps=c.gradient_accumulation_steps,
-            early_stopping=c.early_stopping,
-            target_kl=c.target_kl,
-        )
-        scheduler = self.lr_scheduler
-
-        def optimise(state: TrainState, rollout_B: dict, perms_EB: jax.Array):
-            if scheduler is not None:  # TRL steps its scheduler once per PPO step
-                lr = scheduler(state.extras["ppo_step"])
-                state = state.replace(opt_state=_with_learning_rate(state.opt_state, lr))
-            return update(state, rollout_B, perms_EB)
-
+        self._jit_rollout = jax.jit(ppo.make_rollout(c, apply_policy, apply_ref))
+        self._jit_rewards = jax.jit(ppo.make_rewards(c))
+        self._jit_advantages = jax.jit(ppo.make_advantages(c))
+        loss_fn = ppo.make_loss(c, apply_policy, peft=self.is_peft_model)
+        optimise = ppo.make_optimise(c, loss_fn, self.tx, self.lr_scheduler)
         self._jit_optimise = jax.jit(optimise, donate_argnums=0)
 
     # ------------------------------------------------------------------ public API
@@ -768,7 +686,7 @@ class PPOTrainer(TrainLoop):
         """Per-mini-batch stats of the epochs that ran, in TRL's order (epoch, backward batch,
         mini-batch): scalars `[n_minibatches]`, arrays flattened into one row."""
         ran = np.asarray(out["epoch_ran"], bool)
-        stats = {k: np.asarray(out["sum"][k])[ran].reshape(-1) for k in UPDATE_SCALARS}
+        stats = {k: np.asarray(out["sum"][k])[ran].reshape(-1) for k in ppo.UPDATE_SCALARS}
         skipped = int(stats.pop("ratio_skipped").sum())
         if skipped:
             warnings.warn(
@@ -855,16 +773,9 @@ class PPOTrainer(TrainLoop):
         returns: Any,
     ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """TRL's `loss`: `(pg_loss, vf_coef * vf_loss, stats)` of one mini-batch."""
-        c = self.config
-        entropy = rl.entropy_from_logits(jnp.asarray(logits))
-        total, stats = ppo_loss(
-            old_logprobs, values, logprobs, vpreds, mask, advantages, returns, entropy,
-            cliprange=c.cliprange, cliprange_value=c.cliprange_value, vf_coef=c.vf_coef,
-            ratio_threshold=c.ratio_threshold,
-        )  # fmt: skip
-        del total
-        stats = {k: v for k, v in stats.items() if k != "ratio_skipped"}
-        return stats["loss/policy"], c.vf_coef * stats["loss/value"], stats
+        return ppo.policy_and_value_loss(
+            self.config, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns
+        )
 
     def batched_forward_pass(
         self,
@@ -885,7 +796,7 @@ class PPOTrainer(TrainLoop):
         rmasks = None if response_masks is None else [np.asarray(m) for m in response_masks]
         masks = jnp.asarray(self._response_mask(queries, responses, np.asarray(attn), rmasks))
         graphdef, state = nnx.split(model)
-        logps, logits, values = _batched_forward(graphdef, state, ids, attn, return_logits)
+        logps, logits, values = ppo.batched_forward(graphdef, state, ids, attn, return_logits)
         return logps, logits, values, masks
 
     def log_stats(
@@ -1280,24 +1191,3 @@ def _to_scalar(v: Any) -> Any:
     if isinstance(v, np.ndarray | jax.Array) and (v.ndim == 0 or (v.ndim == 1 and v.shape[0] == 1)):
         return float(np.asarray(v).reshape(()))
     return v
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _batched_forward(graphdef, state, ids, attn, return_logits: bool):
-    """`batched_forward_pass`'s forward: one program per model structure, shapes and
-    `return_logits` (a closure built per call compiled again on every call)."""
-    m = nnx.merge(graphdef, state)
-    if isinstance(m, CausalLMWithValueHead):
-        logps, values, _ = m.token_logprobs_and_values(ids, attn)
-        lm = m.pretrained_model
-    else:
-        h = m.hidden_states(ids, attn)
-        logps = token_logprobs(
-            h[:, :-1], m.unembed_weight(), ids[:, 1:], logit_softcap=m.config.final_logit_softcap
-        )
-        values, lm = None, m
-    logits = None
-    if return_logits:
-        h = lm.hidden_states(ids, attn)[:, :-1]
-        logits = unembed_logits(h, lm.unembed_weight(), lm.config.final_logit_softcap)
-    return logps, logits, values

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jaxrl import models
+from jaxrl.algos.rollout import completion_logprobs
 from jaxrl.generation import GenerationConfig, Sampler
-from jaxrl.trainers.onpolicy import completion_logprobs
 from tests.generation.conftest import ragged_prompts
 
 

@@ -11,9 +11,9 @@ import numpy as np
 from flax import nnx
 
 from jaxrl import models
+from jaxrl.algos.rollout import completion_logprobs
 from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.data import task
-from jaxrl.trainers.onpolicy import completion_logprobs
 
 
 def prompt_rows(n: int, split: str = "train") -> datasets.Dataset:

@@ -18,10 +18,10 @@ from onpolicy_utils import RecordingReward, prompt_rows
 from trainer_utils import base_args, killed_after_checkpoint, train_logs
 
 from jaxrl import models
+from jaxrl.algos.rollout import completion_logprobs, completion_logprobs_and_entropy
 from jaxrl.config import ConfigError
-from jaxrl.trainers.grpo import GRPOTrainer, completion_logprobs_and_entropy
+from jaxrl.trainers.grpo import GRPOTrainer
 from jaxrl.trainers.grpo_config import GRPOConfig
-from jaxrl.trainers.onpolicy import completion_logprobs
 
 ENTROPY_FIELDS = (
     "entropy_coef",

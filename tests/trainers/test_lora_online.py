@@ -14,10 +14,10 @@ from onpolicy_utils import RecordingReward, prompt_rows, recompute_logps
 from trainer_utils import base_args, train_logs
 
 from jaxrl import lora, models
+from jaxrl.algos.rollout import completion_logprobs
 from jaxrl.core import quant
 from jaxrl.trainers.grpo import GRPOTrainer
 from jaxrl.trainers.grpo_config import GRPOConfig
-from jaxrl.trainers.onpolicy import completion_logprobs
 from jaxrl.trainers.rloo import RLOOTrainer
 from jaxrl.trainers.rloo_config import RLOOConfig
 from tests.model_calls import jit_call

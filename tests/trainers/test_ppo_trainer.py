@@ -198,11 +198,11 @@ def test_public_api_input_checks_and_dataloader(gpt2_dir):
     assert ref_values is None and ref_logits.shape == (*logps.shape, 64)
     # Called again on the same shapes, it runs the program it compiled (it used to build and
     # compile a new one on every call).
-    from jaxrl.trainers import ppo
+    from jaxrl.algos import ppo
 
-    compiled = ppo._batched_forward._cache_size()
+    compiled = ppo.batched_forward._cache_size()
     again = trainer.batched_forward_pass(trainer.model, q, r, inputs)[0]
-    assert ppo._batched_forward._cache_size() == compiled
+    assert ppo.batched_forward._cache_size() == compiled
     np.testing.assert_array_equal(np.asarray(again), np.asarray(logps))
     scores = np.asarray(g["scores"][0], np.float32)
     # compute_rewards and loss run eagerly, one compiled program per operation: under jit they

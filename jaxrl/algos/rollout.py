@@ -1,0 +1,149 @@
+"""The forward helpers of the online language-model methods (GRPO, RLOO): what a loss or a
+scoring pass computes from `prompt + completion` rows.
+
+A rollout batch holds `input_ids`/`attention_mask` `[B, P + C]` (left-padded prompt, then the
+completion) and the loss mask `completion_mask` `[B, C]`; image prompts add `pixel_values`. Only
+the C positions that predict completion tokens go through the unembedding (`jaxrl.core.logprobs`,
+chunked: never a full f32 `[B, T, V]`), divided by `temperature` as TRL.
+
+- `completion_hidden`: those positions' hidden states and the completion tokens.
+- `completion_logprobs`: their log-probs (optionally with TRL's statistics, entropy among them).
+- `completion_logprobs_and_entropy`: the same plus entropies differentiated through the LM head
+  (GRPO's entropy bonus).
+- `rollout_token_weights`: the tokens TRL's loss forward attends to (the MoE load-balancing
+  loss's average).
+- `make_policy_logps`: the body of the jitted scoring pass of the sampling policy's log-probs.
+- `make_buffer_step`: one optimizer step over micro-batches sliced from the generation buffer.
+
+Pure functions of a model and arrays: no sampler, rewards, host loop or LoRA switching here (the
+trainer picks which model a pass runs, e.g. the reference with its adapter off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.core.logprobs import token_logprobs
+
+
+def completion_hidden(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """The hidden states `[B, C, D]` at the C positions of `prompt + completion` rows that
+    predict completion tokens, and those tokens `[B, C]` (see `completion_logprobs`)."""
+    ids_BT = batch["input_ids"]
+    n_completion = batch["completion_mask"].shape[1]
+    n_prompt = ids_BT.shape[1] - n_completion
+    if "pixel_values" in batch:
+        # Image prompts (Gemma 3): TRL's forward gets the processor's `pixel_values` and
+        # `token_type_ids` (1 on the prompt's image tokens, 0 on the completion), so each image's
+        # tokens attend to the whole image.
+        is_image_BT = ids_BT == model.config.vision.image_token_id
+        in_prompt_T = jnp.arange(ids_BT.shape[1]) < n_prompt
+        token_type_ids_BT = (is_image_BT & in_prompt_T[None]).astype(jnp.int32)
+        h_BTD = model.hidden_states(
+            ids_BT, batch["attention_mask"], pixel_values=batch["pixel_values"],
+            token_type_ids=token_type_ids_BT,
+        )  # fmt: skip
+    else:
+        h_BTD = model.hidden_states(ids_BT, batch["attention_mask"])
+    return h_BTD[:, n_prompt - 1 : n_prompt + n_completion - 1], ids_BT[:, n_prompt:]
+
+
+def rollout_token_weights(batch: dict[str, jax.Array]) -> jax.Array:
+    """`[B, P + C]` f32: the tokens of `prompt + completion` rows TRL's loss forward attends to
+    (its `attention_mask`, `cat([prompt_mask, completion_mask])`), the tokens the MoE
+    load-balancing loss averages over. The completion part is the loss mask, so a completion
+    masked out by `mask_truncated_completions` is left out, as in TRL."""
+    n_completion = batch["completion_mask"].shape[1]
+    n_prompt = batch["input_ids"].shape[1] - n_completion
+    prompt_BP = batch["attention_mask"][:, :n_prompt]
+    return jnp.concatenate(
+        [prompt_BP.astype(jnp.float32), batch["completion_mask"].astype(jnp.float32)], axis=1
+    )
+
+
+def completion_logprobs(
+    model: Any,
+    batch: dict[str, jax.Array],
+    *,
+    temperature: float,
+    chunk_size: int,
+    with_stats: bool = False,
+):
+    """Log-probs `[B, C]` of the completion tokens of `prompt + completion` rows.
+
+    `batch`: `input_ids`/`attention_mask` `[B, P + C]` (left-padded prompt, then completion) and
+    `completion_mask` `[B, C]`. Only the C positions that predict completion tokens go through
+    the unembedding, divided by `temperature` as TRL.
+    """
+    h_BCD, targets_BC = completion_hidden(model, batch)
+    return token_logprobs(
+        h_BCD,
+        model.unembed_weight(),
+        targets_BC,
+        chunk_size=chunk_size,
+        with_stats=with_stats,
+        temperature=temperature,
+        logit_softcap=model.config.final_logit_softcap,
+    )
+
+
+def completion_logprobs_and_entropy(
+    model: Any, batch: dict[str, jax.Array], *, temperature: float, chunk_size: int | None
+) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
+    """`completion_logprobs(..., with_stats=True)` plus the entropies `[B, C]` with their
+    gradient through the LM head, for the entropy bonus: the same forward (hidden states of
+    `prompt + completion`, the C positions that predict completion tokens through the
+    unembedding divided by `temperature`); the head's backward carries the entropies' gradient
+    along with the log-probs' (`token_logprobs(..., entropy_grad=True)`). The returned
+    statistics stay under `stop_gradient`."""
+    h_BCD, targets_BC = completion_hidden(model, batch)
+    logps_BC, stats = token_logprobs(
+        h_BCD,
+        model.unembed_weight(),
+        targets_BC,
+        chunk_size=chunk_size,
+        with_stats=True,
+        temperature=temperature,
+        logit_softcap=model.config.final_logit_softcap,
+        entropy_grad=True,
+    )
+    entropies_BC = stats["entropy"]
+    return logps_BC, {**stats, "entropy": jax.lax.stop_gradient(entropies_BC)}, entropies_BC
+
+
+def make_policy_logps(
+    config: Any, apply_model: Callable[[Any], Any]
+) -> Callable[[Any, dict[str, jax.Array]], jax.Array]:
+    """`logps(params, batch) -> [B, C]`: the completion log-probs of the policy `params` (the
+    sampling policy's, recomputed when a generation batch serves several iterations, or RLOO's
+    KL reward in eval), at `config.temperature` with `config.logprob_chunk_size`.
+    `apply_model(params)` binds the params to the model."""
+    chunk = config.logprob_chunk_size
+
+    def logps(params, batch):
+        model = apply_model(params)
+        return completion_logprobs(model, batch, temperature=config.temperature, chunk_size=chunk)
+
+    return logps
+
+
+def make_buffer_step(
+    step: Callable[[Any, dict], Any], steps_per_generation: int
+) -> Callable[[Any, dict[str, jax.Array], jax.Array], Any]:
+    """`update(state, buffer, slices_A) -> step(state, batch_A)`: the generation buffer's rows
+    `[steps_per_generation * b, ...]` viewed as `steps_per_generation` slices of b rows, micro-step
+    j of the optimizer step (`step`, a `make_train_step`) taking slice `slices_A[j]`."""
+    spg = steps_per_generation
+
+    def update(state, buffer, slices_A):
+        # Buffer rows [spg * b, ...] -> [spg, b, ...]; micro-step j takes slice slices_A[j].
+        batch_A = jax.tree.map(
+            lambda x: x.reshape(spg, x.shape[0] // spg, *x.shape[1:])[slices_A], buffer
+        )
+        return step(state, batch_A)
+
+    return update
