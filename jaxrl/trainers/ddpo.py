@@ -16,6 +16,10 @@ One loop step is one DDPO epoch (TRL `step(epoch, global_step)`):
 Logged per loop step (= epoch): reward_mean, reward_std, and the mean over that epoch's optimizer
 updates of loss, approx_kl, clipfrac, plus inner_epoch and epoch. TRL logs the train metrics at
 every optimizer update; `global_step` here (TRL's update count) is `epoch * updates_per_epoch`.
+
+This is the host shell: prompts, rewards, advantages, images, placement and checkpoints. The
+traced math (sampling program, per-timestep loss, update) is built by `jaxrl.algos.ddpo`; keep
+it there.
 """
 
 from __future__ import annotations
@@ -30,22 +34,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl import parallel
+from jaxrl.algos import ddpo
 from jaxrl.callbacks.base import TrainerCallback
-from jaxrl.core import loops
 from jaxrl.core.state import TrainState
-from jaxrl.core.step import make_apply_grads
-from jaxrl.losses.ddpo import PerPromptStatTracker, ddpo_loss, normalize_rewards
-from jaxrl.models.diffusion.ddim import (
-    DDIMScheduler,
-    decode_latents,
-    sample_with_logprob,
-    transition_log_prob,
-)
+from jaxrl.losses.ddpo import PerPromptStatTracker, normalize_rewards
+from jaxrl.models.diffusion.ddim import DDIMScheduler
 from jaxrl.models.diffusion.hf import StableDiffusion, load_pipeline
 from jaxrl.models.diffusion.lora import LoRAParam, add_lora
 from jaxrl.trainers.ddpo_config import DDPOConfig
@@ -53,7 +50,6 @@ from jaxrl.trainers.loop import TrainLoop
 
 PromptFn = Callable[[], tuple[str, Any]]
 RewardFn = Callable[[np.ndarray, tuple, tuple], tuple[Any, Any]]
-SAMPLE_KEYS = ("timesteps", "latents", "next_latents", "log_probs")
 
 
 class _Epochs:
@@ -153,159 +149,31 @@ class DDPOTrainer(TrainLoop):
     def _encode(self, prompts: list[str]) -> jax.Array:
         return self._encode_ids(self._text_state, self._rows(self._tokenize(prompts)))
 
-    def _row_sharding(self, shape: tuple[int, ...], dim: int = 0) -> NamedSharding:
-        """Dim `dim` (samples) over the `batch` rule (data x fsdp) where it divides evenly, else
-        replicated; other dims replicated."""
-        axes = tuple("batch" if i == dim else None for i in range(len(shape)))
-        return NamedSharding(
-            self.mesh, parallel.logical_to_spec(axes, self.rules, shape, self.mesh)
-        )
-
     def _rows(self, x: Any, dim: int = 0) -> Any:
-        """Place (host) or constrain (traced) every array of `x` by `_row_sharding`."""
-
-        def one(a):
-            if np.ndim(a) <= dim:
-                return a
-            sharding = self._row_sharding(np.shape(a), dim)
-            if isinstance(a, jax.core.Tracer):
-                return jax.lax.with_sharding_constraint(a, sharding)
-            return jax.device_put(a, sharding)
-
-        return jax.tree.map(one, x)
+        """Place every array of `x` with its dim `dim` (samples) over the mesh's `batch` rule."""
+        return ddpo.place_rows(self.mesh, self.rules, x, dim)
 
     def _compile(self) -> None:
         c = self.config
-        scheduler, steps = self.scheduler, c.sample_num_steps
-        unet_def, vae_def, text_def = self._unet_def, self._vae_def, self._text_def
-        scaling = self.sd.vae.config.scaling_factor
-        latent_shape = self.latent_shape
-
-        def encode_ids(text_state, ids_BT):
-            return nnx.merge(text_def, text_state)(ids_BT)
-
-        rows = self._rows
-
-        def unet_fn(params, rest):
-            unet = nnx.merge(unet_def, params, rest)
-            # Data parallel: every sampling UNet call splits its rows, prompts and both CFG
-            # halves, over the mesh; the weights stay where the rules put them.
-            return lambda x, t, ctx: unet(rows(x), rows(t), rows(ctx))
-
-        def train_unet_fn(params, rest):
-            # No sharding constraints inside the differentiated UNet: with FSDP/tensor-sharded
-            # weights, XLA's SPMD partitioner (jax 0.10.2, CPU) returns wrong gradients (up to
-            # 100% off, forward exact) when the UNet's inputs are constrained to the batch
-            # sharding. The micro-batches are already placed row-sharded, and propagation keeps
-            # them so; test_mesh_equals_one_device checks the updated params.
-            return nnx.merge(unet_def, params, rest)
-
-        def sample(params, rest, vae_state, embeds_BSD, neg_BSD, key):
-            s = sample_with_logprob(
-                unet_fn(params, rest),
-                scheduler,
-                embeds_BSD,
-                neg_BSD,
-                key,
-                latent_shape=latent_shape,
-                num_inference_steps=steps,
-                guidance_scale=c.sample_guidance_scale,
-                eta=c.sample_eta,
+        self._encode_ids = jax.jit(ddpo.make_encode(self._text_def))
+        self._sample = jax.jit(
+            ddpo.make_sample(
+                c,
+                self.scheduler,
+                self._unet_def,
+                self._vae_def,
+                latent_shape=self.latent_shape,
+                scaling_factor=self.sd.vae.config.scaling_factor,
+                rows=self._rows,
             )
-            vae = nnx.merge(vae_def, vae_state)
-            images = decode_latents(vae.decode, s.final_latents, scaling)
-            return s._replace(final_latents=None), images
-
-        self._encode_ids = jax.jit(encode_ids)
-        self._sample = jax.jit(sample)
-        self._update_fn = self._make_update(train_unet_fn)  # jitted with the state's shardings
-
-    def _make_update(self, unet_fn: Callable) -> Callable:
-        c = self.config
-        scheduler, steps = self.scheduler, c.sample_num_steps
-        n_t = c.num_train_timesteps
-        ga, bs = c.train_gradient_accumulation_steps, c.train_batch_size
-        tx = self._tx()
-        apply_grads = make_apply_grads(tx)
-
-        def micro_loss(params, rest, mb):
-            logp_B = transition_log_prob(
-                unet_fn(params, rest),
-                scheduler,
-                steps,
-                mb["latents"],
-                mb["timesteps"],
-                mb["next_latents"],
-                mb["prompt_embeds"],
-                mb["negative_prompt_embeds"] if c.train_cfg else None,
-                guidance_scale=c.sample_guidance_scale,
-                eta=c.sample_eta,
-            )
-            out = ddpo_loss(
-                logp_B,
-                mb["log_probs"],
-                mb["advantages"],
-                clip_range=c.train_clip_range,
-                adv_clip_max=c.train_adv_clip_max,
-            )
-            return out.loss, out
-
-        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-
-        def update(state: TrainState, samples: dict, key: jax.Array):
-            """One inner epoch over the epoch's samples (leading axis N)."""
-            n = samples["advantages"].shape[0]
-            perm_key, time_key = jax.random.split(key)
-            perm = jax.random.permutation(perm_key, n)
-            samples = jax.tree.map(lambda x: x[perm], samples)
-            t_perm_NT = jax.vmap(lambda k: jax.random.permutation(k, steps))(
-                jax.random.split(time_key, n)
-            )
-            for k in SAMPLE_KEYS:  # per-sample timestep shuffle; train the first n_t
-                x = samples[k]
-                idx = t_perm_NT.reshape(t_perm_NT.shape + (1,) * (x.ndim - 2))
-                samples[k] = jnp.take_along_axis(x, idx, axis=1)[:, :n_t]
-            n_updates = n // (bs * ga)
-            # [U, GA, bs, ...]; per-timestep keys also get the timestep axis in front of bs.
-            batches = jax.tree.map(lambda x: x.reshape(n_updates, ga, bs, *x.shape[1:]), samples)
-            batches = self._rows(batches, dim=2)  # each micro-batch's rows over the mesh
-            rest = state.frozen["unet"]
-
-            def one_update(state, batch):
-                def micro(grads, xs):
-                    g_i, j = xs
-                    mb = jax.tree.map(lambda x: x[g_i], batch)
-                    mb = {k: (v[:, j] if k in SAMPLE_KEYS else v) for k, v in mb.items()}
-                    (_, out), g = grad_fn(state.params, rest, mb)
-                    grads = jax.tree.map(jnp.add, grads, g)
-                    return grads, out
-
-                zeros = jax.tree.map(jnp.zeros_like, state.params)
-                g_idx = jnp.repeat(jnp.arange(ga), n_t)
-                j_idx = jnp.tile(jnp.arange(n_t), ga)
-                grads, outs = loops.scan(micro, zeros, (g_idx, j_idx))
-                # Accelerate divides each micro-step's loss by its accumulation count
-                # (GA * num_train_timesteps): the update uses the mean gradient.
-                grads = jax.tree.map(lambda g: g / (ga * n_t), grads)
-                state, _ = apply_grads(state, grads, state.extras)
-                return state, jax.tree.map(jnp.mean, outs._asdict())
-
-            state, metrics_U = loops.scan(one_update, state, batches)
-            return state, metrics_U
-
-        return update
-
-    def _tx(self) -> optax.GradientTransformation:
-        c = self.config
-        return optax.chain(
-            optax.clip_by_global_norm(c.train_max_grad_norm),
-            optax.adamw(
-                c.train_learning_rate,
-                b1=c.train_adam_beta1,
-                b2=c.train_adam_beta2,
-                eps=c.train_adam_epsilon,
-                weight_decay=c.train_adam_weight_decay,
-            ),
+        )
+        # Jitted with the state's shardings in `_ensure_state`.
+        self._update_fn = ddpo.make_update(
+            c,
+            self.scheduler,
+            ddpo.make_train_unet(self._unet_def),
+            ddpo.make_optimizer(c),
+            self._rows,
         )
 
     # ------------------------------------------------------------------ TrainLoop hooks
@@ -314,7 +182,7 @@ class DDPOTrainer(TrainLoop):
             return
         state = TrainState.create(
             self._unet_params,
-            self._tx(),
+            ddpo.make_optimizer(self.config),
             seed=self.config.seed,
             frozen={"unet": self._unet_rest},
         )
@@ -438,7 +306,7 @@ class DDPOTrainer(TrainLoop):
                 self.train_state, samples, jax.random.fold_in(train_key, inner_epoch)
             )
             metrics_U.append(m)
-        train = {k: jnp.mean(jnp.concatenate([m[k] for m in metrics_U])) for k in metrics_U[0]}
+        train = ddpo.epoch_metrics(metrics_U)
         return {
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
@@ -468,28 +336,19 @@ class DDPOTrainer(TrainLoop):
         c = self.config
         self._ensure_state()
         state = self.train_state
-        unet = nnx.merge(self._unet_def, state.params, state.frozen["unet"])
         b = latents.shape[0]
         neg, pos = (embeds[:b], embeds[b:]) if c.train_cfg else (None, embeds)
-        logp = transition_log_prob(
-            lambda x, t, ctx: unet(x, t, ctx),
-            self.scheduler,
-            c.sample_num_steps,
-            latents,
-            timesteps,
-            next_latents,
-            pos,
-            neg,
-            guidance_scale=c.sample_guidance_scale,
-            eta=c.sample_eta,
-        )
-        out = ddpo_loss(
-            logp,
-            log_probs,
-            advantages,
-            clip_range=c.train_clip_range,
-            adv_clip_max=c.train_adv_clip_max,
-        )
+        mb = {
+            "latents": latents,
+            "timesteps": timesteps,
+            "next_latents": next_latents,
+            "log_probs": log_probs,
+            "advantages": advantages,
+            "prompt_embeds": pos,
+            "negative_prompt_embeds": neg,
+        }
+        loss_fn = ddpo.make_loss(c, self.scheduler, ddpo.make_train_unet(self._unet_def))
+        _, out = loss_fn(state.params, state.frozen["unet"], mb)
         return out.loss, out.approx_kl, out.clipfrac
 
     # ------------------------------------------------------------------ images

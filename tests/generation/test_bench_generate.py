@@ -1,15 +1,42 @@
 """`python -m jaxrl.bench --algo generate` keeps the bench JSON contract and reports both sides."""
 
 import json
+import time
 
+import jax
+import pytest
 import torch
+import transformers
 
 from jaxrl.bench import main
+from jaxrl.generation import Sampler
 
 CONTRACT = ("algo", "step_s", "tokens_per_sec", "compile_s", "peak_bytes", "devices", "mfu")
+# What the bench's own timer adds around a call timed here (a function call, a finished
+# block_until_ready), with room for a descheduling on a loaded machine.
+SLACK_S = 0.05
 
 
-def test_generate_bench_prints_the_json_contract(capsys):
+def test_generate_bench_prints_the_json_contract(capsys, monkeypatch):
+    """The reported times are those of the generate calls, timed here around the sampler and
+    transformers' `generate` themselves: jaxrl's first call (compile) and its timed call,
+    transformers' setup call (2 tokens) and its timed call; each side generated 2 x 3 tokens."""
+    calls = {"jaxrl": [], "transformers": []}
+    sampler_call, hf_generate = Sampler.__call__, transformers.GenerationMixin.generate
+
+    def timed(side, fn):
+        def call(*a, **kw):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(fn(*a, **kw))
+            calls[side].append((time.perf_counter() - t0, out))
+            return out
+
+        return call
+
+    monkeypatch.setattr(Sampler, "__call__", timed("jaxrl", sampler_call))
+    monkeypatch.setattr(
+        transformers.GenerationMixin, "generate", timed("transformers", hf_generate)
+    )
     argv = ["--algo", "generate", "--preset", "llama-tiny", "--batch", "2", "--prompt_len", "4"]
     argv += ["--max_new_tokens", "3", "--steps", "1", "--warmup", "0", "--torch_threads", "1"]
     threads = torch.get_num_threads()
@@ -20,8 +47,17 @@ def test_generate_bench_prints_the_json_contract(capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(CONTRACT) <= set(result)
     assert result["algo"] == "generate" and result["tokens_per_step"] == 2 * 3
-    assert result["tokens_per_sec"] == 6 / result["step_s"]
-    assert result["transformers_tokens_per_sec"] == 6 / result["transformers_step_s"]
+
+    (first_s, _), (jax_s, out) = calls["jaxrl"]
+    assert out.completion_ids_BN.shape == (2, 3)
+    (_, setup), (hf_s, hf_out) = calls["transformers"]
+    assert tuple(setup.shape) == (2, 4 + 2) and tuple(hf_out.shape) == (2, 4 + 3)
+    # The bench's timer encloses each call timed here, plus little else.
+    assert jax_s <= result["step_s"] <= jax_s + SLACK_S
+    assert hf_s <= result["transformers_step_s"] <= hf_s + SLACK_S
+    assert 6 / (jax_s + SLACK_S) <= result["tokens_per_sec"] <= 6 / jax_s
+    assert 6 / (hf_s + SLACK_S) <= result["transformers_tokens_per_sec"] <= 6 / hf_s
+    assert result["compile_s"] == pytest.approx(first_s - result["step_s"], abs=SLACK_S)
     ratio = result["transformers_step_s"] / result["step_s"]
     assert result["speedup_vs_transformers"] == ratio
     assert result["torch_threads"] == 1 and result["mfu"] is None

@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 from xla_flags import with_devices
 
+from jaxrl.algos.ddpo import SAMPLE_KEYS
 from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.losses.ddpo import PerPromptStatTracker, ddpo_loss, normalize_rewards
 from jaxrl.models.diffusion import jpeg_compressibility
@@ -27,7 +28,7 @@ from jaxrl.models.diffusion.ddim import transition_log_prob
 from jaxrl.models.diffusion.hf import StableDiffusion, load_pipeline
 from jaxrl.models.diffusion.lora import LoRAParam
 from jaxrl.models.diffusion.tiny import TINY_PROMPTS, default_cache_dir, tiny_pipeline
-from jaxrl.trainers.ddpo import SAMPLE_KEYS, DDPOTrainer
+from jaxrl.trainers.ddpo import DDPOTrainer
 from jaxrl.trainers.ddpo_config import DDPOConfig
 
 SMALL = dict(

@@ -270,24 +270,50 @@ def test_dataset_missing_columns_is_a_clear_error(tmp_path, tokenizer, hf_model_
 @pytest.mark.slow
 def test_explicit_ref_model(tmp_path, tokenizer, hf_model_dir, pref_data):
     """An explicit reference different from the policy gives nonzero step-1 rewards, equal to
-    beta * (policy - ref) log-probs. (The same directory as reference gives zero: checked on
-    the BEMA run of test_bema_callback_matches_reference_exports_and_survives_resume.)"""
+    beta * (policy - ref) log-probs, each side's summed completion log-probs computed by a
+    transformers forward of its own model. (The same directory as reference gives zero:
+    checked on the BEMA run of test_bema_callback_matches_reference_exports_and_survives_resume.)"""
     import torch
-    from transformers import Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
+
+    from jaxrl.data.preference import prepare_preference_dataset
 
     torch.manual_seed(1)
     other = tmp_path / "other_ref"
     Qwen2ForCausalLM(tiny_config()).save_pretrained(other)
+    data = pref_data[0].select(range(8))  # step 1's batch (8 rows) is the whole dataset
     trainer = DPOTrainer(
         hf_model_dir,
         ref_model=str(other),
         args=DPOConfig(**base_args(tmp_path / "a", max_steps=1)),
-        train_dataset=pref_data[0],
+        train_dataset=data,
         processing_class=tokenizer,
     )
     trainer.train()
     first = train_logs(trainer)[0]
-    assert abs(first["rewards/chosen"]) > 1e-3
+
+    rows = prepare_preference_dataset(data, tokenizer)
+
+    def completion_logps(model_dir, side: str) -> np.ndarray:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        out = []
+        for row in rows:
+            prompt, completion = row["prompt_input_ids"], row[f"{side}_input_ids"]
+            ids = torch.tensor([prompt + completion])
+            with torch.no_grad():
+                logps = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+            scored = logps[len(prompt) - 1 :].gather(-1, ids[0, len(prompt) :, None])
+            out.append(float(scored.sum()))
+        return np.array(out)
+
+    beta = trainer.args.beta
+    for side in ("chosen", "rejected"):
+        policy = completion_logps(hf_model_dir, side)
+        ref = completion_logps(str(other), side)
+        assert np.abs(policy - ref).min() > 1e-3  # a different reference: nonzero rewards
+        want = float(np.mean(beta * (policy - ref)))
+        assert first[f"rewards/{side}"] == pytest.approx(want, rel=1e-4, abs=1e-6), side
+        assert first[f"logps/{side}"] == pytest.approx(np.mean(policy), rel=1e-5), side
 
 
 @pytest.mark.slow

@@ -286,16 +286,33 @@ def test_stop_ids_include_the_model_generation_config_eos(
 
 
 def test_generate_completions_and_log_completions_callback(hf_model_dir, tokenizer, tmp_path):
+    """Greedy completions (3 new tokens) equal a transformers greedy decode of the same model,
+    decoded with special tokens skipped; the callback logs the eval set's first prompts with
+    those completions at the current step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     from jaxrl.callbacks.completions import LogCompletionsCallback
+
+    model = AutoModelForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32).eval()
+
+    def greedy(prompt: str) -> str:
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        n = ids.shape[1]
+        with torch.no_grad():
+            for _ in range(3):  # no EOS in this config: always 3 new tokens
+                ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
+        return tokenizer.decode(ids[0, n:].tolist(), skip_special_tokens=True)
 
     trainer = make(hf_model_dir, tokenizer, tmp_path, always)
     gen = GenerationConfig(max_new_tokens=3)
     (completion,) = trainer.generate_completions(["12+3="], generation_config=gen)
-    assert isinstance(completion, str)
+    assert completion == greedy("12+3=")
     callback = LogCompletionsCallback(trainer, generation_config=gen, num_prompts=2, freq=1)
     callback.on_step_end(trainer.args, trainer.state, trainer.control)
     rows = [json.loads(x) for x in (tmp_path / "completions.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all(isinstance(r["completion"], str) for r in rows)
+    prompts = prompt_rows(2, "test")["prompt"]
+    assert rows == [{"step": 0, "prompt": p, "completion": greedy(p)} for p in prompts]
 
 
 def test_config_spellings_like_trl():
