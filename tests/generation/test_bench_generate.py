@@ -13,8 +13,9 @@ from jaxrl.generation import Sampler
 
 CONTRACT = ("algo", "step_s", "tokens_per_sec", "compile_s", "peak_bytes", "devices", "mfu")
 # What the bench's own timer adds around a call timed here (a function call, a finished
-# block_until_ready), with room for a descheduling on a loaded machine.
-SLACK_S = 0.05
+# block_until_ready), with room for descheduling on a loaded 2-core CI machine (a bound, not a
+# speed: the bench's timer must enclose the call and not, e.g., its compilation).
+SLACK_S = 0.5
 
 
 def test_generate_bench_prints_the_json_contract(capsys, monkeypatch):
