@@ -339,7 +339,7 @@ class TrainingConfig(_ForeignTrainingFields):
     length_column_name: str = "length"
     # NEFTune (https://arxiv.org/abs/2310.05914): in training forwards of the policy only, add
     # U(-m, m) noise with m = alpha / sqrt(T * hidden_size) to the token embeddings, T the length
-    # TRL's collator pads the forward's per-device batch to (see jaxrl.trainers.neftune). The
+    # TRL's collator pads the forward's per-device batch to (see jaxrl.algos.neftune). The
     # paper uses 5-15; None: off. SFT, reward and DPO trainers.
     neftune_noise_alpha: float | None = None
     # HF: also log `num_input_tokens_seen`, the training input tokens so far: "all" (every
@@ -866,7 +866,7 @@ class SFTConfig(_with_foreign("_SFTForeign", config_fields.SFT)):
     label_smoothing_factor: float = 0.0
     # TRL: weight of the MoE load-balancing loss (transformers' `aux_loss`) added to the loss;
     # None takes the model config's own `router_aux_loss_coef`, 0.0 turns it off; nonzero on a
-    # model without MoE layers is an error (`jaxrl.trainers.router_aux`).
+    # model without MoE layers is an error (`jaxrl.algos.router_aux`).
     router_aux_loss_coef: float | None = None
     # jaxrl: the row lengths a step's batch may be padded to (its train micro-batches, all
     # processes; each eval batch alike): the smallest one >= the batch's longest row. The run's
@@ -983,7 +983,7 @@ class RewardConfig(_with_foreign("_RewardForeign", config_fields.REWARD)):
     # TRL: pairs whose chosen or rejected sequence exceeds max_length are filtered out.
     max_length: int | None = 1024
     # TRL default True. False: the policy's training forwards apply the model config's dropout
-    # (GPT-2's and Phi-3's, any family's attention_dropout; `jaxrl.trainers.model_dropout`).
+    # (GPT-2's and Phi-3's, any family's attention_dropout; `jaxrl.algos.model_dropout`).
     disable_dropout: bool = True
     dataset_num_proc: int | None = None
     # Eq. 2 of https://huggingface.co/papers/2312.09244: coef * mean((r_chosen + r_rejected)^2).
@@ -1048,7 +1048,7 @@ class DPOConfig(_with_foreign("_DPOForeign", config_fields.DPO)):
     padding_value: int | None = None  # None -> tokenizer.pad_token_id
     label_pad_token_id: int = -100  # only -100: padding is masked, never scored
     # TRL default True. False: the policy's training forwards apply the model config's dropout
-    # (GPT-2's and Phi-3's, any family's attention_dropout; `jaxrl.trainers.model_dropout`).
+    # (GPT-2's and Phi-3's, any family's attention_dropout; `jaxrl.algos.model_dropout`).
     disable_dropout: bool = True
     reference_free: bool = False
     precompute_ref_log_probs: bool = False
@@ -1080,7 +1080,7 @@ class DPOConfig(_with_foreign("_DPOForeign", config_fields.DPO)):
     prefix_sharing: bool = False
     # TRL: weight of the MoE load-balancing loss (transformers' `aux_loss`) added to the loss;
     # None takes the model config's own `router_aux_loss_coef`, 0.0 turns it off; nonzero on a
-    # model without MoE layers is an error (`jaxrl.trainers.router_aux`).
+    # model without MoE layers is an error (`jaxrl.algos.router_aux`).
     router_aux_loss_coef: float | None = None
     pad_token: str | None = None  # TRL: overrides the tokenizer's pad token
     # TRL < 1.0 (dropped in 1.0): at each evaluation, sample completions of a random eval batch

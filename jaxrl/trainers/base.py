@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl import parallel, run_dir
+from jaxrl.algos import model_dropout, neftune, router_aux
 from jaxrl.callbacks.base import (
     TrainerCallback,
 )
@@ -40,7 +41,6 @@ from jaxrl.core.state import TrainState
 from jaxrl.core.step import make_eval_step, make_train_step
 from jaxrl.data.batching import BatchIterator
 from jaxrl.data.formats import is_template_file_path, read_chat_template
-from jaxrl.trainers import model_dropout, neftune, router_aux
 from jaxrl.trainers.evaluation import (
     EvalPrediction,
     PredictionGatherer,
@@ -53,16 +53,6 @@ from jaxrl.trainers.evaluation import (
     trim_sequences,
 )
 from jaxrl.trainers.loop import TrainLoop
-
-
-def weighted_token_count(mask: jax.Array, mb: dict) -> jax.Array:
-    """`sum(mask)` over the rows of real examples: rows `[B, ...]` weighted by `example_mask`
-    (`[B]`, 0 for the copies filling a partial batch); the plain sum without one."""
-    if "example_mask" not in mb:
-        return jnp.sum(mask)
-    w = mb["example_mask"]
-    return jnp.sum(mask * w.reshape(w.shape + (1,) * (mask.ndim - w.ndim)))
-
 
 logger = logging.getLogger("jaxrl")
 
@@ -819,7 +809,7 @@ class Trainer(TrainLoop):
     def _with_model_dropout(self, loss_fn: Callable) -> Callable:
         """The training loss with the model's own dropout (attention / residual / embedding
         rates of its config) in the policy's forwards, drawn from the micro-batch's key (eval,
-        references and generation have none); see `trainers.model_dropout`."""
+        references and generation have none); see `algos.model_dropout`."""
         if not self._model_dropout_active():
             return loss_fn
 
@@ -832,7 +822,7 @@ class Trainer(TrainLoop):
 
     def _with_neftune(self, loss_fn: Callable) -> Callable:
         """The training loss with NEFTune noise (`neftune_noise_alpha`) on the policy's token
-        embeddings, drawn from the micro-batch's key (eval has none); see `trainers.neftune`."""
+        embeddings, drawn from the micro-batch's key (eval has none); see `algos.neftune`."""
         a = self.args
         if a.neftune_noise_alpha is None:
             return loss_fn

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.algos import router_aux
 from jaxrl.core.logprobs import token_logprobs
 from jaxrl.losses.grpo import (
     adaptive_entropy_coef,
@@ -44,7 +45,6 @@ from jaxrl.losses.grpo import (
     high_entropy_mask,
 )
 from jaxrl.rewards import group_reward_metrics
-from jaxrl.trainers import router_aux
 from jaxrl.trainers.grpo_config import GRPOConfig
 from jaxrl.trainers.onpolicy import (
     OnPolicyTrainer,

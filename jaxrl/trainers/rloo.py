@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.algos import router_aux
 from jaxrl.losses.rloo import rloo_advantages, rloo_loss, rloo_sequence_kl
 from jaxrl.rewards import group_reward_metrics
-from jaxrl.trainers import router_aux
 from jaxrl.trainers.onpolicy import OnPolicyTrainer, completion_logprobs, rollout_token_weights
 from jaxrl.trainers.rloo_config import RLOOConfig
 
