@@ -367,8 +367,8 @@ def compile_forward(opts: argparse.Namespace) -> str:
     import jax
     from flax import nnx
 
+    from jaxrl.algos.sft import example_weighted_mask, lm_forward
     from jaxrl.losses.sft import entropy, mean_token_accuracy, sft_loss_sum
-    from jaxrl.trainers.sft import example_weighted_mask, lm_forward
 
     device, graphdef, params = _model(opts)
 
@@ -394,8 +394,8 @@ def compile_dpo(opts: argparse.Namespace) -> str:
     import jax.numpy as jnp
     from flax import nnx
 
+    from jaxrl.algos.dpo import pair_logps
     from jaxrl.core import frozen
-    from jaxrl.trainers.dpo import pair_logps
     from jaxrl.trainers.sft import choose_score_span
 
     device, graphdef, params = _model(opts)

@@ -9,7 +9,7 @@ stating the same visibility, forward + backward:
   writes its gradient);
 - `causal_only`: causality alone (`fmhaSoftmax`), which for right-padded rows holding one
   document each is exact at every real token (their keys never lie after a real query): what
-  the SFT, DPO and reward trainers now run for unpacked batches (`collate.model_masks`);
+  the SFT, DPO and reward trainers now run for unpacked batches (`algos.masks.model_masks`);
 - `seq_lengths`: causality plus per-row lengths (cuDNN's padding-causal mask, no bias).
 
 Every row is full length here, so the three must agree: each line reports the largest

@@ -335,7 +335,7 @@ class TrainingConfig(_ForeignTrainingFields):
     length_column_name: str = "length"
     # NEFTune (https://arxiv.org/abs/2310.05914): in training forwards of the policy only, add
     # U(-m, m) noise with m = alpha / sqrt(T * hidden_size) to the token embeddings, T the length
-    # TRL's collator pads the forward's per-device batch to (see jaxrl.trainers.neftune). The
+    # TRL's collator pads the forward's per-device batch to (see jaxrl.algos.neftune). The
     # paper uses 5-15; None: off. SFT, reward and DPO trainers.
     neftune_noise_alpha: float | None = None
     # HF: also log `num_input_tokens_seen`, the training input tokens so far: "all" (every

@@ -38,6 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl.algos import router_aux
 from jaxrl.algos.rollout import (
     completion_logprobs,
     completion_logprobs_and_entropy,
@@ -51,7 +52,6 @@ from jaxrl.losses.grpo import (
     grpo_loss,
     high_entropy_mask,
 )
-from jaxrl.trainers import router_aux
 
 # The loss types normalised by the generation batch's active tokens (TRL's `num_items_in_batch`).
 TOKEN_NORMALISED = ("dapo", "cispo", "vespo")

@@ -21,9 +21,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl.algos import router_aux
 from jaxrl.algos.rollout import completion_logprobs, rollout_token_weights
 from jaxrl.losses.rloo import rloo_loss
-from jaxrl.trainers import router_aux
 
 
 def loss_units(batch_A: dict) -> jax.Array:

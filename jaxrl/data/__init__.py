@@ -8,7 +8,6 @@ from jaxrl.data.collate import (
     collate_preference_shared,
     collate_reward,
     collate_sft,
-    prefix_tree_mask,
 )
 from jaxrl.data.formats import extract_prompt, is_conversational
 from jaxrl.data.loading import load_dataset_any
@@ -30,7 +29,6 @@ __all__ = [
     "load_dataset_any",
     "pack_bfd",
     "pack_wrapped",
-    "prefix_tree_mask",
     "prepare_preference_dataset",
     "prepare_reward_dataset",
     "prepare_sft_dataset",

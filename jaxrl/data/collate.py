@@ -10,9 +10,9 @@ per device holding its examples back to back, TRL's `padding_free=True`) carry `
 A batch without them holds one sequence per row followed by padding (one document, or a `wrapped`
 cut of several that, as in TRL, is one causal sequence), so causal attention alone is exact at
 every real token (no real query ever has a padding key before it), and the trainers call the
-model without a mask (`model_masks`). On GPU that lets cuDNN run its causal kernel instead of
-reading a `[B, 1, T, S]` bias and writing its gradient; the hidden states of padding positions
-change, and none of them is scored or reaches a real token.
+model without a mask (`jaxrl.algos.masks.model_masks`). On GPU that lets cuDNN run its causal
+kernel instead of reading a `[B, 1, T, S]` bias and writing its gradient; the hidden states of
+padding positions change, and none of them is scored or reaches a real token.
 
 Target alignment (shared by every collator that emits `loss_mask`):
     targets[b, t]   = input_ids[b, t + 1]           (last position: pad_token_id)
@@ -154,15 +154,6 @@ def _rows_to_batch(
     return batch
 
 
-def model_masks(batch: Mapping[str, Any]) -> tuple[Any, Any]:
-    """`(attention_mask, segment_ids)` to call a model with on a collated batch: both for packed
-    rows, `(None, None)` for one right-padded document per row (causal attention is exact at
-    every real token there; see the module docstring). Works on numpy and jax arrays."""
-    if "segment_ids" in batch:
-        return batch["attention_mask"], batch["segment_ids"]
-    return None, None
-
-
 def collate_sft(
     examples: Sequence[Example], seq_len: int, pad_token_id: int
 ) -> dict[str, np.ndarray]:
@@ -298,13 +289,6 @@ def collate_preference_shared(
         "chosen_mask": chosen_mask,
         "rejected_mask": rejected_mask,
     }
-
-
-def prefix_tree_mask(branch_ids_BT):
-    """[B, T, S] bool key visibility of a prefix-shared row (causality is added by the kernel):
-    real keys of the query's own branch or of the shared prompt. Works on numpy and jax arrays."""
-    q_BT1, k_B1S = branch_ids_BT[:, :, None], branch_ids_BT[:, None, :]
-    return (k_B1S > 0) & ((k_B1S == q_BT1) | (k_B1S == 1))
 
 
 def collate_reward(

@@ -10,7 +10,7 @@ scores as autodiff residuals.
 - cuDNN flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`): the default on
   GPU where its constraints hold (bf16/fp16, head_dim a multiple of 8 and <= 128). A mask
   reaches it as a bias whose gradient it also writes; the trainers pass none for unpacked,
-  right-padded rows (`jaxrl.data.collate.model_masks`), which then run its causal kernel.
+  right-padded rows (`jaxrl.algos.masks.model_masks`), which then run its causal kernel.
 - Splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`, the Pallas TPU kernel
   MaxText uses): the default on TPU whenever the key visibility is causality + padding / packed
   segments (+ a static sliding window), which it takes as segment ids. Explicit masks (DPO

@@ -11,7 +11,7 @@ Where each family drops (transformers 5.23; rates in `ModelConfig`):
 - Every other Llama-family model: `attention_dropout` on the attention probabilities only.
 
 Keys. The trainer enters `model_dropout(key)` around a policy's training forward (see
-`jaxrl.trainers.model_dropout`); a forward traced outside it (a reference model, eval, predict,
+`jaxrl.algos.model_dropout`); a forward traced outside it (a reference model, eval, predict,
 generation, scoring passes) never drops. The embeddings draw from `site_key(key, EMBEDDING)`;
 layer i runs with `layer_key(key, i)` as the active key (folded with the layer index, also
 inside a scanned stack), and each of its sites from `site_key(layer key, site)`.

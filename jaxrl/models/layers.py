@@ -259,7 +259,7 @@ def embedding_noise(key: jax.Array, alpha: float, lengths_B: jax.Array) -> Itera
     """NEFTune (https://arxiv.org/abs/2310.05914) for model calls traced inside the block: the
     token embeddings `[B, T, D]` get `U(-m, m)` noise drawn from `key`, with
     `m = alpha / sqrt(lengths_B * D)` per row (transformers' hook uses the batch's padded
-    length; `jaxrl.trainers.neftune` passes TRL's). Read when the model is traced, so enter it
+    length; `jaxrl.algos.neftune` passes TRL's). Read when the model is traced, so enter it
     inside the jitted function."""
     token = _EMBEDDING_NOISE.set((key, alpha, lengths_B))
     try:

@@ -32,9 +32,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl import lora, parallel, run_dir
-from jaxrl.callbacks.base import (
-    TrainerCallback,
-)
+from jaxrl.algos import model_dropout, neftune, router_aux
+from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.callbacks.bema import BEMACallback
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.config import TrainingConfig
@@ -45,23 +44,12 @@ from jaxrl.core.step import make_eval_step, make_train_step
 from jaxrl.data.batching import BatchIterator
 from jaxrl.data.loading import load_dataset_any
 from jaxrl.generation import GenerationConfig, Sampler
-from jaxrl.trainers import model_dropout, neftune, router_aux
 from jaxrl.trainers.evaluation import EvalPrediction, EvaluationMixin
 from jaxrl.trainers.export import ExportMixin
 from jaxrl.trainers.lengths import LengthsMixin
 from jaxrl.trainers.loop import TrainLoop
 from jaxrl.trainers.model_setup import ModelSetupMixin, _quantization_scheme  # noqa: F401 (ppo.py)
 from jaxrl.trainers.tokenizer_setup import TokenizerSetupMixin
-
-
-def weighted_token_count(mask: jax.Array, mb: dict) -> jax.Array:
-    """`sum(mask)` over the rows of real examples: rows `[B, ...]` weighted by `example_mask`
-    (`[B]`, 0 for the copies filling a partial batch); the plain sum without one."""
-    if "example_mask" not in mb:
-        return jnp.sum(mask)
-    w = mb["example_mask"]
-    return jnp.sum(mask * w.reshape(w.shape + (1,) * (mask.ndim - w.ndim)))
-
 
 logger = logging.getLogger("jaxrl")
 
@@ -454,7 +442,7 @@ class Trainer(
     def _with_model_dropout(self, loss_fn: Callable) -> Callable:
         """The training loss with the model's own dropout (attention / residual / embedding
         rates of its config) in the policy's forwards, drawn from the micro-batch's key (eval,
-        references and generation have none); see `trainers.model_dropout`."""
+        references and generation have none); see `algos.model_dropout`."""
         if not self._model_dropout_active():
             return loss_fn
 
@@ -467,7 +455,7 @@ class Trainer(
 
     def _with_neftune(self, loss_fn: Callable) -> Callable:
         """The training loss with NEFTune noise (`neftune_noise_alpha`) on the policy's token
-        embeddings, drawn from the micro-batch's key (eval has none); see `trainers.neftune`."""
+        embeddings, drawn from the micro-batch's key (eval has none); see `algos.neftune`."""
         a = self.args
         if a.neftune_noise_alpha is None:
             return loss_fn

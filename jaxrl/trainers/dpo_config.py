@@ -50,7 +50,7 @@ class DPOConfig(with_foreign("_DPOForeign", config_fields.DPO)):
     padding_value: int | None = None  # None -> tokenizer.pad_token_id
     label_pad_token_id: int = -100  # only -100: padding is masked, never scored
     # TRL default True. False: the policy's training forwards apply the model config's dropout
-    # (GPT-2's and Phi-3's, any family's attention_dropout; `jaxrl.trainers.model_dropout`).
+    # (GPT-2's and Phi-3's, any family's attention_dropout; `jaxrl.algos.model_dropout`).
     disable_dropout: bool = True
     reference_free: bool = False
     precompute_ref_log_probs: bool = False
@@ -82,7 +82,7 @@ class DPOConfig(with_foreign("_DPOForeign", config_fields.DPO)):
     prefix_sharing: bool = False
     # TRL: weight of the MoE load-balancing loss (transformers' `aux_loss`) added to the loss;
     # None takes the model config's own `router_aux_loss_coef`, 0.0 turns it off; nonzero on a
-    # model without MoE layers is an error (`jaxrl.trainers.router_aux`).
+    # model without MoE layers is an error (`jaxrl.algos.router_aux`).
     router_aux_loss_coef: float | None = None
     pad_token: str | None = None  # TRL: overrides the tokenizer's pad token
     # TRL < 1.0 (dropped in 1.0): at each evaluation, sample completions of a random eval batch

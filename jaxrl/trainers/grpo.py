@@ -14,7 +14,9 @@ import jax
 import numpy as np
 
 from jaxrl.algos import grpo
-from jaxrl.losses.grpo import grpo_advantages
+from jaxrl.losses.grpo import (
+    grpo_advantages,
+)
 from jaxrl.rewards import group_reward_metrics
 from jaxrl.trainers.grpo_config import GRPOConfig
 from jaxrl.trainers.onpolicy import OnPolicyTrainer

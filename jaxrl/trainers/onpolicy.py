@@ -20,7 +20,7 @@ generation and update are aligned (the default) the update is on-policy and need
 subclass supplies `_advantages` (per algorithm) and `_loss_fn` (built by `jaxrl.algos.<algo>`).
 No algorithm math here.
 
-Mixture-of-experts policies (`router_aux_loss_coef`, TRL's semantics, `jaxrl.trainers.router_aux`):
+Mixture-of-experts policies (`router_aux_loss_coef`, TRL's semantics, `jaxrl.algos.router_aux`):
 the policy's loss forward, and no other (not the reference's, not the sampling policy's),
 collects the routing statistics of the micro-batch's `prompt + completion` tokens
 (`jaxrl.algos.rollout.rollout_token_weights`) and adds transformers' load-balancing loss as TRL does: `coef x

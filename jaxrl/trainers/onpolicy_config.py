@@ -76,7 +76,7 @@ class OnPolicyConfig(TrainingConfig):
     learning_rate: float = 1e-6
     # TRL default False: the policy's loss forward applies the model config's dropout (GPT-2's
     # and Phi-3's, any family's attention_dropout); True turns it off. Sampling and the old /
-    # reference log-prob passes never drop (`jaxrl.trainers.model_dropout`).
+    # reference log-prob passes never drop (`jaxrl.algos.model_dropout`).
     disable_dropout: bool = False
     # TRL's default "auto" pads to 128 on Neuron devices and not at all elsewhere, so it is None
     # here (resolved by `TrainingConfig`); an int buckets the sampler's prompt lengths to its
@@ -90,7 +90,7 @@ class OnPolicyConfig(TrainingConfig):
     # TRL: weight of the MoE load-balancing loss (transformers' `aux_loss`) of the policy's loss
     # forward, added to each micro-batch's loss divided by the accumulation steps; None takes
     # the model config's own `router_aux_loss_coef`, 0.0 turns it off; nonzero on a model
-    # without MoE layers is an error (`jaxrl.trainers.router_aux`).
+    # without MoE layers is an error (`jaxrl.algos.router_aux`).
     router_aux_loss_coef: float | None = None
     num_generations: int = 8
     num_generations_eval: int | None = None

@@ -27,7 +27,7 @@ class RewardConfig(with_foreign("_RewardForeign", config_fields.REWARD)):
     # TRL: pairs whose chosen or rejected sequence exceeds max_length are filtered out.
     max_length: int | None = 1024
     # TRL default True. False: the policy's training forwards apply the model config's dropout
-    # (GPT-2's and Phi-3's, any family's attention_dropout; `jaxrl.trainers.model_dropout`).
+    # (GPT-2's and Phi-3's, any family's attention_dropout; `jaxrl.algos.model_dropout`).
     disable_dropout: bool = True
     dataset_num_proc: int | None = None
     # Eq. 2 of https://huggingface.co/papers/2312.09244: coef * mean((r_chosen + r_rejected)^2).

@@ -2,8 +2,9 @@
 
 The loss is token-weighted NLL over `loss_mask` tokens (completion-only / assistant-only masks
 come from the data layer), computed from hidden states with chunked log-probs so no full f32
-[B, T, V] exists. Logged metrics use TRL's names: `loss`, `mean_token_accuracy`, `entropy`,
-`num_tokens`, `grad_norm`, `learning_rate`.
+[B, T, V] exists; its traced math is `jaxrl.algos.sft`, this file the host shell around it.
+Logged metrics use TRL's names: `loss`, `mean_token_accuracy`, `entropy`, `num_tokens`,
+`grad_norm`, `learning_rate`.
 
 `padding_free=True` (TRL's) collates each device's share of a micro-batch as one row of its
 examples back to back (`collate.collate_padding_free`), padded to a bucket of such rows'
@@ -19,62 +20,24 @@ from typing import Any
 
 import datasets
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.core.logprobs import scored_logprobs, unembed_logits
+from jaxrl.algos import sft as sft_algo
 from jaxrl.data import vision
 from jaxrl.data.collate import (
     bucket_length,
     collate_padding_free,
     collate_sft,
-    model_masks,
     padding_free_buckets,
     padding_free_longest_row,
 )
 from jaxrl.data.sft import prepare_sft_dataset, rows_as_given
-from jaxrl.losses.sft import entropy, mean_token_accuracy, sft_loss_sum
-from jaxrl.trainers import router_aux
-from jaxrl.trainers.base import Trainer, weighted_token_count
+from jaxrl.trainers.base import Trainer
 from jaxrl.trainers.evaluation import label_ids_from_loss_mask
 from jaxrl.trainers.image_text import ImageTextMixin
 from jaxrl.trainers.sft_config import SFTConfig
 
 logger = logging.getLogger(__name__)
-
-
-def lm_hidden_states(model, mb: dict) -> jnp.ndarray:
-    """Final hidden states [B, T, D] of a collated LM batch (masked only when packed), with its
-    images when it has them (`jaxrl.data.vision`)."""
-    attention_mask, segment_ids = model_masks(mb)
-    images = {k: mb[k] for k in ("pixel_values", "token_type_ids") if k in mb}
-    return model.hidden_states(
-        mb["input_ids"], attention_mask, mb["positions"], segment_ids, **images
-    )
-
-
-def lm_forward(
-    model,
-    mb: dict,
-    chunk_size: int,
-    with_stats: bool,
-    score_span: int | None = None,
-    uniform_nll_grad: bool = False,
-):
-    """Per-token target log-probs (and stats) `[B, T]` of a collated LM batch; `score_span`
-    as in `scored_logprobs` (rows scored where `loss_mask` is set); `uniform_nll_grad` as in
-    `token_logprobs`."""
-    return scored_logprobs(
-        lm_hidden_states(model, mb),
-        model.unembed_weight(),
-        mb["targets"],
-        mb["loss_mask"] > 0,
-        chunk_size,
-        with_stats,
-        score_span,
-        uniform_nll_grad=uniform_nll_grad,
-        logit_softcap=model.config.final_logit_softcap,
-    )
 
 
 def trained_width(mask_rows: Any) -> int:
@@ -90,8 +53,9 @@ def trained_width(mask_rows: Any) -> int:
 
 
 def choose_score_span(width: int, seq_len: int) -> int | None:
-    """`lm_forward`'s `score_span` for rows whose scored targets lie within `width` positions:
-    `width` rounded up to a multiple of 8, or None when that would not be shorter than a row."""
+    """`jaxrl.algos.sft.lm_forward`'s `score_span` for rows whose scored targets lie within
+    `width` positions: `width` rounded up to a multiple of 8, or None when that would not be
+    shorter than a row."""
     span = -(-max(width, 1) // 8) * 8
     return span if span < seq_len else None
 
@@ -107,41 +71,6 @@ def check_score_span(loss_mask: np.ndarray, span: int | None) -> None:
             "(`score_span`, from the widest completion of the train and eval sets); set "
             "trainer.score_span = None or collate only examples of those datasets."
         )
-
-
-def full_logits(model, mb: dict) -> jnp.ndarray:
-    """f32 logits [B, T, V] of a collated LM batch (eval predictions only; training never
-    builds them)."""
-    return unembed_logits(
-        lm_hidden_states(model, mb), model.unembed_weight(), model.config.final_logit_softcap
-    )
-
-
-def example_weighted_mask(mb: dict) -> jnp.ndarray:
-    """`loss_mask` with the rows of padding examples zeroed (`[..., B, T]`: one micro-batch or
-    a whole `[A, B, T]` batch)."""
-    mask_BT = mb["loss_mask"]
-    if "example_mask" in mb:
-        mask_BT = mask_BT * mb["example_mask"][..., None]
-    return mask_BT
-
-
-def lm_token_weights(mb: dict) -> jnp.ndarray:
-    """1 on the real tokens of a collated LM batch's real examples (packed rows: every token of
-    a segment), 0 on padding: the tokens TRL's MoE load-balancing loss counts."""
-    tokens_BT = (mb["segment_ids"] > 0) if "segment_ids" in mb else mb["attention_mask"]
-    tokens_BT = tokens_BT.astype(jnp.float32)
-    if "example_mask" in mb:
-        tokens_BT = tokens_BT * mb["example_mask"][..., None]
-    return tokens_BT
-
-
-def padding_free_widths(mb: dict, multiple_of: int | None) -> jnp.ndarray:
-    """Per padding-free row `[B]`: its width as TRL collates it (its real tokens, rounded up to
-    `multiple_of`; 0 for an empty row)."""
-    n_B = jnp.sum(mb["segment_ids"] > 0, axis=-1)
-    m = multiple_of or 1
-    return (n_B + m - 1) // m * m
 
 
 class SFTTrainer(ImageTextMixin, Trainer):
@@ -290,7 +219,7 @@ class SFTTrainer(ImageTextMixin, Trainer):
     def _hf_widths(self, mb: dict) -> jax.Array | None:
         if not self._padding_free("eval"):
             return super()._hf_widths(mb)
-        return padding_free_widths(mb, self.args.pad_to_multiple_of)
+        return sft_algo.padding_free_widths(mb, self.args.pad_to_multiple_of)
 
     def _apply_eos_token(self, tokenizer: Any) -> None:
         """The base's `eos_token` handling, and for a model that generates, the new EOS id goes
@@ -495,53 +424,20 @@ class SFTTrainer(ImageTextMixin, Trainer):
         return a.eval_packing
 
     def _loss_fn(self):
-        chunk = self.args.logprob_chunk_size
-        loss_type = getattr(self.args, "loss_type", "nll")
-
-        smoothing = getattr(self.args, "label_smoothing_factor", 0.0)
-
-        coef = self.router_aux_loss_coef
-        padding_free = self._padding_free("train")
-        multiple_of = self.args.pad_to_multiple_of
-
-        def loss_fn(params, state, mb, rng, extras):
-            model = self.apply_model(params, state)
-            tokens_BT = lm_token_weights(mb)
-            with router_aux.collect(bool(coef), tokens_BT) as router_stats:
-                logps_BT, stats = lm_forward(
-                    model, mb, chunk, True, self.score_span, uniform_nll_grad=bool(smoothing)
-                )
-            mask_BT = example_weighted_mask(mb)
-            loss_sum, n_tok = sft_loss_sum(logps_BT, mask_BT, loss_type=loss_type)
-            if smoothing:  # HF's LabelSmoother: (1 - eps) NLL + eps x uniform-target NLL
-                uniform_sum = jnp.sum(stats["uniform_nll"] * mask_BT)
-                loss_sum = (1 - smoothing) * loss_sum + smoothing * uniform_sum
-            correct, _ = mean_token_accuracy(stats["argmax_correct"], mask_BT)
-            ent, _ = entropy(stats["entropy"], mask_BT)
-            sums = {"loss": loss_sum, "mean_token_accuracy": correct, "entropy": ent}
-            counts = {"loss": n_tok, "mean_token_accuracy": n_tok, "entropy": n_tok}
-            loss_sum = router_aux.add_to_loss(
-                coef, router_stats, tokens_BT, mb, loss_sum, sums, counts
-            )
-            if padding_free:  # TRL: the width of each device's flattened row
-                num_tokens = jnp.sum(padding_free_widths(mb, multiple_of))
-            else:
-                num_tokens = weighted_token_count(mb["attention_mask"], mb)
-            aux = {
-                "sum": sums,
-                "count": counts,
-                "total": {"num_tokens": num_tokens.astype(jnp.float32)},
-            }
-            return loss_sum, (aux, extras)
-
-        return loss_fn
+        return sft_algo.make_loss(
+            self.args,
+            self.apply_model,
+            score_span=self.score_span,
+            router_aux_coef=self.router_aux_loss_coef,
+            padding_free=self._padding_free("train"),
+        )
 
     def _loss_units(self):
-        return lambda batch_A: jnp.sum(example_weighted_mask(batch_A))
+        return sft_algo.loss_units
 
     def _prediction_fn(self):
         def predict(model, mb):
-            logits_BTV = full_logits(model, mb)
+            logits_BTV = sft_algo.full_logits(model, mb)
             return logits_BTV, label_ids_from_loss_mask(mb["input_ids"], mb["loss_mask"])
 
         return predict

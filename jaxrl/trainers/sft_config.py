@@ -77,7 +77,7 @@ class SFTConfig(with_foreign("_SFTForeign", config_fields.SFT)):
     label_smoothing_factor: float = 0.0
     # TRL: weight of the MoE load-balancing loss (transformers' `aux_loss`) added to the loss;
     # None takes the model config's own `router_aux_loss_coef`, 0.0 turns it off; nonzero on a
-    # model without MoE layers is an error (`jaxrl.trainers.router_aux`).
+    # model without MoE layers is an error (`jaxrl.algos.router_aux`).
     router_aux_loss_coef: float | None = None
     # jaxrl: the row lengths a step's batch may be padded to (its train micro-batches, all
     # processes; each eval batch alike): the smallest one >= the batch's longest row. The run's

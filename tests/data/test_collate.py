@@ -3,15 +3,14 @@
 import numpy as np
 import pytest
 
+from jaxrl.algos.masks import model_masks, prefix_tree_mask
 from jaxrl.data import (
     choose_seq_len,
     collate_preference,
     collate_preference_shared,
     collate_reward,
     collate_sft,
-    prefix_tree_mask,
 )
-from jaxrl.data.collate import model_masks
 
 
 def test_collate_sft_alignment_hand_computed():

@@ -17,8 +17,8 @@ from trl.data_utils import pack_dataset
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from trl.trainer.sft_trainer import SFTTrainer as TRLSFTTrainer
 
+from jaxrl.algos.masks import model_masks
 from jaxrl.data import build_char_tokenizer, collate_sft, pack_wrapped, prepare_sft_dataset
-from jaxrl.data.collate import model_masks
 from tests.trainers.trainer_utils import tiny_config
 
 L = 8  # packed row length
@@ -191,7 +191,7 @@ def test_wrapped_loss_matches_transformers_on_trl_batch(tok, tmp_path):
     import jax.numpy as jnp
 
     from jaxrl import models
-    from jaxrl.trainers.sft import lm_forward
+    from jaxrl.algos.sft import lm_forward
 
     config = tiny_config(vocab_size=len(tok))
     torch.manual_seed(0)

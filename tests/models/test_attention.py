@@ -513,10 +513,10 @@ def test_right_padded_rows_run_unmasked_exactly(family, impl, hf_causal, hf_seq_
     scores at the last real token likewise. The models are the session's tiny checkpoints
     (tests/models/conftest.py; loading one compiles nothing, `from_config` compiled an init
     program per model)."""
+    from jaxrl.algos.reward import pair_scores
+    from jaxrl.algos.sft import lm_forward
     from jaxrl.data import collate_sft
     from jaxrl.models import from_pretrained
-    from jaxrl.trainers.reward import pair_scores
-    from jaxrl.trainers.sft import lm_forward
 
     rng = np.random.default_rng(0)
     lengths = (11, 4, 7, 1)

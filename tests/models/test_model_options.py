@@ -209,7 +209,8 @@ def test_from_config_init_like_hf():
 def test_prefix_tree_mask_matches_separate_sequences(family, hf_causal):
     """DPO prefix sharing: one row prompt + chosen + rejected under an explicit [B, T, S] mask
     gives each branch the logits of its own prompt + completion row."""
-    from jaxrl.data.collate import collate_preference_shared, prefix_tree_mask
+    from jaxrl.algos.masks import prefix_tree_mask
+    from jaxrl.data.collate import collate_preference_shared
 
     model = from_pretrained(hf_causal(family).path)
     rng = np.random.default_rng(1)

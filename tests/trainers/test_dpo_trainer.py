@@ -465,7 +465,7 @@ def test_head_runs_on_the_completions_only(
     than the span is refused on the host."""
     import jax.numpy as jnp
 
-    from jaxrl.trainers.dpo import pair_logps
+    from jaxrl.algos.dpo import pair_logps
 
     data = pref_data[0].select(range(8))
     trainer = DPOTrainer(

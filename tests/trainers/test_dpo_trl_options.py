@@ -90,7 +90,7 @@ def test_ld_alpha_one_is_plain_dpo_and_zero_drops_the_tail(monkeypatch):
     sums; alpha 0 keeps only the first min(len_c, len_r) tokens of each completion."""
     import jax.numpy as jnp
 
-    from jaxrl.trainers import dpo as dpo_mod
+    from jaxrl.algos import dpo as dpo_mod
 
     logps = jnp.array([[-1.0, -2.0, -3.0, -4.0], [-0.5, -0.25, -0.125, -1.0]])
     masks = jnp.array([[0, 1, 1, 1], [0, 1, 0, 0]], jnp.float32)  # chosen 3 tokens, rejected 1

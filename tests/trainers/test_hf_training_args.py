@@ -13,6 +13,7 @@ from flax import nnx
 from trainer_utils import base_args, killed_after_checkpoint, tiny_config, train_logs
 
 from jaxrl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+from jaxrl.algos import neftune
 from jaxrl.callbacks.base import DefaultFlowCallback, TrainerControl, TrainerState
 from jaxrl.config import ConfigError
 from jaxrl.config_cli import parse_config
@@ -27,7 +28,6 @@ from jaxrl.data.collate import (
 from jaxrl.data.packing import pack_bfd
 from jaxrl.models.config import config_from_hf
 from jaxrl.models.layers import Embed
-from jaxrl.trainers import neftune
 from jaxrl.trainers.grpo_config import GRPOConfig
 
 PAD = 0

@@ -12,11 +12,11 @@ from flax import nnx
 from trainer_utils import base_args, killed_after_checkpoint, train_logs
 
 from jaxrl import DPOConfig, RewardConfig, SFTConfig, lora, models
+from jaxrl.algos.dpo import pair_logps
 from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.callbacks.bema import BEMACallback
 from jaxrl.core import quant
 from jaxrl.trainers import DPOTrainer, RewardTrainer, SFTTrainer
-from jaxrl.trainers.dpo import pair_logps
 from tests.model_calls import jit_call
 
 # init_lora_weights=False: B is random too, so the adapter changes the model from step 0.

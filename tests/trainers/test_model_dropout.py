@@ -1,4 +1,4 @@
-"""The model's own dropout in the trainers (`jaxrl.trainers.model_dropout`), on a tiny GPT-2 with
+"""The model's own dropout in the trainers (`jaxrl.algos.model_dropout`), on a tiny GPT-2 with
 TRL's checkpoint rates (embd/attn/resid 0.1): SFT always trains with it, DPO and reward with
 `disable_dropout=False`, GRPO unless `disable_dropout=True`; evaluation, references and sampling
 never drop; runs are reproducible and resume bit for bit."""

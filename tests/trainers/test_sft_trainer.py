@@ -276,8 +276,9 @@ def test_completion_only_loss_runs_the_head_on_completions(tmp_path, tokenizer, 
     on wider completions widens the span."""
     import datasets
 
+    from jaxrl.algos.sft import lm_forward
     from jaxrl.data import collate_sft
-    from jaxrl.trainers.sft import lm_forward, trained_width
+    from jaxrl.trainers.sft import trained_width
 
     trainer = make(tmp_path, tokenizer, sft_data[0])
     width = trained_width(trainer.train_dataset["loss_mask"])

@@ -28,9 +28,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl.algos.forward_view import ForwardView, view_for
 from jaxrl.data.collate import trl_padded_lengths
 from jaxrl.models.layers import embedding_noise
-from jaxrl.trainers.forward_view import ForwardView, view_for
 
 # Folded into a micro-batch's key for its noise (LoRA dropout uses another stream).
 NOISE_STREAM = 0x4E4546

@@ -26,8 +26,8 @@ from typing import Any
 
 import jax
 
+from jaxrl.algos.forward_view import ForwardView, view_for
 from jaxrl.models.dropout import model_dropout
-from jaxrl.trainers.forward_view import ForwardView, view_for
 
 # Folded into a micro-batch's key for the model's dropout (NEFTune and LoRA dropout use others).
 DROPOUT_STREAM = 0x44524F50
