@@ -24,7 +24,7 @@ from jaxrl.data.collate import (
     trl_input_tokens,
 )
 from jaxrl.data.packing import pack_bfd
-from jaxrl.models.config import config_from_hf
+from jaxrl.models.hf_config import config_from_hf
 from jaxrl.models.layers import Embed
 from jaxrl.trainers import neftune
 from jaxrl.trainers.grpo_config import GRPOConfig
