@@ -319,8 +319,8 @@ def _model(opts: argparse.Namespace):
     jax.default_backend = lambda: backend  # jaxrl's per-backend choices, as on that device
     scan = opts.scan_layers if opts.scan_layers is not None else backend != "gpu"
     from jaxrl.models import presets
-    from jaxrl.models.config import config_from_hf
     from jaxrl.models.hf import _prepare_hf_config, build_model
+    from jaxrl.models.hf_config import config_from_hf
 
     config = config_from_hf(
         _prepare_hf_config(presets.get_preset(opts.preset), "causal_lm", None),

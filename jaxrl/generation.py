@@ -51,8 +51,9 @@ from jax.sharding import Mesh
 
 from jaxrl.core.logprobs import unembed_logits
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.families import family
 from jaxrl.models.kv_cache import Cache, CacheView, cache_shardings, init_cache
-from jaxrl.models.layers import default_positions
+from jaxrl.models.masks import default_positions
 from jaxrl.parallel import Rules, batch_sharding, data_parallel_size, merge_rules
 
 MIN_BUCKET = 16
@@ -545,7 +546,8 @@ class Sampler:
         model_config: ModelConfig, mask_BP: np.ndarray, config: GenerationConfig
     ) -> None:
         longest = int(mask_BP.sum(axis=1).max()) + config.max_new_tokens
-        if model_config.model_type == "gpt2" and longest > model_config.max_position_embeddings:
+        learned = family(model_config.model_type).learned_positions
+        if learned and longest > model_config.max_position_embeddings:
             raise ValueError(
                 f"Prompt + max_new_tokens reaches {longest} tokens but GPT-2 has only "
                 f"{model_config.max_position_embeddings} learned positions; lower "

@@ -6,7 +6,8 @@ Every model holds only `nnx.Param` state carrying logical axis names, so
 """
 
 from jaxrl.models.causal_lm import CausalLM
-from jaxrl.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, config_from_hf
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.families import SUPPORTED_MODEL_TYPES
 from jaxrl.models.gpt2 import GPT2ForCausalLM, GPT2Model
 from jaxrl.models.gpt_oss import GptOssForCausalLM, GptOssModel
 from jaxrl.models.heads import (
@@ -21,6 +22,7 @@ from jaxrl.models.hf import (
     from_pretrained,
     save_pretrained,
 )
+from jaxrl.models.hf_config import config_from_hf
 from jaxrl.models.llama import LlamaForCausalLM, LlamaModel
 from jaxrl.models.presets import count_params, flops_per_token, get_preset
 from jaxrl.models.vision import Gemma3ForConditionalGeneration

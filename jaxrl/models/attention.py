@@ -60,6 +60,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl.core import loops
 from jaxrl.models import dropout as model_dropout
+from jaxrl.parallel import logical_to_spec
 
 IMPLS = ("blockwise", "cudnn", "splash", "xla")
 
@@ -366,8 +367,6 @@ def splash_attention(
     kernel runs per shard (`shard_map`: batch and heads split as the model's rules split them,
     so no gather). `interpret` defaults to True off TPU (Pallas' interpreter, for tests).
     """
-    from jaxrl.parallel import logical_to_spec
-
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     if k_BSKH.shape[1] != T:

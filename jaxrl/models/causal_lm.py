@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +11,8 @@ from flax import nnx
 
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.dropout import model_dropout
+from jaxrl.models.kv_cache import Cache, CacheView
 from jaxrl.models.layers import Dense, param_value
-
-if TYPE_CHECKING:
-    from jaxrl.models.kv_cache import Cache, CacheView
 
 
 class CausalLM(nnx.Module):

@@ -23,12 +23,11 @@ from jaxrl.models.layers import (
     LayerNorm,
     activation,
     apply_layers,
-    attention_masks,
-    default_positions,
     dot_product_attention,
     make_layers,
     param_value,
 )
+from jaxrl.models.masks import attention_masks, default_positions
 
 
 def residual_init_std(config: ModelConfig) -> float:

@@ -26,7 +26,6 @@ checkpoints store the expert weights as MXFP4 (`*_blocks` / `*_scales`), dequant
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,29 +46,11 @@ from jaxrl.models.layers import (
     param_value,
 )
 from jaxrl.models.llama import LlamaAttention, LlamaModel
+from jaxrl.models.router_stats import record_router_stats
 
 # `hf_layout` metadata of the expert params: how the HF tensor maps to ours (see `hf.py`).
 INTERLEAVED = "gate_up_interleaved"  # HF [..., 2F] (gate, up alternating) <-> ours [..., 2, F]
 AS_IS = "as_is"  # same shape and order (HF's [E, in, out] expert tensors are not transposed)
-
-
-def gpt_oss_fields(c: Any) -> dict[str, Any]:
-    """`ModelConfig` fields of a `GptOssConfig` beyond the Llama/MoE ones."""
-    quant = getattr(c, "quantization_config", None)
-    if quant is not None:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant.quant_method
-        if str(method) != "mxfp4":
-            raise ValueError(
-                f"quantization_config.quant_method={method!r} is not supported for gpt_oss; jaxrl "
-                "reads bf16/f32 checkpoints and the released MXFP4 ones (dequantized on load)."
-            )
-    return {
-        "attention_sinks": True,
-        "swiglu_alpha": float(c.swiglu_alpha),
-        "swiglu_limit": float(c.swiglu_limit),
-        "norm_offset": 0.0,  # GptOssRMSNorm: weight * x_hat in f32, rounded once
-        "moe_layers": (True,) * c.num_hidden_layers,
-    }
 
 
 # ---------------------------------------------------------------- checkpoint layouts
@@ -236,7 +217,7 @@ class GptOssMLP(nnx.Module):
         b, t, d = x_BTD.shape
         x_MD = x_BTD.reshape(b * t, d)
         logits_ME = self.router(x_MD)
-        moe._record_stats(logits_ME, self.top_k)  # the load-balancing loss's statistics
+        record_router_stats(logits_ME, self.top_k)  # the load-balancing loss's statistics
         top_MK, experts_MK = jax.lax.top_k(logits_ME, self.top_k)
         weights_MK = jax.nn.softmax(top_MK.astype(jnp.float32), axis=-1).astype(logits_ME.dtype)
         y_MKD = self.experts(x_MD, experts_MK)
@@ -285,4 +266,4 @@ class GptOssForCausalLM(CausalLM):
     backbone_cls = GptOssModel
 
 
-__all__ = ["GptOssForCausalLM", "GptOssModel", "gpt_oss_fields"]
+__all__ = ["GptOssForCausalLM", "GptOssModel"]

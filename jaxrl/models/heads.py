@@ -15,19 +15,21 @@ from flax import nnx
 
 from jaxrl.core.logprobs import token_logprobs, unembed_logits
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.families import family
 from jaxrl.models.gpt2 import GPT2ForCausalLM, GPT2Model
 from jaxrl.models.gpt_oss import GptOssForCausalLM, GptOssModel
 from jaxrl.models.layers import Dense, param_value
 from jaxrl.models.llama import LlamaForCausalLM, LlamaModel
 
 V_HEAD_INIT_STRATEGIES = (None, "normal")
+# `Family.decoder` -> its backbone and causal-LM classes.
+BACKBONES = {"llama": LlamaModel, "gpt2": GPT2Model, "gpt_oss": GptOssModel}
+CAUSAL_LMS = {"llama": LlamaForCausalLM, "gpt2": GPT2ForCausalLM, "gpt_oss": GptOssForCausalLM}
 
 
 def make_backbone(config: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
     """The decoder backbone (no LM head) for the config's family."""
-    if config.model_type == "gpt_oss":
-        return GptOssModel(config, rngs)
-    return GPT2Model(config, rngs) if config.model_type == "gpt2" else LlamaModel(config, rngs)
+    return BACKBONES[family(config.model_type).decoder](config, rngs)
 
 
 def last_token_index(attention_mask_BT: jax.Array | None, seq_len: int, batch: int) -> jax.Array:
@@ -216,9 +218,7 @@ class CausalLMWithValueHead(nnx.Module):
         v_head_initializer_range: float = 0.2,
     ):
         self.config = config
-        lm_cls = {"gpt2": GPT2ForCausalLM, "gpt_oss": GptOssForCausalLM}.get(
-            config.model_type, LlamaForCausalLM
-        )
+        lm_cls = CAUSAL_LMS[family(config.model_type).decoder]
         self.pretrained_model = lm_cls(config, rngs)
         self.v_head = SummaryValueHead(
             config,

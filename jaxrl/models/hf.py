@@ -27,10 +27,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl import parallel
 from jaxrl.models import hf_keys, mxfp4
-from jaxrl.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, config_from_hf
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.families import SUPPORTED_MODEL_TYPES
 from jaxrl.models.gpt2 import GPT2ForCausalLM
 from jaxrl.models.gpt_oss import GptOssForCausalLM
 from jaxrl.models.heads import CausalLMWithValueHead, SequenceClassificationModel, value_head_init
+from jaxrl.models.hf_config import config_from_hf
 from jaxrl.models.llama import LlamaForCausalLM
 from jaxrl.models.vision import Gemma3ForConditionalGeneration
 from jaxrl.models.weights_io import CheckpointReader, parse_size, plan_shards, write_safetensors

@@ -29,15 +29,13 @@ from jaxrl.core import loops
 from jaxrl.models.attention import grouped_attention
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.layers import (
-    attention_mask_BTS,
-    attention_masks,
     constrain_batch,
     dot_product_attention,
     merge_flags,
     per_layer_flags,
     stack_flags,
-    with_key_limit,
 )
+from jaxrl.models.masks import attention_mask_BTS, attention_masks, with_key_limit
 from jaxrl.parallel import Rules, logical_to_spec
 
 # Logical axes of one layer's k or v: sharded by batch and kv heads; slots stay whole.

@@ -33,16 +33,14 @@ from jaxrl.models.layers import (
     RMSNorm,
     activation,
     apply_layers,
-    attention_masks,
-    default_positions,
     dot_product_attention,
     gated,
     make_layers,
     param_value,
     rope_tables,
     rotate,
-    with_key_limit,
 )
+from jaxrl.models.masks import attention_masks, default_positions, with_key_limit
 
 
 class LlamaAttention(nnx.Module):

@@ -14,17 +14,14 @@ split and stacked on load and save by `hf.py`. LoRA on the experts (`jaxrl.lora.
 adds each expert's low-rank update inside the same grouped matmuls.
 
 The load-balancing loss (Switch Transformer, transformers' `load_balancing_loss_func`) needs
-per-layer routing statistics; forwards traced inside `collect_router_stats` hand them out (see
-`jaxrl.models.layers.apply_layers`), every other forward computes none.
+per-layer routing statistics; forwards traced inside `collect_router_stats` hand them out
+(`jaxrl.models.router_stats`, whose collector and loss are importable from here too), every
+other forward computes none. Which family names its experts how is `jaxrl.models.families`'.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from collections.abc import Iterator
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,111 +29,34 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.families import FAMILIES, MoeTraits, family
 from jaxrl.models.layers import Dense, activation, gated, make_param, normal_init, param_value
+from jaxrl.models.router_stats import (
+    collect_router_stats,
+    collecting_router_stats,
+    load_balancing_loss,
+    record_router_stats,
+)
 from jaxrl.parallel import logical_to_spec
 
-# Expert parameter names as HF's checkpoints spell them: (gate, up, down).
-EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}
-DEFAULT_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
-# The decoder layer's attribute holding the MoE block.
-MOE_ATTRIBUTE = {"mixtral": "block_sparse_moe"}
+# The decoder layer's attribute holding the MoE block, where it is not "mlp".
+MOE_ATTRIBUTE = {
+    t: f.moe.attribute for t, f in FAMILIES.items() if f.moe and f.moe.attribute != "mlp"
+}
+
+
+def moe_traits(config: ModelConfig) -> MoeTraits:
+    """The config's family's MoE traits (the defaults, Qwen-MoE's, for a family without)."""
+    return family(config.model_type).moe or MoeTraits()
 
 
 def expert_names(config: ModelConfig) -> tuple[str, str, str]:
-    return EXPERT_NAMES.get(config.model_type, DEFAULT_EXPERT_NAMES)
+    """Expert parameter names as HF's checkpoints spell them: (gate, up, down)."""
+    return moe_traits(config).expert_names
 
 
 def moe_attribute(config: ModelConfig) -> str:
-    return MOE_ATTRIBUTE.get(config.model_type, "mlp")
-
-
-# ---------------------------------------------------------------- routing statistics
-
-# (token mask [B, T], per-layer statistics collected so far) while collecting; None otherwise.
-_ROUTER_STATS: contextvars.ContextVar[tuple[jax.Array | None, list] | None] = (
-    contextvars.ContextVar("router_stats", default=None)
-)
-
-
-@contextlib.contextmanager
-def collect_router_stats(token_mask_BT: jax.Array | None) -> Iterator[list[jax.Array]]:
-    """Collect the routing statistics of every MoE layer of the forwards traced inside the
-    block: the yielded list receives one `[..., 2, E]` array per layer or scanned stack (the
-    leading axes are the stack's layers): the number of top-k assignments per expert and the
-    sum of router probabilities per expert, both over the tokens where `token_mask_BT` is
-    nonzero (all tokens for None). `load_balancing_loss` turns them into the auxiliary loss."""
-    collected: list[jax.Array] = []
-    token = _ROUTER_STATS.set((token_mask_BT, collected))
-    try:
-        yield collected
-    finally:
-        _ROUTER_STATS.reset(token)
-
-
-def collecting_router_stats() -> bool:
-    return _ROUTER_STATS.get() is not None
-
-
-@contextlib.contextmanager
-def layer_router_stats() -> Iterator[list[jax.Array]]:
-    """Inside `collect_router_stats`: a fresh list for one block's statistics (the layer stack
-    returns them from its scan body or checkpointed function instead of leaking tracers), with
-    the outer token mask."""
-    outer = _ROUTER_STATS.get()
-    assert outer is not None
-    collected: list[jax.Array] = []
-    token = _ROUTER_STATS.set((outer[0], collected))
-    try:
-        yield collected
-    finally:
-        _ROUTER_STATS.reset(token)
-
-
-def add_router_stats(stats: jax.Array) -> None:
-    """Hand a layer's (or a stack's stacked) statistics to the active collector."""
-    active = _ROUTER_STATS.get()
-    if active is not None:
-        active[1].append(stats)
-
-
-def _record_stats(router_logits_ME: jax.Array, top_k: int) -> None:
-    active = _ROUTER_STATS.get()
-    if active is None:
-        return
-    mask_BT, collected = active
-    num_experts = router_logits_ME.shape[-1]
-    # transformers' `load_balancing_loss_func`: softmax in the logits' dtype, top-k of that.
-    probs_ME = jax.nn.softmax(router_logits_ME, axis=-1)
-    _, chosen_MK = jax.lax.top_k(probs_ME, top_k)
-    weight_M = (
-        jnp.ones(probs_ME.shape[0], jnp.float32)
-        if mask_BT is None
-        else mask_BT.reshape(-1).astype(jnp.float32)
-    )
-    one_hot_MKE = jax.nn.one_hot(chosen_MK, num_experts, dtype=jnp.float32)
-    counts_E = jnp.einsum("mke,m->e", one_hot_MKE, weight_M)
-    prob_sum_E = jnp.einsum("me,m->e", probs_ME.astype(jnp.float32), weight_M)
-    collected.append(jnp.stack([counts_E, prob_sum_E]))
-
-
-def load_balancing_loss(
-    stats: list[jax.Array], token_mask_BT: jax.Array | None, num_tokens: int | None = None
-) -> jax.Array:
-    """transformers' `load_balancing_loss_func` from `collect_router_stats`' statistics:
-    `E * sum_e f_e * P_e`, with `f_e` the share of top-k assignments and `P_e` the mean router
-    probability of expert `e` over every MoE layer's valid tokens. `num_tokens` (without a
-    mask) is the number of tokens of one layer's forward."""
-    if not stats:
-        raise ValueError("No MoE layer ran inside collect_router_stats; the model has no router.")
-    per_layer = jnp.concatenate([s.reshape(-1, *s.shape[-2:]) for s in stats])  # [L, 2, E]
-    counts_E, prob_sum_E = jnp.sum(per_layer, axis=0)
-    valid = (
-        jnp.asarray(num_tokens, jnp.float32)
-        if token_mask_BT is None
-        else jnp.sum(token_mask_BT.astype(jnp.float32))
-    )
-    rows = valid * per_layer.shape[0]
-    return counts_E.shape[-1] * jnp.sum((counts_E / rows) * (prob_sum_E / rows))
+    return moe_traits(config).attribute
 
 
 # ---------------------------------------------------------------- modules
@@ -277,7 +197,7 @@ class SparseMoeBlock(nnx.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         # Mixtral keeps the routing weights in f32; Qwen-MoE and OLMoE cast them to the logits'.
-        self.f32_weights = config.model_type == "mixtral"
+        self.f32_weights = moe_traits(config).f32_routing_weights
         self.gate = Router(config, rngs)
         self.experts = Experts(config, config.moe_intermediate_size, rngs)
         self.shared_expert = shared_expert
@@ -291,7 +211,7 @@ class SparseMoeBlock(nnx.Module):
         b, t, d = x_BTD.shape
         x_MD = x_BTD.reshape(b * t, d)
         logits_ME = self.gate(x_MD)
-        _record_stats(logits_ME, self.top_k)
+        record_router_stats(logits_ME, self.top_k)
         probs_ME = jax.nn.softmax(logits_ME.astype(jnp.float32), axis=-1)
         weights_MK, experts_MK = jax.lax.top_k(probs_ME, self.top_k)
         if self.norm_topk_prob:
@@ -307,22 +227,11 @@ class SparseMoeBlock(nnx.Module):
         return out_MD.reshape(b, t, d)
 
 
-def moe_layer_flags(hf_config: Any, num_layers: int) -> tuple[bool, ...]:
-    """Which layers have an MoE block: all for Mixtral and OLMoE; Qwen-MoE's rule
-    (`mlp_only_layers`, `decoder_sparse_step`)."""
-    if hf_config.model_type in ("mixtral", "olmoe"):
-        return (True,) * num_layers
-    dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
-    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
-    experts = hf_config.num_experts
-    return tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
-
-
 __all__ = [
     "Experts",
     "Router",
     "SparseMoeBlock",
     "collect_router_stats",
+    "collecting_router_stats",
     "load_balancing_loss",
-    "moe_layer_flags",
 ]

@@ -14,7 +14,9 @@ import numpy as np
 import transformers
 from flax import nnx
 
-from jaxrl.models.config import ModelConfig, config_from_hf
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.families import family
+from jaxrl.models.hf_config import config_from_hf
 
 
 def _qwen25_05b() -> Any:
@@ -167,7 +169,7 @@ def flops_per_token(config: Any, seq_len: int) -> float:
     c = config if isinstance(config, ModelConfig) else config_from_hf(config)
     d, n, k, h, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
     attn = d * n * h + 2 * d * k * h + n * h * d
-    mlp = (2 if c.model_type == "gpt2" else 3) * d * f
+    mlp = (3 if family(c.model_type).gated_mlp else 2) * d * f
     shared = c.shared_expert_intermediate_size
     moe = (
         d * c.num_experts

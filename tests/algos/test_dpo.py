@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxrl import DPOConfig
 from jaxrl.algos import dpo
-from jaxrl.config import DPOConfig
 from jaxrl.data.collate import collate_preference, collate_preference_shared
 
 from .tiny import PAD, apply_model, greedy, lm, log_softmax, np_logits

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl import RewardConfig
 from jaxrl.algos import reward
-from jaxrl.config import RewardConfig
 from jaxrl.data.collate import collate_reward
 
 from .tiny import PAD, apply_model, np_scores, scorer

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxrl import SFTConfig
 from jaxrl.algos import sft
-from jaxrl.config import SFTConfig
 from jaxrl.data.collate import collate_padding_free, collate_sft
 
 from .tiny import PAD, apply_model, greedy, lm, log_softmax, np_logits

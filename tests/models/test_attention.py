@@ -21,8 +21,9 @@ from jaxrl.models.attention import (
     blockwise_attention,
     resolve_impl,
 )
-from jaxrl.models.config import config_from_hf
-from jaxrl.models.layers import attention_mask_BTS, attention_masks, dot_product_attention
+from jaxrl.models.hf_config import config_from_hf
+from jaxrl.models.layers import dot_product_attention
+from jaxrl.models.masks import attention_mask_BTS, attention_masks
 from jaxrl.models.presets import get_preset
 from tests.model_calls import jit_call
 

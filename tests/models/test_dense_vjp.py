@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl.models.config import config_from_hf
+from jaxrl.models.hf_config import config_from_hf
 from jaxrl.models.layers import Dense, activation, gated, matmul_2d
 from jaxrl.models.presets import get_preset
 

@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 from jaxrl.models import attention, from_pretrained, save_pretrained
 from jaxrl.models import dropout as md
 from jaxrl.models.kv_cache import CacheView, init_cache
-from jaxrl.models.layers import attention_mask_BTS
+from jaxrl.models.masks import attention_mask_BTS
 from jaxrl.parallel import make_mesh
 from tests.models.conftest import TINY, VOCAB, _build, padded_batch
 

@@ -13,7 +13,7 @@ from jaxrl.models import (
     from_pretrained,
     save_pretrained,
 )
-from jaxrl.models.config import config_from_hf
+from jaxrl.models.hf_config import config_from_hf
 from tests.model_calls import jit_call
 from tests.models.conftest import padded_batch
 

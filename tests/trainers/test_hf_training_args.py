@@ -26,7 +26,7 @@ from jaxrl.data.collate import (
     trl_input_tokens,
 )
 from jaxrl.data.packing import pack_bfd
-from jaxrl.models.config import config_from_hf
+from jaxrl.models.hf_config import config_from_hf
 from jaxrl.models.layers import Embed
 from jaxrl.trainers.grpo_config import GRPOConfig
 
