@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxrl.config import ATTN_IMPLEMENTATIONS, DTYPES
+from jaxrl.config_checks import ATTN_IMPLEMENTATIONS, DTYPES
 from jaxrl.config_cli import (
     ConfigError,
     PeftArguments,

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl import DPOConfig, RewardConfig, SFTConfig, TrainingConfig
-from jaxrl import config as config_module
+from jaxrl import DPOConfig, RewardConfig, SFTConfig, TrainingConfig, config_checks
 from jaxrl.config import ConfigError
 from jaxrl.config_cli import parse_config
 from jaxrl.trainers.registry import ALGORITHMS
@@ -201,11 +200,11 @@ def test_choices_match_the_code_that_honours_them():
     from jaxrl.losses.dpo import LOSS_TYPES
     from jaxrl.models.config import REMAT_POLICIES
 
-    assert config_module.DPO_LOSS_TYPES == LOSS_TYPES
-    assert config_module.DPO_F_DIVERGENCE_TYPES == dpo.F_DIVERGENCE_TYPES
-    assert config_module.DPO_F_DIVERGENCE_LOSS_TYPES == dpo.F_DIVERGENCE_LOSS_TYPES
-    assert config_module.SFT_LOSS_TYPES == sft.SFT_LOSS_TYPES
-    assert config_module.REMAT_POLICIES == REMAT_POLICIES
+    assert config_checks.DPO_LOSS_TYPES == LOSS_TYPES
+    assert config_checks.DPO_F_DIVERGENCE_TYPES == dpo.F_DIVERGENCE_TYPES
+    assert config_checks.DPO_F_DIVERGENCE_LOSS_TYPES == dpo.F_DIVERGENCE_LOSS_TYPES
+    assert config_checks.SFT_LOSS_TYPES == sft.SFT_LOSS_TYPES
+    assert config_checks.REMAT_POLICIES == REMAT_POLICIES
     for remat_policy in REMAT_POLICIES:
         assert SFTConfig(remat_policy=remat_policy).remat_policy == remat_policy
 

@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrl.config import LR_SCHEDULERS
+from jaxrl.config_checks import LR_SCHEDULERS
 
 Schedule = Callable[[jax.Array | int], jax.Array]
 
-OPTIMIZERS = ("adamw", "sgd", "adagrad", "rmsprop", "adafactor", "lion")  # config.OPTIMIZERS maps
+OPTIMIZERS = ("adamw", "sgd", "adagrad", "rmsprop", "adafactor", "lion")  # config_checks.OPTIMIZERS maps
 # One list of HF scheduler names, kept with the configs (which import without JAX).
 SCHEDULERS = LR_SCHEDULERS
 

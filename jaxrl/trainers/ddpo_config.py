@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from jaxrl.config import check_mesh_fields
+from jaxrl.config_checks import check_mesh_fields
 
 
 def _exp_name() -> str:

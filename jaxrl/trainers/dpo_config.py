@@ -10,7 +10,8 @@ import typing
 from dataclasses import dataclass, field
 
 from jaxrl import config_fields
-from jaxrl.config import (
+from jaxrl.config import with_foreign
+from jaxrl.config_checks import (
     DPO_F_DIVERGENCE_LOSS_TYPES,
     DPO_F_DIVERGENCE_TYPES,
     DPO_LOSS_TYPES,
@@ -19,7 +20,6 @@ from jaxrl.config import (
     check,
     check_choice,
     resolve_length_buckets,
-    with_foreign,
 )
 from jaxrl.config_fields import Foreign
 

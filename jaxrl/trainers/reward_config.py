@@ -9,7 +9,8 @@ import typing
 from dataclasses import dataclass
 
 from jaxrl import config_fields
-from jaxrl.config import check, resolve_length_buckets, with_foreign
+from jaxrl.config import with_foreign
+from jaxrl.config_checks import check, resolve_length_buckets
 from jaxrl.config_fields import Foreign
 
 

@@ -11,15 +11,14 @@ import warnings
 from dataclasses import dataclass
 
 from jaxrl import config_fields
-from jaxrl.config import (
+from jaxrl.config import ConfigError, with_foreign
+from jaxrl.config_checks import (
     PACKING_STRATEGIES,
     SFT_LOSS_TYPES,
     TRUNCATION_MODES,
-    ConfigError,
     check,
     check_choice,
     resolve_length_buckets,
-    with_foreign,
 )
 from jaxrl.config_fields import Foreign
 

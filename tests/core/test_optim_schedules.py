@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxrl import SFTConfig
-from jaxrl.config import LR_SCHEDULERS
+from jaxrl.config_checks import LR_SCHEDULERS
 from jaxrl.core import optim
 
 LR, TOTAL, WARMUP = 3e-4, 40, 6
