@@ -59,6 +59,7 @@ from jaxrl.lora.value_head import AutoModelForCausalLMWithValueHead
 from jaxrl.models.causal_lm import CausalLM
 from jaxrl.models.heads import CausalLMWithValueHead
 from jaxrl.models.hf import from_pretrained, save_pretrained
+from jaxrl.seeding import set_seed
 from jaxrl.trainers.loop import TrainLoop
 from jaxrl.trainers.ppo_config import PPOConfig
 
@@ -228,7 +229,6 @@ class PPOTrainer(TrainLoop):
             raise ValueError(f"config must be a PPOConfig, got {type(config)}")
         self.args = config
         self._init_loop(callbacks)
-        from jaxrl import set_seed
 
         set_seed(config.seed)
         self.config = config
