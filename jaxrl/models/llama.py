@@ -37,10 +37,9 @@ from jaxrl.models.layers import (
     gated,
     make_layers,
     param_value,
-    rope_tables,
-    rotate,
 )
 from jaxrl.models.masks import attention_masks, default_positions, with_key_limit
+from jaxrl.models.rope import rope_tables, rotate
 
 
 class LlamaAttention(nnx.Module):

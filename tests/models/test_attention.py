@@ -14,13 +14,8 @@ import pytest
 from flax import nnx
 from jaxprs import primitive_names
 
-from jaxrl.models.attention import (
-    MAX_BLOCK,
-    attend,
-    block_size,
-    blockwise_attention,
-    resolve_impl,
-)
+from jaxrl.models.attention import attend, resolve_impl
+from jaxrl.models.blockwise_attention import MAX_BLOCK, block_size, blockwise_attention
 from jaxrl.models.hf_config import config_from_hf
 from jaxrl.models.layers import dot_product_attention
 from jaxrl.models.masks import attention_mask_BTS, attention_masks

@@ -18,6 +18,7 @@ from safetensors.numpy import load_file
 
 from jaxrl.models import attention, from_pretrained, save_pretrained
 from jaxrl.models import dropout as md
+from jaxrl.models.blockwise_attention import blockwise_attention
 from jaxrl.models.kv_cache import CacheView, init_cache
 from jaxrl.models.masks import attention_mask_BTS
 from jaxrl.parallel import make_mesh
@@ -212,14 +213,14 @@ def test_blockwise_and_xla_dropout_equal_the_explicit_reference(window):
 
     impls = {
         "reference": lambda q, k, v: _reference(q, k, v, mask, window, key, rate),
-        "blockwise8": lambda q, k, v: attention.blockwise_attention(
+        "blockwise8": lambda q, k, v: blockwise_attention(
             q, k, v, mask, window=window, max_block=8, dropout=(key, rate)
         ),
-        "blockwise": lambda q, k, v: attention.blockwise_attention(
+        "blockwise": lambda q, k, v: blockwise_attention(
             q, k, v, mask, window=window, dropout=(key, rate)
         ),
         "xla": lambda q, k, v: attention.attend(q, k, v, mask, window, "xla", dropout=(key, rate)),
-        "clean": lambda q, k, v: attention.blockwise_attention(q, k, v, mask, window=window),
+        "clean": lambda q, k, v: blockwise_attention(q, k, v, mask, window=window),
     }
     # All in one program (eagerly: one per op).
     got = jax.jit(
@@ -272,7 +273,7 @@ def test_same_training_loss_for_every_block_size_scan_and_mesh(dropout_ref, monk
     model = from_pretrained(path)
     base = loss(model, jax.random.key(2))
     assert base != loss(model, None)
-    monkeypatch.setattr(attention, "block_size", lambda seq_len, max_block: 8)
+    monkeypatch.setattr("jaxrl.models.blockwise_attention.block_size", lambda seq_len, max_block: 8)
     sharded = from_pretrained(path, mesh=make_mesh(2, 2, 2), scan_layers=True)
     np.testing.assert_allclose(loss(sharded, jax.random.key(2)), base, rtol=1e-6)
 

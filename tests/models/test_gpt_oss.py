@@ -19,6 +19,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxrl import lora
 from jaxrl.models import attention, config_from_hf, from_pretrained, mxfp4, save_pretrained
+from jaxrl.models.blockwise_attention import blockwise_attention
 from tests.model_calls import jit_call
 from tests.models.conftest import FAMILIES, _build, padded_batch, torch_logits
 from tests.models.test_autocast_parity import _autocast_logits, _gap
@@ -57,7 +58,7 @@ def test_sinks_match_transformers_values_and_gradients(impl):
 
     def ours(q, k, v, sinks):
         if impl is None:  # blocks of 4: the sink and the online softmax meet across blocks
-            return attention.blockwise_attention(
+            return blockwise_attention(
                 q, k, v, jnp.asarray(dense), window=window, max_block=4, sinks=sinks
             )
         return attention.attend(q, k, v, jnp.asarray(dense), window, impl, sinks=sinks)

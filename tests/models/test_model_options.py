@@ -259,7 +259,7 @@ def test_prefix_tree_mask_matches_separate_sequences(family, hf_causal):
 def test_yarn_frequencies_and_attention_factor_equal_transformers(rope):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from jaxrl.models.layers import rope_inv_freq
+    from jaxrl.models.rope import rope_inv_freq
 
     config = transformers.Qwen3Config(
         hidden_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
