@@ -12,10 +12,6 @@ from jaxrl._malloc import maybe_reexec, trim_after_compiles
 
 maybe_reexec()  # the CLIs only: huge pages for XLA:CPU buffers (see jaxrl/_malloc.py)
 
-import random
-
-import numpy as np
-
 from jaxrl.callbacks.base import (
     EarlyStoppingCallback,
     TrainerCallback,
@@ -37,6 +33,7 @@ from jaxrl.scripting import (
     get_peft_config,
     get_quantization_config,
 )
+from jaxrl.seeding import set_seed
 from jaxrl.trainers import (
     DDPOConfig,
     DDPOTrainer,
@@ -58,12 +55,6 @@ from jaxrl.trainers.ppo_config import PPOConfig
 __version__ = "0.1.0"
 
 trim_after_compiles()  # compiler scratch back to the OS before a step runs (see jaxrl/_malloc.py)
-
-
-def set_seed(seed: int) -> None:
-    """Seed Python and NumPy (host-side shuffles); JAX randomness comes from `config.seed`."""
-    random.seed(seed)
-    np.random.seed(seed)
 
 
 __all__ = [
