@@ -1,6 +1,9 @@
-"""Host-side seeding (HF's `set_seed`): Python's and NumPy's global generators, for host shuffles
-and samplers that read them. JAX randomness never comes from here: it is `config.seed` folded with
-the step inside the jitted programs."""
+"""`set_seed`: the host-side random generators (Python's `random`, NumPy's global generator)
+seeded at once, as transformers' `set_seed`.
+
+Bottom layer: no jaxrl imports. JAX randomness never comes from here; it comes from
+`config.seed` keys folded per step.
+"""
 
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ from jaxrl.trainers.evaluation import EvalPrediction, EvaluationMixin
 from jaxrl.trainers.export import ExportMixin
 from jaxrl.trainers.lengths import LengthsMixin
 from jaxrl.trainers.loop import TrainLoop
-from jaxrl.trainers.model_setup import ModelSetupMixin, _quantization_scheme  # noqa: F401 (ppo.py)
+from jaxrl.trainers.model_setup import ModelSetupMixin
 from jaxrl.trainers.tokenizer_setup import TokenizerSetupMixin
 
 logger = logging.getLogger("jaxrl")

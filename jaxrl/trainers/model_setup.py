@@ -5,8 +5,8 @@ params placed on the mesh by the sharding rules, and LoRA / QLoRA set up on it (
 
 `ModelSetupMixin` is one of the pieces `jaxrl.trainers.base.Trainer` is composed of: its methods
 read `self.args` (and the mesh, rules and dtypes the constructor keeps) and return what they
-build; `_setup_peft` sets `self.lora_config` and `self.is_peft`. No data, no training step, no
-export here.
+build; `_setup_peft` sets `self.lora_config` and `self.is_peft` (the LoRA / QLoRA setup itself is
+`setup_peft`, which `PPOTrainer` shares). No data, no training step, no export here.
 """
 
 from __future__ import annotations
@@ -98,43 +98,66 @@ class ModelSetupMixin:
 
     def _setup_peft(self, peft_config: Any, quantization_config: Any) -> None:
         """Wrap the policy in LoRA adapters (TRL's `peft_config`), optionally over a quantized
-        base (TRL's `quantization_config`: a `BitsAndBytesConfig`, or "int8" / "nf4"). A model
-        that already carries adapters (`lora.load_peft_adapter`) trains them as is."""
-        scheme = _quantization_scheme(quantization_config)
-        if peft_config is not None:
-            if getattr(self.model, "lora_config", None) is not None:
-                raise ValueError(
-                    "The model already has LoRA adapters and peft_config was given too; merge the "
-                    "adapters first (lora.merge_lora) or drop peft_config."
-                )
-            config = peft_config
-            if not isinstance(config, lora.LoraConfig):
-                config = lora.LoraConfig.from_peft(peft_config)
-            if config.task_type is None:
-                config = dataclasses.replace(config, task_type=self._default_peft_task())
-            if config.task_type != self._default_peft_task():
-                raise ValueError(
-                    f"peft_config.task_type={config.task_type!r} does not fit "
-                    f"{type(self).__name__}; use {self._default_peft_task()!r}."
-                )
-            lora.apply_lora(self.model, config, nnx.Rngs(self.args.seed))
-        self.lora_config = getattr(self.model, "lora_config", None)
+        base (TRL's `quantization_config`); sets `self.lora_config` and `self.is_peft`."""
+        self.lora_config = setup_peft(
+            self.model,
+            peft_config,
+            quantization_config,
+            seed=self.args.seed,
+            task=self._default_peft_task(),
+            trainer_name=type(self).__name__,
+        )
         self.is_peft = self.lora_config is not None
-        if scheme is not None:
-            if not self.is_peft:
-                raise ValueError(
-                    "quantization_config needs peft_config: a quantized base cannot be trained in "
-                    "full, only LoRA adapters on top of it (QLoRA)."
-                )
-            lora.quantize_base(self.model, scheme)
-        if self.is_peft:
-            trainable, total = lora.trainable_parameters(self.model)
-            logger.info(
-                "LoRA: trainable params %d || all params %d || trainable%% %.4f",
-                trainable,
-                total,
-                100 * trainable / total,
+
+
+def setup_peft(
+    model: Any,
+    peft_config: Any,
+    quantization_config: Any,
+    *,
+    seed: int,
+    task: str,
+    trainer_name: str,
+) -> lora.LoraConfig | None:
+    """LoRA adapters on `model` (TRL's `peft_config`), optionally over a quantized base (TRL's
+    `quantization_config`: a `BitsAndBytesConfig`, or "int8" / "nf4"). A model that already
+    carries adapters (`lora.load_peft_adapter`) trains them as is. Returns the model's LoRA
+    config (None: no adapters). `PPOTrainer` calls it on its value-head policy's LM."""
+    scheme = _quantization_scheme(quantization_config)
+    if peft_config is not None:
+        if getattr(model, "lora_config", None) is not None:
+            raise ValueError(
+                "The model already has LoRA adapters and peft_config was given too; merge the "
+                "adapters first (lora.merge_lora) or drop peft_config."
             )
+        config = peft_config
+        if not isinstance(config, lora.LoraConfig):
+            config = lora.LoraConfig.from_peft(peft_config)
+        if config.task_type is None:
+            config = dataclasses.replace(config, task_type=task)
+        if config.task_type != task:
+            raise ValueError(
+                f"peft_config.task_type={config.task_type!r} does not fit "
+                f"{trainer_name}; use {task!r}."
+            )
+        lora.apply_lora(model, config, nnx.Rngs(seed))
+    lora_config = getattr(model, "lora_config", None)
+    if scheme is not None:
+        if lora_config is None:
+            raise ValueError(
+                "quantization_config needs peft_config: a quantized base cannot be trained in "
+                "full, only LoRA adapters on top of it (QLoRA)."
+            )
+        lora.quantize_base(model, scheme)
+    if lora_config is not None:
+        trainable, total = lora.trainable_parameters(model)
+        logger.info(
+            "LoRA: trainable params %d || all params %d || trainable%% %.4f",
+            trainable,
+            total,
+            100 * trainable / total,
+        )
+    return lora_config
 
 
 def _quantization_scheme(quantization_config: Any) -> str | None:
