@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxrl import lora
 from jaxrl.config_checks import ATTN_IMPLEMENTATIONS, DTYPES
 from jaxrl.config_cli import (
     ConfigError,
@@ -182,16 +183,12 @@ def get_dataset(mixture_config: DatasetMixtureConfig) -> Any:
 def get_peft_config(model_args: ModelConfig) -> Any:
     """TRL's `get_peft_config`: a `jaxrl.lora.LoraConfig` from the `lora_*` fields, or None
     without `use_peft`. Pass it to a trainer as `peft_config=`."""
-    from jaxrl import lora
-
     return lora.LoraConfig.from_trl(model_args)
 
 
 def get_quantization_config(model_args: ModelConfig) -> Any:
     """TRL's `get_quantization_config`: the frozen-base scheme `load_in_8bit` / `load_in_4bit`
     ask for ("int8", "nf4") or None. Pass it to a trainer as `quantization_config=`."""
-    from jaxrl import lora
-
     return lora.base_quantization(model_args)
 
 

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxrl import models
 from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.core import averaging
 
@@ -80,8 +81,6 @@ class BEMACallback(TrainerCallback):
         return control
 
     def on_train_end(self, args, state, control, trainer=None, **kwargs):
-        from jaxrl import models
-
         out = os.path.join(args.output_dir, "bema")
         model = nnx.merge(trainer.graphdef, self.buffers.bema)
         models.save_pretrained(model, out)

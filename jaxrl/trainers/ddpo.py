@@ -43,8 +43,9 @@ from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.core.state import TrainState
 from jaxrl.losses.ddpo import PerPromptStatTracker, normalize_rewards
 from jaxrl.models.diffusion.ddim import DDIMScheduler
-from jaxrl.models.diffusion.hf import StableDiffusion, load_pipeline
-from jaxrl.models.diffusion.lora import LoRAParam, add_lora
+from jaxrl.models.diffusion.hf import StableDiffusion, load_pipeline, save_unet
+from jaxrl.models.diffusion.lora import LoRAParam, add_lora, save_lora_weights
+from jaxrl.models.diffusion.tiny import tiny_pipeline
 from jaxrl.trainers.ddpo_config import DDPOConfig
 from jaxrl.trainers.loop import TrainLoop
 
@@ -89,8 +90,6 @@ class DDPOTrainer(TrainLoop):
         self.rules = parallel.merge_rules(config.logical_axis_rules)
         dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
         if sd_pipeline is None:
-            from jaxrl.models.diffusion.tiny import tiny_pipeline
-
             sd_pipeline = config.pretrained_model or tiny_pipeline()
         if isinstance(sd_pipeline, (str, Path)):
             # Born sharded: each tensor is placed into its sharding as it is read.
@@ -417,9 +416,6 @@ class DDPOTrainer(TrainLoop):
     def save_model(self, output_dir: str | None = None) -> str:
         """Save the trained UNet (LoRA: the adapters in diffusers' LoRA format; else the full
         UNet as a diffusers `unet/` directory) under `output_dir` (default args.output_dir)."""
-        from jaxrl.models.diffusion.hf import save_unet
-        from jaxrl.models.diffusion.lora import save_lora_weights
-
         out = Path(output_dir or self.args.output_dir)
         unet = nnx.merge(self._unet_def, self.train_state.params, self.train_state.frozen["unet"])
         if self.config.use_lora:

@@ -32,12 +32,15 @@ from flax import nnx
 from jaxrl import lora, parallel
 from jaxrl.algos import dpo as dpo_algo
 from jaxrl.algos.masks import prefix_tree_mask
+from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.core import quant
 from jaxrl.core.logprobs import unembed_logits
 from jaxrl.data import vision
 from jaxrl.data.collate import collate_preference, collate_preference_shared
+from jaxrl.data.formats import require_columns
 from jaxrl.data.preference import prepare_preference_dataset
 from jaxrl.data.vision_preference import VisionPreferenceCollator
+from jaxrl.generation import Sampler
 from jaxrl.losses.dpo import LABEL_SMOOTHING_TYPES
 from jaxrl.trainers.base import Trainer
 from jaxrl.trainers.dpo_config import DPOConfig
@@ -116,8 +119,6 @@ class DPOTrainer(ImageTextMixin, Trainer):
         if args.precompute_ref_log_probs:
             self._precompute_all()
         if args.sync_ref_model:
-            from jaxrl.callbacks.sync_ref import SyncRefModelCallback
-
             self.callback_handler.add_callback(SyncRefModelCallback())
 
     @staticmethod
@@ -231,8 +232,6 @@ class DPOTrainer(ImageTextMixin, Trainer):
         """Vision rows stay as given (the collator processes them, as TRL's); their prompt,
         chosen and rejected token counts and image counts are read here, without processing any
         image."""
-        from jaxrl.data.formats import require_columns
-
         if not self._has_images(dataset):  # TRL's collator reads every example's images
             raise ValueError(
                 f"The train dataset has images but the {split} dataset has no image column; give "
@@ -504,8 +503,6 @@ class DPOTrainer(ImageTextMixin, Trainer):
 
     def _game_reference(self) -> tuple[Any, Any, Any]:
         """(sampler, params, context to sample in) of the reference model for `log_game`."""
-        from jaxrl.generation import Sampler
-
         samplers = self.__dict__.setdefault("_game_samplers", {})
         state = self.train_state
         if self._ref_is_base:  # LoRA: the base with the adapter disabled (at trace time)

@@ -92,6 +92,7 @@ from jaxrl.trainers.base import Trainer
 from jaxrl.trainers.evaluation import hf_eval_loss, speed_metrics
 from jaxrl.trainers.image_text import ImageTextMixin
 from jaxrl.trainers.onpolicy_config import OnPolicyConfig
+from jaxrl.trainers.reward_scoring import load_reward_model_func
 
 logger = logging.getLogger("jaxrl")
 
@@ -359,8 +360,6 @@ class OnPolicyTrainer(ImageTextMixin, Trainer):
 
     # ----------------------------------------------------------------- rewards
     def _load_reward_funcs(self, reward_funcs, tokenizers) -> list[RewardFunc]:
-        from jaxrl.trainers.reward_scoring import load_reward_model_func
-
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         if not funcs:
             raise ValueError("reward_funcs is empty; pass at least one reward function or model.")

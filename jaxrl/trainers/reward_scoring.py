@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxrl import models
 from jaxrl.generation import bucket_length
 from jaxrl.rewards import RewardModelFunc
 
@@ -34,8 +35,6 @@ def load_reward_model_func(
     `tokenizer`: the reward model's tokenizer (TRL's `reward_processing_classes` entry); None
     loads it from `path`. Its name in the metrics is the last path component, as TRL.
     """
-    from jaxrl import models
-
     model = models.from_pretrained(path, task="sequence_classification", dtype=dtype)
     if tokenizer is None:
         from transformers import AutoTokenizer

@@ -31,6 +31,7 @@ from jaxrl.data.collate import (
     padding_free_buckets,
     padding_free_longest_row,
 )
+from jaxrl.data.formats import require_columns
 from jaxrl.data.sft import prepare_sft_dataset, rows_as_given
 from jaxrl.trainers.base import Trainer
 from jaxrl.trainers.evaluation import label_ids_from_loss_mask
@@ -344,8 +345,6 @@ class SFTTrainer(ImageTextMixin, Trainer):
     def _prepare_vision_dataset(self, dataset: datasets.Dataset, split: str) -> datasets.Dataset:
         """Vision rows stay as given (the collator processes them, as TRL's); their row lengths
         and image counts are read here, without processing any image."""
-        from jaxrl.data.formats import require_columns
-
         a = self.args
         columns = dataset.column_names
         if vision.image_column(columns) is None:
