@@ -54,8 +54,9 @@ from jaxrl.models.layers import Dense, param_value
 
 def _resolve_targets(config: LoraConfig, model_type: str) -> str | tuple[str, ...]:
     if config.target_modules is None:
-        if model_type in DEFAULT_TARGETS:
-            return DEFAULT_TARGETS[model_type]
+        defaults = DEFAULT_TARGETS.get(model_type)
+        if defaults is not None:
+            return defaults
         if config.target_parameters:
             return ()
         raise ValueError(f"No default LoRA targets for {model_type!r}; set target_modules.")
@@ -228,7 +229,7 @@ def apply_lora(model: nnx.Module, config: LoraConfig, rngs: nnx.Rngs) -> nnx.Mod
     targets = _resolve_targets(config, hf_keys.checkpoint_model_type(model_config))
     parameters = config.target_parameters or ()
     router_targets = [t for t in parameters if "router." in t or t.startswith("router")]
-    if router_targets and model_config.model_type == "gpt_oss":
+    if router_targets and moe.moe_traits(model_config).router_bias:
         raise ValueError(
             f"target_parameters {router_targets}: LoRA on GPT-OSS's router (a linear layer with a "
             "bias) is not supported by jaxrl yet. Adapt the experts "

@@ -13,19 +13,12 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-# PEFT's default targets when `target_modules` is None
-# (peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING).
+from jaxrl.models.families import FAMILIES
+
+# PEFT's default targets when `target_modules` is None, per model_type (the family table's
+# `default_lora_targets`).
 DEFAULT_TARGETS = {
-    "llama": ("q_proj", "v_proj"),
-    "mistral": ("q_proj", "v_proj"),
-    "qwen2": ("q_proj", "v_proj"),
-    "qwen3": ("q_proj", "v_proj"),
-    "gemma": ("q_proj", "v_proj"),
-    "gemma2": ("q_proj", "v_proj"),
-    "gemma3_text": ("q_proj", "v_proj"),
-    # PEFT's table also lists mixtral, but under transformers v5 its MoE conversion replaces the
-    # missing target_modules with none (`peft_v5_config`).
-    "gpt2": ("c_attn",),
+    t: f.default_lora_targets for t, f in FAMILIES.items() if f.default_lora_targets is not None
 }
 ALL_LINEAR = "all-linear"
 # PEFT adds these to modules_to_save for task_type="SEQ_CLS" (the classification head).

@@ -38,6 +38,7 @@ from jaxrl.lora.targets import (
 )
 from jaxrl.models import hf_keys, moe
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.families import family
 from jaxrl.models.weights_io import SafetensorsFile, write_safetensors
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -65,8 +66,8 @@ class _Adapter(NamedTuple):
 
 def _v4_name(name: str, model_config: ModelConfig) -> str:
     """An MoE module's transformers v4 name (Mixtral's block was `block_sparse_moe`)."""
-    attribute = moe.MOE_ATTRIBUTE.get(model_config.model_type)
-    return name if attribute is None else name.replace(".mlp.", f".{attribute}.")
+    attribute = moe.moe_traits(model_config).attribute
+    return name if attribute == "mlp" else name.replace(".mlp.", f".{attribute}.")
 
 
 def _adapters(model: nnx.Module) -> list[_Adapter]:
@@ -207,7 +208,7 @@ def save_peft_adapter(
         "target_modules": sorted(names),
         "target_parameters": sorted(parameters) or None,
         # PEFT's flag for GPT-2's Conv1D ([in, out]) base weights.
-        "fan_in_fan_out": model_config.model_type == "gpt2",
+        "fan_in_fan_out": bool(family(model_config.model_type).conv1d_modules),
         "base_model_name_or_path": base_model_name_or_path,
         "inference_mode": True,
     }
@@ -229,7 +230,7 @@ def load_peft_adapter(model: nnx.Module, path: str | Path) -> nnx.Module:
         )
     model_config: ModelConfig = model.config
     peft_config = json.loads((path / ADAPTER_CONFIG).read_text())
-    if peft_config.get("fan_in_fan_out") and model_config.model_type != "gpt2":
+    if peft_config.get("fan_in_fan_out") and not family(model_config.model_type).conv1d_modules:
         raise ValueError(
             f"{path} sets fan_in_fan_out=True, which only fits GPT-2's Conv1D layers; this is a "
             f"{model_config.model_type} model."

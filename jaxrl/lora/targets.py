@@ -18,13 +18,10 @@ from jaxrl.lora.config import ALL_LINEAR, LoraConfig
 from jaxrl.lora.layers import EXPERT_PARAMETERS
 from jaxrl.models import hf_keys, moe
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.families import family
 from jaxrl.models.layers import Dense
 
 # ---------------------------------------------------------------- module names and traversal
-
-
-def _stack_names(config: ModelConfig) -> tuple[str, ...]:
-    return ("h",) if config.model_type == "gpt2" else ("layers",)
 
 
 def hf_module_names(path: tuple, config: ModelConfig) -> list[str]:
@@ -32,15 +29,16 @@ def hf_module_names(path: tuple, config: ModelConfig) -> list[str]:
     PEFT's adapter files use): one per layer for a scanned (stacked) module."""
     parts: list[str] = []
     stacked = False
+    stack = family(config.model_type).layer_stack_name  # "layers"; GPT-2's "h"
     for i, name in enumerate(path):
         if i == 0 and (name == "backbone" or (name == "model" and config.language_model_prefix)):
             name = hf_keys.base_prefix(config)  # HF base prefix (image-text: its language model)
         if i == 0 and name in hf_keys.VISION_MODULES:
             name = f"model.{name}"  # transformers v5: `model.vision_tower...`
-        if name == moe.MOE_ATTRIBUTE.get(config.model_type):
+        if name == moe.moe_traits(config).attribute:
             name = "mlp"  # Mixtral's `block_sparse_moe` is `mlp` in transformers v5
         parts.append(str(name))
-        if config.scan_layers and name in _stack_names(config) and i + 1 < len(path):
+        if config.scan_layers and name == stack and i + 1 < len(path):
             if not isinstance(path[i + 1], int):
                 parts.append("{}")
                 stacked = True
@@ -101,11 +99,11 @@ def value_shape(value: Any) -> tuple[int, ...]:
 # PEFT 0.21 under transformers v5 (peft/utils/transformers_weight_conversion.py,
 # `_convert_peft_config_moe`): on model types whose experts transformers v5 fuses, the router and
 # expert names in `target_modules` become `target_parameters`. A type qualifies when it is a key
-# of PEFT's copy of transformers' `_MODEL_TO_CONVERSION_PATTERN` (Mixtral added); Qwen2-MoE is
-# only a value there, so its targets stay as given (its router and experts take
-# `target_parameters` only).
-_V5_MOE_CONVERSION = {"qwen3_moe": "qwen2_moe", "olmoe": "qwen2_moe", "mixtral": "mixtral"}
-# `_MOE_TARGET_MODULE_MAPPING`: transformers v4 module name -> v5 parameter name, in its order.
+# of PEFT's copy of transformers' `_MODEL_TO_CONVERSION_PATTERN` (Mixtral added): the family
+# table's `MoeTraits.peft_v5_conversion` names its pattern. Qwen2-MoE is only a value there, so
+# its targets stay as given (its router and experts take `target_parameters` only).
+# `_MOE_TARGET_MODULE_MAPPING`: pattern -> transformers v4 module name -> v5 parameter name, in
+# its order.
 _V5_MOE_TARGETS = {
     "mixtral": {
         "gate": "gate.weight",
@@ -189,7 +187,7 @@ def peft_v5_config(config: LoraConfig, model: nnx.Module) -> LoraConfig:
     get none (PEFT's default table is bypassed). Other model types are returned unchanged.
     """
     model_type = model.config.model_type
-    pattern = _V5_MOE_CONVERSION.get(model_type)
+    pattern = moe.moe_traits(model.config).peft_v5_conversion
     if pattern is None:
         return config
     if config.target_modules is None and not config.target_parameters:

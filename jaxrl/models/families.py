@@ -3,7 +3,10 @@
 Every place that used to test `model_type` reads a trait here instead: `hf_config` (a
 transformers config -> `ModelConfig`), `heads` (which backbone to build), `moe` (expert names,
 routing-weight dtype), `presets` (FLOPs of the MLP) and `jaxrl.generation` (the learned-position
-limit). A new family is one entry below plus, if it needs one, a switch of `ModelConfig`.
+limit), `hf` and `hf_keys` (checkpoint key prefix, GPT-2's Conv1D layout, the HF class names
+a saved model declares) and `jaxrl.lora` (the layer stack's name, PEFT's default targets and
+its MoE rewrite under transformers v5). A new family is one entry below plus, if it needs one, a
+switch of `ModelConfig`.
 
 Plain data only: this module imports nothing from jaxrl and computes nothing from a config.
 """
@@ -39,6 +42,13 @@ class MoeTraits:
     attribute: str = "mlp"
     # Mixtral keeps the routing weights in f32; Qwen-MoE and OLMoE cast them to the logits'.
     f32_routing_weights: bool = False
+    # GPT-OSS's router is a linear layer with a bias (`jaxrl.lora` refuses LoRA on it).
+    router_bias: bool = False
+    # PEFT 0.21's rewrite of router / expert `target_modules` into `target_parameters` under
+    # transformers v5: the conversion pattern the family is a key of in PEFT's copy of
+    # `_MODEL_TO_CONVERSION_PATTERN` ("qwen2_moe", "mixtral"); None: targets stay as given (see
+    # `jaxrl.lora.targets.peft_v5_config`).
+    peft_v5_conversion: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +58,20 @@ class Family:
     # The implementation: "llama" (`llama.py`, every decoder with config switches), "gpt2",
     # "gpt_oss" (Llama plus attention sinks and its own experts).
     decoder: str = "llama"
+    # transformers' classes a saved checkpoint declares in `architectures` (causal LM, sequence
+    # classification; None: transformers has none, so jaxrl refuses that task).
+    hf_causal_arch: str | None = None
+    hf_seq_cls_arch: str | None = None
+    # HF `base_model_prefix` (checkpoint keys of the backbone) and the name of the decoder-layer
+    # stack under it (GPT-2: `transformer.h`).
+    base_prefix: str = "model"
+    layer_stack_name: str = "layers"
+    # Linear layers stored as GPT-2's `Conv1D` ([in, out], not `nn.Linear`'s [out, in]; PEFT's
+    # `fan_in_fan_out`).
+    conv1d_modules: tuple[str, ...] = ()
+    # PEFT's default LoRA `target_modules` when none are given
+    # (peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING); None: none.
+    default_lora_targets: tuple[str, ...] | None = None
     # A gated MLP (gate, up, down: three matmuls); GPT-2's has two.
     gated_mlp: bool = True
     # Learned position embeddings (GPT-2): sequences end at `max_position_embeddings`.
@@ -93,31 +117,68 @@ class Family:
 
 
 _QWEN_MOE = MoeTraits()
+# PEFT's default LoRA targets of the Llama family. Its table also lists mixtral, but under
+# transformers v5 its MoE conversion replaces the missing target_modules with none
+# (`jaxrl.lora.targets.peft_v5_config`).
+_QV = ("q_proj", "v_proj")
+
+
+def _arch(name: str, seq_cls: str | None = "{}ForSequenceClassification") -> dict[str, str | None]:
+    """`hf_causal_arch` / `hf_seq_cls_arch` of a family whose classes are `{name}ForCausalLM`
+    and `seq_cls` (`{}` for `name`; None: no sequence-classification class)."""
+    return {
+        "hf_causal_arch": f"{name}ForCausalLM",
+        "hf_seq_cls_arch": None if seq_cls is None else seq_cls.format(name),
+    }
+
+
 _OLMO2 = Family(norm_offset=0.0, norm_placement="post", qk_norm="over_heads")
 
 # In `SUPPORTED_MODEL_TYPES` order: the Llama family, GPT-2, then image-text checkpoints.
 FAMILIES: dict[str, Family] = {
-    "llama": Family(),
-    "mistral": Family(sliding="every_layer"),
-    "qwen2": Family(qkv_bias=True, o_bias=False),
-    "qwen3": Family(qk_norm="per_head"),
+    "llama": Family(**_arch("Llama"), default_lora_targets=_QV),
+    "mistral": Family(**_arch("Mistral"), sliding="every_layer", default_lora_targets=_QV),
+    "qwen2": Family(**_arch("Qwen2"), qkv_bias=True, o_bias=False, default_lora_targets=_QV),
+    "qwen3": Family(**_arch("Qwen3"), qk_norm="per_head", default_lora_targets=_QV),
     "phi3": Family(
-        partial_rotary=True, fused_projections=True, residual_dropout_field="resid_pdrop"
+        **_arch("Phi3"),
+        partial_rotary=True,
+        fused_projections=True,
+        residual_dropout_field="resid_pdrop",
     ),
-    "granite": Family(granite_multipliers=True),
-    "gemma": Family(gemma=1, norm_offset=1.0),
-    "gemma2": Family(gemma=2, norm_offset=1.0, norm_placement="sandwich"),
+    "granite": Family(**_arch("Granite", None), granite_multipliers=True),
+    "gemma": Family(**_arch("Gemma"), gemma=1, norm_offset=1.0, default_lora_targets=_QV),
+    "gemma2": Family(
+        **_arch("Gemma2"),
+        gemma=2,
+        norm_offset=1.0,
+        norm_placement="sandwich",
+        default_lora_targets=_QV,
+    ),
     "gemma3_text": Family(
-        gemma=3, norm_offset=1.0, norm_placement="sandwich", qk_norm="per_head", local_rope="always"
+        **_arch("Gemma3", "Gemma3TextForSequenceClassification"),
+        gemma=3,
+        norm_offset=1.0,
+        norm_placement="sandwich",
+        qk_norm="per_head",
+        local_rope="always",
+        default_lora_targets=_QV,
     ),
-    "smollm3": Family(sliding="use_sliding_window", nope_layers=True),
-    "olmo2": _OLMO2,
-    "olmo3": dataclasses.replace(_OLMO2, local_rope="if_distinct"),
+    "smollm3": Family(**_arch("SmolLM3"), sliding="use_sliding_window", nope_layers=True),
+    "olmo2": dataclasses.replace(_OLMO2, **_arch("Olmo2")),
+    "olmo3": dataclasses.replace(_OLMO2, **_arch("Olmo3"), local_rope="if_distinct"),
     "qwen2_moe": Family(
-        qkv_bias="qkv_bias", moe=dataclasses.replace(_QWEN_MOE, shared_expert=True)
+        **_arch("Qwen2Moe"),
+        qkv_bias="qkv_bias",
+        moe=dataclasses.replace(_QWEN_MOE, shared_expert=True),
     ),
-    "qwen3_moe": Family(qk_norm="per_head", moe=_QWEN_MOE),
+    "qwen3_moe": Family(
+        **_arch("Qwen3Moe"),
+        qk_norm="per_head",
+        moe=dataclasses.replace(_QWEN_MOE, peft_v5_conversion="qwen2_moe"),
+    ),
     "mixtral": Family(
+        **_arch("Mixtral"),
         moe=MoeTraits(
             num_experts_field="num_local_experts",
             expert_width_field="intermediate_size",
@@ -126,13 +187,20 @@ FAMILIES: dict[str, Family] = {
             expert_names=("w1", "w3", "w2"),
             attribute="block_sparse_moe",
             f32_routing_weights=True,
-        )
+            peft_v5_conversion="mixtral",
+        ),
     ),
     "olmoe": Family(
+        **_arch("Olmoe", None),
         qk_norm="over_heads",
-        moe=MoeTraits(expert_width_field="intermediate_size", every_layer=True),
+        moe=MoeTraits(
+            expert_width_field="intermediate_size",
+            every_layer=True,
+            peft_v5_conversion="qwen2_moe",
+        ),
     ),
     "gpt_oss": Family(
+        **_arch("GptOss"),
         decoder="gpt_oss",
         norm_offset=0.0,  # GptOssRMSNorm: weight * x_hat in f32, rounded once
         attention_sinks=True,
@@ -141,11 +209,25 @@ FAMILIES: dict[str, Family] = {
             expert_width_field="intermediate_size",
             norm_topk_prob=True,
             every_layer=True,
+            router_bias=True,
         ),
     ),
-    "gpt2": Family(decoder="gpt2", gated_mlp=False, learned_positions=True),
+    "gpt2": Family(
+        hf_causal_arch="GPT2LMHeadModel",
+        hf_seq_cls_arch="GPT2ForSequenceClassification",
+        decoder="gpt2",
+        gated_mlp=False,
+        learned_positions=True,
+        base_prefix="transformer",
+        layer_stack_name="h",
+        conv1d_modules=("c_attn", "c_proj", "c_fc"),
+        default_lora_targets=("c_attn",),
+    ),
     "gemma3": Family(
-        language_model_prefix="model.language_model", vision_model_type="siglip_vision_model"
+        hf_causal_arch="Gemma3ForConditionalGeneration",
+        hf_seq_cls_arch="Gemma3ForSequenceClassification",
+        language_model_prefix="model.language_model",
+        vision_model_type="siglip_vision_model",
     ),
 }
 

@@ -28,10 +28,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl import parallel
 from jaxrl.models import hf_keys, mxfp4
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.families import SUPPORTED_MODEL_TYPES
+from jaxrl.models.families import FAMILIES, family
 from jaxrl.models.gpt2 import GPT2ForCausalLM
 from jaxrl.models.gpt_oss import GptOssForCausalLM
-from jaxrl.models.heads import CausalLMWithValueHead, SequenceClassificationModel, value_head_init
+from jaxrl.models.heads import (
+    CAUSAL_LMS,
+    CausalLMWithValueHead,
+    SequenceClassificationModel,
+    value_head_init,
+)
 from jaxrl.models.hf_config import config_from_hf
 from jaxrl.models.llama import LlamaForCausalLM
 from jaxrl.models.vision import Gemma3ForConditionalGeneration
@@ -40,46 +45,6 @@ from jaxrl.models.weights_io import CheckpointReader, parse_size, plan_shards, w
 TASKS = ("causal_lm", "sequence_classification", "causal_lm_with_value_head")
 # TRL's AutoModelForCausalLMWithValueHead keys: the LM's own keys plus these.
 V_HEAD_KEYS = ("v_head.summary.weight", "v_head.summary.bias")
-HF_CAUSAL_ARCH = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "granite": "GraniteForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "olmoe": "OlmoeForCausalLM",
-    "gemma": "GemmaForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "gemma3": "Gemma3ForConditionalGeneration",
-    "smollm3": "SmolLM3ForCausalLM",
-    "olmo2": "Olmo2ForCausalLM",
-    "olmo3": "Olmo3ForCausalLM",
-    "gpt_oss": "GptOssForCausalLM",
-    "gpt2": "GPT2LMHeadModel",
-}
-HF_SEQ_CLS_ARCH = {
-    "llama": "LlamaForSequenceClassification",
-    "mistral": "MistralForSequenceClassification",
-    "qwen2": "Qwen2ForSequenceClassification",
-    "qwen3": "Qwen3ForSequenceClassification",
-    "phi3": "Phi3ForSequenceClassification",
-    "qwen2_moe": "Qwen2MoeForSequenceClassification",
-    "qwen3_moe": "Qwen3MoeForSequenceClassification",
-    "mixtral": "MixtralForSequenceClassification",
-    "gemma": "GemmaForSequenceClassification",
-    "gemma2": "Gemma2ForSequenceClassification",
-    "gemma3_text": "Gemma3TextForSequenceClassification",
-    "gemma3": "Gemma3ForSequenceClassification",
-    "smollm3": "SmolLM3ForSequenceClassification",
-    "olmo2": "Olmo2ForSequenceClassification",
-    "olmo3": "Olmo3ForSequenceClassification",
-    "gpt_oss": "GptOssForSequenceClassification",
-    "gpt2": "GPT2ForSequenceClassification",
-}
 # Checkpoint entries that are buffers or derived values, never parameters.
 IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 Model = (
@@ -116,11 +81,7 @@ def build_model(
         return CausalLMWithValueHead(config, rngs, **(value_head_kwargs or {}))
     if task == "sequence_classification":
         return SequenceClassificationModel(config, rngs, num_labels=num_labels)
-    if config.model_type == "gpt2":
-        return GPT2ForCausalLM(config, rngs)
-    if config.model_type == "gpt_oss":
-        return GptOssForCausalLM(config, rngs)
-    return LlamaForCausalLM(config, rngs)
+    return CAUSAL_LMS[family(config.model_type).decoder](config, rngs)
 
 
 def _check_task(task: str) -> None:
@@ -167,11 +128,13 @@ def _prepare_hf_config(hf_config: Any, task: str, num_labels: int) -> Any:
     hf_config = copy.deepcopy(hf_config)
     if task == "sequence_classification":
         model_type = getattr(hf_config, "model_type", None)
-        if model_type in SUPPORTED_MODEL_TYPES and model_type not in HF_SEQ_CLS_ARCH:
+        fam = FAMILIES.get(model_type)
+        if fam is not None and fam.hf_seq_cls_arch is None:
+            with_one = [t for t, f in FAMILIES.items() if f.hf_seq_cls_arch]
             raise ValueError(
                 f"task='sequence_classification' is not supported for {model_type}: transformers "
                 "has no sequence-classification class for it, so the model could not be saved "
-                f"as one. Families with one: {', '.join(HF_SEQ_CLS_ARCH)}."
+                f"as one. Families with one: {', '.join(with_one)}."
             )
         hf_config.num_labels = num_labels
     return hf_config
@@ -594,8 +557,9 @@ def _passthrough_reader(config: ModelConfig) -> CheckpointReader | None:
 
 def _write_config(config: ModelConfig, task: str, model: Model, path: Path) -> None:
     hf_config = copy.deepcopy(config.hf_config)
-    archs = HF_SEQ_CLS_ARCH if task == "sequence_classification" else HF_CAUSAL_ARCH
-    hf_config.architectures = [archs[hf_keys.checkpoint_model_type(config)]]
+    fam = family(hf_keys.checkpoint_model_type(config))
+    seq_cls = task == "sequence_classification"
+    hf_config.architectures = [fam.hf_seq_cls_arch if seq_cls else fam.hf_causal_arch]
     if task == "sequence_classification":
         hf_config.num_labels = model.num_labels
     hf_config.dtype = str(jnp.dtype(config.param_dtype))

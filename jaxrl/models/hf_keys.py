@@ -18,17 +18,20 @@ from flax import nnx
 
 from jaxrl.models import gpt_oss
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.families import FAMILIES, family
 from jaxrl.models.weights_io import CheckpointReader
 
-BASE_PREFIX = {"gpt2": "transformer"}  # HF base_model_prefix; "model" for the Llama family
 # Top-level modules of an image-text model outside its language model: transformers v5 names
 # them under `model.` (`model.vision_tower...`), checkpoints keep them at the top.
 VISION_MODULES = ("vision_tower", "multi_modal_projector")
-CONV1D_MODULES = ("c_attn", "c_proj", "c_fc")
+# The decoder-layer stacks' names (`layers`; GPT-2's `h`).
+LAYER_STACK_NAMES = tuple(dict.fromkeys(f.layer_stack_name for f in FAMILIES.values()))
 
 
 def base_prefix(config: ModelConfig) -> str:
-    return config.language_model_prefix or BASE_PREFIX.get(config.model_type, "model")
+    """HF `base_model_prefix` of the backbone's keys (image-text: where its language model
+    lives)."""
+    return config.language_model_prefix or family(config.model_type).base_prefix
 
 
 def checkpoint_model_type(config: ModelConfig) -> str:
@@ -38,7 +41,7 @@ def checkpoint_model_type(config: ModelConfig) -> str:
 
 
 def is_layer_stack(name: Any) -> bool:
-    return name in ("layers", "h")
+    return name in LAYER_STACK_NAMES
 
 
 def hf_key_template(path: tuple, config: ModelConfig, per_expert: bool = False) -> tuple[str, int]:
@@ -66,7 +69,7 @@ def hf_key_template(path: tuple, config: ModelConfig, per_expert: bool = False) 
 
 
 def is_conv1d(path: tuple, config: ModelConfig) -> bool:
-    return config.model_type == "gpt2" and path[-1] == "kernel" and path[-2] in CONV1D_MODULES
+    return path[-1] == "kernel" and path[-2] in family(config.model_type).conv1d_modules
 
 
 def is_linear(path: tuple, config: ModelConfig) -> bool:
