@@ -16,27 +16,18 @@ import transformers
 from flax import nnx
 
 from jaxrl.models import from_config
+from tests.trainers import trainer_utils
 
 VOCAB = 32
 PAD = 0
 
 
 def tiny_config() -> transformers.Qwen2Config:
-    # A wide init so log-probs, argmaxes and entropies differ from token to token.
-    return transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        initializer_range=0.2,
-        pad_token_id=PAD,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
+    """The trainer tests' tiny Qwen2 (`tests/trainers/trainer_utils.py`) with a wider init, so
+    log-probs, argmaxes and entropies differ from token to token."""
+    config = trainer_utils.tiny_config(vocab_size=VOCAB)
+    config.initializer_range = 0.2
+    return config
 
 
 @functools.cache

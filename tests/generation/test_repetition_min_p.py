@@ -16,15 +16,8 @@ import torch
 import transformers
 
 from jaxrl import models
-from jaxrl.generation import (
-    GenerationConfig,
-    Sampler,
-    filter_min_p,
-    left_pad,
-    mark_seen,
-    process_logits,
-    token_presence,
-)
+from jaxrl.core.sampling import filter_min_p, mark_seen, process_logits, token_presence
+from jaxrl.generation import GenerationConfig, Sampler, left_pad
 from tests.generation.conftest import hf_generate, ragged_prompts
 from tests.generation.test_generate_parity import emitted_eos
 from tests.model_calls import merged_call

@@ -10,7 +10,8 @@ import pytest
 import transformers
 
 from jaxrl import models
-from jaxrl.generation import GenerationConfig, Sampler, sample_categorical
+from jaxrl.core.sampling import sample_categorical
+from jaxrl.generation import GenerationConfig, Sampler
 from tests.generation.conftest import PAD, ragged_prompts
 from tests.model_calls import merged_call
 

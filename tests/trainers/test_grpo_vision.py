@@ -42,7 +42,8 @@ from trainer_utils import assert_logs_match, base_args, train_logs, trl_train_lo
 
 from jaxrl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from jaxrl.config import ConfigError
-from jaxrl.generation import GenerationConfig, Sampler, choose_tokens
+from jaxrl.core.sampling import choose_tokens
+from jaxrl.generation import GenerationConfig, Sampler
 
 G = 2  # completions per prompt
 GRPO = dict(
