@@ -18,12 +18,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxrl.algos import router_aux
 from jaxrl.algos.masks import model_masks, prefix_tree_mask, weighted_token_count
+from jaxrl.algos.predictions import label_ids_from_loss_mask, label_ids_from_trained
 from jaxrl.algos.sft import lm_forward, lm_hidden_states
-from jaxrl.core.logprobs import scored_logprobs
+from jaxrl.core.logprobs import scored_logprobs, unembed_logits
 from jaxrl.losses.dpo import dpo_multi_loss
+from jaxrl.models.adapters import adapter_off
 
 
 def pairs_to_rows(mb: dict) -> dict:
@@ -209,6 +212,40 @@ def reference_logps(
     return jax.lax.stop_gradient(out["chosen"]), jax.lax.stop_gradient(out["rejected"])
 
 
+def make_reference_logps(
+    config: Any, bind_reference: Callable[[Any], Any], *, lora_base: bool, score_span: int | None
+) -> Callable[[Any, dict], tuple[jax.Array, jax.Array]]:
+    """`ref_logps(state, mb) -> (chosen, rejected)`: the reference's log-probs of a pair batch
+    (`make_loss`'s `ref_logps`). `bind_reference(state)` is the reference model of the train
+    state; with `lora_base` it is the LoRA policy's base, traced with every adapter off."""
+
+    def ref_logps(state, mb):
+        with adapter_off(lora_base):  # read when traced: the call must be inside
+            return reference_logps(
+                bind_reference(state), mb, config.logprob_chunk_size, score_span, config.ld_alpha
+            )
+
+    return ref_logps
+
+
+def make_precompute_logps(
+    graphdef: Any, config: Any, score_span: int | None, *, lora_base: bool
+) -> Callable[[Any, dict], jax.Array]:
+    """`logps(params, batch) -> [B, 2]` (chosen, rejected): one reference pass over a pair
+    batch for `precompute_ref_log_probs`, the model `graphdef` bound to `params` (with
+    `lora_base`, a LoRA policy's base without its adapter)."""
+
+    def logps(params, batch):
+        with adapter_off(lora_base):
+            model = nnx.merge(graphdef, params)
+            out = pair_logps(
+                model, batch, config.logprob_chunk_size, False, score_span, config.ld_alpha
+            )
+        return jnp.stack([out["chosen"], out["rejected"]], axis=1)
+
+    return logps
+
+
 def loss_units(batch_A: dict) -> jax.Array:
     """The loss units (real pairs) of a whole `[A, B, ...]` train batch, known before its
     forward (`jaxrl.core.step.make_loss_and_grads`'s `loss_units`)."""
@@ -318,3 +355,39 @@ def make_loss(
         return loss_sum, (aux, extras)
 
     return loss_fn
+
+
+# ---------------------------------------------------------------- predictions (HF layout)
+
+
+def shared_rows_predictions(model, mb: dict) -> tuple[jax.Array, jax.Array]:
+    """Logits and HF labels of the `prompt + chosen` then `prompt + rejected` rows `[2B, T]`,
+    unpacked from prefix-shared rows: one forward over the shared row, whose logits at each
+    slot equal those of the same token in its own row (the prefix-tree mask hides the other
+    completion). A rejected row reads slot `j` for its prompt and `j + len(chosen)` after it."""
+    branch_BT = mb["branch_ids"]
+    h_BTD = model.hidden_states(mb["input_ids"], prefix_tree_mask(branch_BT), mb["positions"], None)
+    logits_BTV = unembed_logits(h_BTD, model.unembed_weight(), model.config.final_logit_softcap)
+    p_B1, c_B1, r_B1, j_BT, src_BT = shared_row_slots(branch_BT)
+    rejected_logits_BTV = jnp.take_along_axis(logits_BTV, src_BT[..., None], axis=1)
+    rejected_ids_BT = jnp.take_along_axis(mb["input_ids"], src_BT, axis=1)
+    chosen_labels = label_ids_from_trained(mb["input_ids"], branch_BT == 2)
+    rejected_labels = label_ids_from_trained(rejected_ids_BT, (j_BT >= p_B1) & (j_BT < p_B1 + r_B1))
+    return (
+        jnp.concatenate([logits_BTV, rejected_logits_BTV], axis=0),
+        jnp.concatenate([chosen_labels, rejected_labels], axis=0),
+    )
+
+
+def predict(model, mb: dict) -> tuple[jax.Array, jax.Array]:
+    """Logits and HF labels `[2B, T, ...]` of a pair batch: the `prompt + chosen` rows, then the
+    `prompt + rejected` rows (prefix-shared rows unpacked, `shared_rows_predictions`)."""
+    if "branch_ids" in mb:
+        return shared_rows_predictions(model, mb)
+    rows = pairs_to_rows(mb)
+    logits_BTV = unembed_logits(
+        pair_rows_hidden_states(model, mb, rows),
+        model.unembed_weight(),
+        model.config.final_logit_softcap,
+    )
+    return logits_BTV, label_ids_from_loss_mask(rows["input_ids"], rows["loss_mask"])

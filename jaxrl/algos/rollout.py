@@ -13,10 +13,11 @@ chunked: never a full f32 `[B, T, V]`), divided by `temperature` as TRL.
 - `rollout_token_weights`: the tokens TRL's loss forward attends to (the MoE load-balancing
   loss's average).
 - `make_policy_logps`: the body of the jitted scoring pass of the sampling policy's log-probs.
+- `make_reference_logps`: the body of the jitted scoring pass of the reference policy (wherever
+  it lives in the train state, `jaxrl.algos.reference`).
 - `make_buffer_step`: one optimizer step over micro-batches sliced from the generation buffer.
 
-Pure functions of a model and arrays: no sampler, rewards, host loop or LoRA switching here (the
-trainer picks which model a pass runs, e.g. the reference with its adapter off).
+Pure functions of a model and arrays: no sampler, rewards or host loop here.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl.algos import reference
 from jaxrl.core.logprobs import token_logprobs
+from jaxrl.models.adapters import disable_adapter
 
 
 def completion_hidden(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -129,6 +132,32 @@ def make_policy_logps(
         return completion_logprobs(model, batch, temperature=config.temperature, chunk_size=chunk)
 
     return logps
+
+
+def make_reference_logps(
+    config: Any, apply_model: Callable[..., Any], *, peft: bool, initial_adapter: bool
+) -> Callable[[Any, dict[str, jax.Array]], jax.Array]:
+    """`logps(state, batch) -> [B, C]`: completion log-probs of `batch` under the reference, a
+    pure function of the train state: the frozen copy (`state.frozen["ref"]`), or with LoRA
+    (`peft`) the base without the adapter, or for a model that came with an adapter
+    (`initial_adapter`) base + that adapter as loaded. `apply_model(params, state=None)` binds
+    params (with LoRA: the adapter over the state's frozen base) to the model."""
+
+    def ref_logps(state, batch):
+        def logps(model):
+            return completion_logprobs(
+                model, batch, temperature=config.temperature, chunk_size=config.logprob_chunk_size
+            )
+
+        if not peft:
+            return logps(apply_model(state.frozen[reference.REF]))
+        if initial_adapter:
+            return logps(apply_model(state.frozen[reference.REF_ADAPTER], state))
+        adapter = reference.lora_base_adapter(state.params, state.frozen)
+        with disable_adapter():  # read when the model is traced: the call must be inside
+            return logps(apply_model(adapter, state))
+
+    return ref_logps
 
 
 def make_buffer_step(

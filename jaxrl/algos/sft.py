@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jaxrl.algos import router_aux
 from jaxrl.algos.masks import model_masks, weighted_token_count
+from jaxrl.algos.predictions import label_ids_from_loss_mask
 from jaxrl.core.logprobs import scored_logprobs, unembed_logits
 from jaxrl.losses.sft import entropy, mean_token_accuracy, sft_loss_sum
 
@@ -151,3 +152,9 @@ def make_loss(
         return loss_sum, (aux, extras)
 
     return loss_fn
+
+
+def predict(model, mb: dict) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Logits `[B, T, V]` and HF labels of a collated batch (HF's `predict()` layout)."""
+    logits_BTV = full_logits(model, mb)
+    return logits_BTV, label_ids_from_loss_mask(mb["input_ids"], mb["loss_mask"])

@@ -201,3 +201,17 @@ def make_optimizer(
     if max_grad_norm and max_grad_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(max_grad_norm), tx)
     return tx
+
+
+def masked_updates(mask: Any) -> optax.GradientTransformation:
+    """Multiply updates by a 0/1 tree (frozen shared layers get exactly zero change)."""
+
+    def init(params):
+        del params
+        return optax.EmptyState()
+
+    def update(updates, state, params=None):
+        del params
+        return jax.tree.map(lambda u, m: u * m.astype(u.dtype), updates, mask), state
+
+    return optax.GradientTransformation(init, update)

@@ -71,9 +71,6 @@ from jaxrl.lora.layers import (
     LoraGptOssExperts,
     LoraRouter,
     SavedParam,
-    disable_adapter,
-    dropout_rng,
-    without_adapter,
 )
 from jaxrl.lora.peft_io import (
     ADAPTER_CONFIG,
@@ -83,6 +80,7 @@ from jaxrl.lora.peft_io import (
     save_peft_adapter,
 )
 from jaxrl.lora.targets import hf_module_names, peft_v5_config
+from jaxrl.models.adapters import disable_adapter, dropout_rng, without_adapter
 
 __all__ = [
     "ADAPTER",

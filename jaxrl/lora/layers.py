@@ -4,17 +4,14 @@
 `LoraGptOssExperts` (PEFT's `target_parameters` on MoE routers and fused experts) keep their base
 module's variables, so checkpoint paths do not move, and add `nnx.LoRAParam`s; `SavedParam` marks
 `modules_to_save` params. Dropout and "base without adapter" are context variables read when a
-model is traced (`dropout_rng`, `disable_adapter`, `without_adapter`). This file decides no
+model is traced (`jaxrl.models.adapters`). This file decides no
 targets and creates no adapters (`apply.py`), and reads no files.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -22,16 +19,13 @@ from flax import nnx
 
 from jaxrl.models import dropout as model_dropout
 from jaxrl.models import gpt_oss, moe
+from jaxrl.models.adapters import SavedParam, adapter_disabled, adapter_dropout_key
 from jaxrl.models.layers import Dense, param_value
 
 # LoraExperts' adapters, in the order PEFT nests its ParamWrappers (the experts module's
 # parameter order: `gate_up_proj` innermost), with their transformers v5 parameter names.
 EXPERT_ADAPTERS = ("gate_up", "down")
 EXPERT_PARAMETERS = {"gate_up": "gate_up_proj", "down": "down_proj"}
-
-
-class SavedParam(nnx.Param):
-    """A `modules_to_save` parameter: trained in full, exported with the adapter."""
 
 
 class LoraDropoutId(nnx.Variable):
@@ -41,66 +35,6 @@ class LoraDropoutId(nnx.Variable):
 
 # Trainable variables: what `split_lora` puts in the adapter state.
 ADAPTER = nnx.Any(nnx.LoRAParam, SavedParam)
-
-_DROPOUT_KEY: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
-    "lora_dropout_key", default=None
-)
-_DISABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("lora_disabled", default=False)
-
-
-@contextlib.contextmanager
-def dropout_rng(key: jax.Array | None) -> Iterator[None]:
-    """Apply `lora_dropout` with `key` to model calls traced inside the block (training). Without
-    it (or with `key=None`) adapters are deterministic, as PEFT in eval mode. Enter it inside the
-    jitted function: the key is read when the model is traced."""
-    token = _DROPOUT_KEY.set(key)
-    try:
-        yield
-    finally:
-        _DROPOUT_KEY.reset(token)
-
-
-@contextlib.contextmanager
-def disable_adapter() -> Iterator[None]:
-    """Model calls traced inside the block skip every LoRA branch (PEFT's `disable_adapter()`):
-    the frozen base alone, e.g. the implicit DPO reference, with no second copy of the weights.
-    `modules_to_save` params keep the values they are given; for PEFT's "original module"
-    semantics merge the adapter state captured before training."""
-    token = _DISABLED.set(True)
-    try:
-        yield
-    finally:
-        _DISABLED.reset(token)
-
-
-class _WithoutAdapter:
-    """Proxy returned by `without_adapter`."""
-
-    def __init__(self, model: nnx.Module):
-        self._model = model
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with disable_adapter():
-            return self._model(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._model, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            with disable_adapter():
-                return attr(*args, **kwargs)
-
-        return call
-
-
-def without_adapter(model: nnx.Module) -> Any:
-    """`model` seen through `disable_adapter()`: each of its method calls (`hidden_states`,
-    `unembed_weight`, ...) runs the frozen base alone. For code that receives a model object and
-    calls it later, e.g. a reference model handed to a shared forward function."""
-    return _WithoutAdapter(model)
-
 
 # ---------------------------------------------------------------- the adapted layers
 
@@ -135,10 +69,10 @@ class LoraDense(Dense):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = super().__call__(x)
-        if _DISABLED.get():
+        if adapter_disabled():
             return y
         h = x.astype(self.dtype)
-        key = _DROPOUT_KEY.get()
+        key = adapter_dropout_key()
         if self.dropout > 0 and key is not None:
             key = jax.random.fold_in(key, self.dropout_id[...])
             if x.ndim - self.n_in == 2:  # [B, T, in...]: per position, the same at any T
@@ -170,7 +104,7 @@ class LoraRouter(moe.Router):
         self.lora_a, self.lora_b, self.scaling = lora_a, lora_b, scaling
 
     def weight(self) -> jax.Array:
-        if _DISABLED.get():
+        if adapter_disabled():
             return super().weight()
         folded = folded_weight(self.kernel, self.lora_a[...], self.lora_b[...], self.scaling)
         return folded.astype(self.dtype)
@@ -220,7 +154,7 @@ class LoraExperts(moe.Experts):
         }
 
     def low_rank(self) -> dict[str, tuple[jax.Array, jax.Array, float]]:
-        if _DISABLED.get():
+        if adapter_disabled():
             return {}
         return {kind: (a[...], b[...], s) for kind, (a, b, s) in self.adapters().items()}
 

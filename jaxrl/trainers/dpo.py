@@ -31,10 +31,9 @@ from flax import nnx
 
 from jaxrl import lora, parallel
 from jaxrl.algos import dpo as dpo_algo
-from jaxrl.algos.masks import prefix_tree_mask
+from jaxrl.algos import reference
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.core import quant
-from jaxrl.core.logprobs import unembed_logits
 from jaxrl.data import vision
 from jaxrl.data.collate import collate_preference, collate_preference_shared
 from jaxrl.data.formats import require_columns
@@ -44,30 +43,10 @@ from jaxrl.generation import Sampler
 from jaxrl.losses.dpo import LABEL_SMOOTHING_TYPES
 from jaxrl.trainers.base import Trainer
 from jaxrl.trainers.dpo_config import DPOConfig
-from jaxrl.trainers.evaluation import label_ids_from_loss_mask, label_ids_from_trained
 from jaxrl.trainers.image_text import ImageTextMixin
 from jaxrl.trainers.sft import check_score_span, choose_score_span
 
 logger = logging.getLogger("jaxrl")
-
-
-def shared_rows_predictions(model, mb: dict) -> tuple[jax.Array, jax.Array]:
-    """Logits and HF labels of the `prompt + chosen` then `prompt + rejected` rows `[2B, T]`,
-    unpacked from prefix-shared rows: one forward over the shared row, whose logits at each
-    slot equal those of the same token in its own row (the prefix-tree mask hides the other
-    completion). A rejected row reads slot `j` for its prompt and `j + len(chosen)` after it."""
-    branch_BT = mb["branch_ids"]
-    h_BTD = model.hidden_states(mb["input_ids"], prefix_tree_mask(branch_BT), mb["positions"], None)
-    logits_BTV = unembed_logits(h_BTD, model.unembed_weight(), model.config.final_logit_softcap)
-    p_B1, c_B1, r_B1, j_BT, src_BT = dpo_algo.shared_row_slots(branch_BT)
-    rejected_logits_BTV = jnp.take_along_axis(logits_BTV, src_BT[..., None], axis=1)
-    rejected_ids_BT = jnp.take_along_axis(mb["input_ids"], src_BT, axis=1)
-    chosen_labels = label_ids_from_trained(mb["input_ids"], branch_BT == 2)
-    rejected_labels = label_ids_from_trained(rejected_ids_BT, (j_BT >= p_B1) & (j_BT < p_B1 + r_B1))
-    return (
-        jnp.concatenate([logits_BTV, rejected_logits_BTV], axis=0),
-        jnp.concatenate([chosen_labels, rejected_labels], axis=0),
-    )
 
 
 class DPOTrainer(ImageTextMixin, Trainer):
@@ -374,11 +353,8 @@ class DPOTrainer(ImageTextMixin, Trainer):
             return {}
         if self._ref_is_base:
             # No second copy of the weights: the reference runs the frozen base with the
-            # adapter disabled. Only modules_to_save params (trained in full) need their initial
-            # values kept, as PEFT's disable_adapter() uses the original modules.
-            saved = nnx.filter_state(params, lora.SavedParam)
-            has_saved = bool(jax.tree.leaves(saved))
-            return {"ref_saved": jax.tree.map(jnp.copy, saved)} if has_saved else {}
+            # adapter disabled (`jaxrl.algos.reference`).
+            return reference.lora_base_frozen(params)
         if self._explicit_ref is not None:
             ref = nnx.state(self._explicit_ref)
             self._ref_graphdef = nnx.graphdef(self._explicit_ref)
@@ -398,22 +374,19 @@ class DPOTrainer(ImageTextMixin, Trainer):
         graphdef = self._ref_graphdef if self._ref_graphdef is not None else self.graphdef
         return nnx.merge(graphdef, ref_params)
 
-    def _ref_pair_logps(self, state, mb) -> tuple[jax.Array, jax.Array]:
-        """The reference's `(chosen, rejected)` log-probs of a pair batch (`make_loss`'s
-        `ref_logps`): the LoRA base with the adapter off, or the reference params."""
-        a = self.args
+    def _bind_reference(self, state) -> Any:
+        """The reference model of `state` (inside jit): the LoRA policy's base (run with the
+        adapter off by `dpo_algo.make_reference_logps`), or the reference params."""
         if self._ref_is_base:
-            adapter = state.params
-            if "ref_saved" in state.frozen:
-                adapter = nnx.merge_state(adapter, state.frozen["ref_saved"])
-            with lora.disable_adapter():  # read when traced: the call must be inside
-                model = nnx.merge(self.graphdef, adapter, state.frozen["base"])
-                return dpo_algo.reference_logps(
-                    model, mb, a.logprob_chunk_size, self.score_span, a.ld_alpha
-                )
-        model = self.ref_model_apply(state.ref_params)
-        return dpo_algo.reference_logps(
-            model, mb, a.logprob_chunk_size, self.score_span, a.ld_alpha
+            adapter = reference.lora_base_adapter(state.params, state.frozen)
+            return nnx.merge(self.graphdef, adapter, state.frozen["base"])
+        return self.ref_model_apply(state.ref_params)
+
+    @property
+    def _ref_pair_logps(self):
+        """`(state, mb) -> (chosen, rejected)`: the reference's log-probs of a pair batch."""
+        return dpo_algo.make_reference_logps(
+            self.args, self._bind_reference, lora_base=self._ref_is_base, score_span=self.score_span
         )
 
     # ----------------------------------------------------------------- loss
@@ -432,18 +405,7 @@ class DPOTrainer(ImageTextMixin, Trainer):
     _prediction_groups = 2  # a `prompt + chosen` and a `prompt + rejected` row per pair
 
     def _prediction_fn(self):
-        def predict(model, mb):
-            if "branch_ids" in mb:
-                return shared_rows_predictions(model, mb)
-            rows = dpo_algo.pairs_to_rows(mb)
-            logits_BTV = unembed_logits(
-                dpo_algo.pair_rows_hidden_states(model, mb, rows),
-                model.unembed_weight(),
-                model.config.final_logit_softcap,
-            )
-            return logits_BTV, label_ids_from_loss_mask(rows["input_ids"], rows["loss_mask"])
-
-        return predict
+        return dpo_algo.predict
 
     def _prediction_input_ids(self, mb: dict) -> jax.Array:
         if "branch_ids" in mb:
@@ -558,21 +520,12 @@ class DPOTrainer(ImageTextMixin, Trainer):
         else:
             ref_model = self._load_model(ref, task="causal_lm") if ref is not None else self.model
         graphdef, params = nnx.split(ref_model)
-        chunk = self.args.logprob_chunk_size
         # LoRA without a ref_model: the reference is the base with the adapter disabled.
-        adapter_off = (
-            lora.disable_adapter if ref is None and self.is_peft else contextlib.nullcontext
+        ref_logps = jax.jit(
+            dpo_algo.make_precompute_logps(
+                graphdef, self.args, self.score_span, lora_base=ref is None and self.is_peft
+            )
         )
-
-        @jax.jit
-        def ref_logps(params, batch):
-            with adapter_off():
-                model = nnx.merge(graphdef, params)
-                out = dpo_algo.pair_logps(
-                    model, batch, chunk, False, self.score_span, self.args.ld_alpha
-                )
-            return jnp.stack([out["chosen"], out["rejected"]], axis=1)
-
         bs = (
             self.args.precompute_ref_batch_size or self.args.per_device_train_batch_size
         ) * self.dp

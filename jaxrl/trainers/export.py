@@ -3,7 +3,9 @@ jaxrl_config.json and a model card; with LoRA the PEFT adapter alone, or merged)
 `create_model_card`, and the Hub (`push_to_hub`, HF's `hub_strategy` at each save, the
 `accelerator` TRL's scripts print with).
 
-`ExportMixin` is one of the pieces `jaxrl.trainers.base.Trainer` is composed of; the file formats
+`SaveModelMixin` is `save_model` alone, shared with `PPOTrainer` (which writes TRL v0.7.2's
+value-head files and card through its hooks); `ExportMixin` adds the card and the Hub and is one
+of the pieces `jaxrl.trainers.base.Trainer` is composed of. The file formats
 are `jaxrl.models`' and `jaxrl.lora`'s, the card `jaxrl.model_card`'s and the uploads
 `jaxrl.hub`'s. Only process 0 writes. No training or checkpoint code here.
 """
@@ -20,9 +22,10 @@ from jaxrl import hub, lora, models
 from jaxrl.model_card import card_fields, model_card
 
 
-class ExportMixin:
-    """`Trainer`'s export and Hub surface (subclass hooks: `_export_generation_config`; the model
-    card's `_name`, `_tag_names`, `_paper`)."""
+class SaveModelMixin:
+    """`save_model`, written once for every language-model trainer: the weights
+    (`_save_weights`), the tokenizer, then the files beside them (`_save_metadata`). PPO keeps
+    TRL v0.7.2's value-head files and card by overriding the two hooks."""
 
     def save_model(self, output_dir: str | None = None, merged: bool = False):
         """Write an HF directory (config, safetensors, tokenizer), from process 0 only. With LoRA,
@@ -32,27 +35,39 @@ class ExportMixin:
         out = output_dir or os.path.join(self.args.output_dir, "final")
         if merged and not self.is_peft:
             raise ValueError("save_model(merged=True) merges LoRA adapters; this model has none.")
+        self._save_weights(out, merged)
+        if self.is_world_process_zero():
+            self.processing_class.save_pretrained(out)
+            self._save_metadata(out, merged)
+        return out
+
+    def _save_weights(self, out: str, merged: bool) -> None:
         if self.is_peft and not merged:
             lora.save_peft_adapter(self.current_model(), out, self.model_path)
         elif self.is_peft:
             models.save_pretrained(lora.merge_lora(self.current_model()), out)
         else:
             models.save_pretrained(self.current_model(), out)
-        if self.is_world_process_zero():
-            self.processing_class.save_pretrained(out)
-            with open(os.path.join(out, "jaxrl_config.json"), "w") as f:
-                json.dump(self.args.to_dict(), f, indent=2, default=str)
-            adapter_only = self.is_peft and not merged
-            if self.model_task == "causal_lm" and not adapter_only:
-                # As transformers' save_pretrained for a model that can generate. Our own edits
-                # (pad/EOS ids) must not make transformers validate a source config strictly: it
-                # refuses to save a modified config that only warns (e.g. top_k without
-                # do_sample), and saves an unmodified one back as it was published.
-                generation_config = self._export_generation_config(out)
-                generation_config._original_object_hash = hash(generation_config)
-                generation_config.save_pretrained(out)
-            self._write_model_card(out, library_name="peft" if adapter_only else "transformers")
-        return out
+
+    def _save_metadata(self, out: str, merged: bool) -> None:
+        """`jaxrl_config.json`, the generation config and the model card (process 0)."""
+        with open(os.path.join(out, "jaxrl_config.json"), "w") as f:
+            json.dump(self.args.to_dict(), f, indent=2, default=str)
+        adapter_only = self.is_peft and not merged
+        if self.model_task == "causal_lm" and not adapter_only:
+            # As transformers' save_pretrained for a model that can generate. Our own edits
+            # (pad/EOS ids) must not make transformers validate a source config strictly: it
+            # refuses to save a modified config that only warns (e.g. top_k without
+            # do_sample), and saves an unmodified one back as it was published.
+            generation_config = self._export_generation_config(out)
+            generation_config._original_object_hash = hash(generation_config)
+            generation_config.save_pretrained(out)
+        self._write_model_card(out, library_name="peft" if adapter_only else "transformers")
+
+
+class ExportMixin(SaveModelMixin):
+    """`Trainer`'s export and Hub surface (subclass hooks: `_export_generation_config`; the model
+    card's `_name`, `_tag_names`, `_paper`)."""
 
     def _export_generation_config(self, out: str) -> Any:
         """The source model's `generation_config.json` if it has one (local or cached), else

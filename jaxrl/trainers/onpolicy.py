@@ -1,5 +1,5 @@
-"""What the online language-model trainers share (GRPO, RLOO; PPO later): prompts -> sampler ->
-rewards -> advantages -> jitted update.
+"""GRPO's and RLOO's shell on the one online loop (`jaxrl.trainers.online`, which PPO shares):
+prompts -> sampler -> rewards -> advantages -> jitted update.
 
 One loop step is one optimizer update (TRL's `global_step`). As TRL, a generation batch of
 `generation_batch_size` completions (`generation_batch_size / num_generations` prompts, each
@@ -69,12 +69,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl import lora, parallel
-from jaxrl.algos.rollout import completion_logprobs, make_buffer_step, make_policy_logps
+from jaxrl import parallel
+from jaxrl.algos import reference
+from jaxrl.algos.rollout import make_buffer_step, make_policy_logps, make_reference_logps
 from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.config import ConfigError
@@ -90,6 +90,7 @@ from jaxrl.rewards import (
 )
 from jaxrl.trainers.base import Trainer
 from jaxrl.trainers.image_text import ImageTextMixin
+from jaxrl.trainers.online import OnlineLoop
 from jaxrl.trainers.onpolicy_batches import OnPolicyBatchesMixin, StepPlan
 from jaxrl.trainers.onpolicy_config import OnPolicyConfig
 from jaxrl.trainers.onpolicy_evaluation import OnPolicyEvaluationMixin
@@ -107,6 +108,7 @@ class OnPolicyTrainer(
     CompletionLogsMixin,
     OnPolicyEvaluationMixin,
     ImageTextMixin,
+    OnlineLoop,
     Trainer,
 ):
     """Shared online shell; subclasses: `GRPOTrainer`, `RLOOTrainer` (see the module doc)."""
@@ -273,37 +275,13 @@ class OnPolicyTrainer(
         if not self._needs_ref():
             return {}  # beta == 0: no reference model at all, as TRL
         if not self.is_peft:
-            return {"ref": self._frozen_copy(params)}
+            return {reference.REF: self._frozen_copy(params)}
         if self._ref_is_initial_adapter:
             # An adapter-sized copy: the reference is base + the adapter as it was loaded.
-            return {"ref_adapter": jax.tree.map(jnp.copy, params)}
+            return {reference.REF_ADAPTER: jax.tree.map(jnp.copy, params)}
         # No second copy of the weights: the reference is the frozen base with the adapter
-        # disabled. modules_to_save params are trained in full, so their initial values are
-        # kept (PEFT's disable_adapter() runs the original modules).
-        saved = nnx.filter_state(params, lora.SavedParam)
-        has_saved = bool(jax.tree.leaves(saved))
-        return {"ref_saved": jax.tree.map(jnp.copy, saved)} if has_saved else {}
-
-    def reference_logps(self, state, batch: dict[str, jax.Array]) -> jax.Array:
-        """Completion log-probs `[B, C]` of `batch` under the reference (a pure function of the
-        train state, jitted by the trainer): the frozen copy, or with LoRA the base without the
-        adapter (or, for a model that came with an adapter, base + that adapter as loaded)."""
-        a = self.args
-
-        def logps(model):
-            return completion_logprobs(
-                model, batch, temperature=a.temperature, chunk_size=a.logprob_chunk_size
-            )
-
-        if not self.is_peft:
-            return logps(self.apply_model(state.frozen["ref"]))
-        if self._ref_is_initial_adapter:
-            return logps(self.apply_model(state.frozen["ref_adapter"], state))
-        adapter = state.params
-        if "ref_saved" in state.frozen:
-            adapter = nnx.merge_state(adapter, state.frozen["ref_saved"])
-        with lora.disable_adapter():  # read when the model is traced: the call must be inside
-            return logps(self.apply_model(adapter, state))
+        # disabled (`jaxrl.algos.reference`).
+        return reference.lora_base_frozen(params)
 
     def _compile(self, state) -> None:
         a = self.args
@@ -323,7 +301,11 @@ class OnPolicyTrainer(
             donate_argnums=0,
         )
         self._jit_logps = jax.jit(make_policy_logps(a, self.apply_model))
-        self._jit_ref_logps = jax.jit(self.reference_logps)
+        self._jit_ref_logps = jax.jit(
+            make_reference_logps(
+                a, self.apply_model, peft=self.is_peft, initial_adapter=self._ref_is_initial_adapter
+            )
+        )
         # The training loss, forward only and without dropout (TRL evaluates in eval mode):
         # `evaluate()`'s per-batch `eval_loss`.
         self._jit_eval_step = jax.jit(make_eval_step(self._loss_fn()), out_shardings=repl)
@@ -352,14 +334,11 @@ class OnPolicyTrainer(
         has_images = self.vision and any(vision.example_images(ex) for ex in examples)
         if self.vision and self.max_images:
             pixel_values = self._prompt_images.pixel_values(examples, prompt_ids, self.max_images)
-        out = self.rollout_sampler(
-            params, prompt_ids, config, seed=seed, group_size=group_size,
+        g = self._generate(
+            prompt_ids, config, seed, group_size=group_size, params=params,
             pixel_values=pixel_values,
         )  # fmt: skip
-        completion_ids_NC = np.asarray(out.completion_ids_BN)
-        mask_NC = np.asarray(out.completion_mask_BN)
-        lengths_N = mask_NC.sum(axis=1)
-        ids_list = [row[:n].tolist() for row, n in zip(completion_ids_NC, lengths_N, strict=True)]
+        out, lengths_N, ids_list = g.out, g.lengths, g.ids
         truncated_N = self._truncated(ids_list, config)
         rows = [ex for ex in examples for _ in range(group_size)]
         prompts = [ex["prompt"] for ex in rows]
@@ -368,8 +347,7 @@ class OnPolicyTrainer(
                 vision_prompts.prompt_messages(ex["prompt"], vision.example_images(ex))
                 for ex in rows
             ]
-        texts = self.tokenizer.batch_decode(ids_list, skip_special_tokens=True)
-        completions = completions_from_texts(prompts, texts)
+        completions = completions_from_texts(prompts, g.texts)
         columns = {}
         if not self.args.remove_unused_columns:
             skip = ("prompt", PROMPT_IDS)
@@ -440,9 +418,7 @@ class OnPolicyTrainer(
         G = a.num_generations
         state = self.train_state
         seed = jax.random.fold_in(jax.random.key(a.seed), plan.generation)
-        # With LoRA the sampler runs base + adapter through the adapter forward (no merged copy
-        # of the weights; see OnPolicyTrainer's module doc).
-        policy = self.current_params()
+        policy = self._sampling_params()
         s = self._sample(policy, plan.examples, G, self.rollout_generation_config, seed)
         out = s["out"]
         rollout = self._rollout_rows(s)
@@ -480,10 +456,18 @@ class OnPolicyTrainer(
         self._buffer_tokens = float(np.asarray(out.prompt_mask_BP).sum() + s["lengths_N"].sum())
 
     # ----------------------------------------------------------------- the on-policy iteration
-    def _train_iteration(self, plan: StepPlan) -> dict:
-        generated = plan.starts_cycle or self._buffer_generation != plan.generation
-        if generated:
-            self._generate_and_score(plan)
+    def _sampling_params(self) -> Any:
+        # With LoRA the sampler runs base + adapter through the adapter forward (no merged copy
+        # of the weights; see the module doc).
+        return self.current_params()
+
+    def _needs_rollout(self, plan: StepPlan) -> bool:
+        return plan.starts_cycle or self._buffer_generation != plan.generation
+
+    def _rollout(self, plan: StepPlan) -> None:
+        self._generate_and_score(plan)
+
+    def _update(self, plan: StepPlan, generated: bool) -> dict:
         if self.args.log_completions:  # this step logs the completions as they are now
             self._completion_logs_at[self.state.global_step + 1] = self._completion_logs_copy()
         slices_A = jnp.asarray(plan.slices, jnp.int32)
@@ -493,4 +477,3 @@ class OnPolicyTrainer(
         metrics = {**metrics, **self._buffer_metrics}
         metrics["num_tokens"] = self._buffer_tokens if generated else 0.0
         return metrics
-

@@ -29,16 +29,20 @@ dropout never fires, as in TRL v0.7.2 (its PPO forwards run in eval mode); nor d
 own dropout (GPT-2's pdrop rates, `jaxrl.models.dropout`) or the value head's summary dropout.
 
 jaxrl addition: `train()` runs the common PPO loop (TRL's examples: for each batch of prompts,
-generate, score, `step()`) on `TrainLoop`, so it logs to `output_dir/metrics.jsonl` with TRL's
-stat names, checkpoints and resumes exactly (train state, KL controller, score moments and the
-NumPy generator of the minibatch permutations) and saves on SIGTERM.
+generate, score, `step()`) as the iteration of the online shell GRPO and RLOO share
+(`jaxrl.trainers.online.OnlineLoop`: rollout -> score -> update, on `TrainLoop`), so it logs to
+`output_dir/metrics.jsonl` with TRL's stat names, checkpoints and resumes exactly (train state,
+KL controller, score moments and the NumPy generator of the minibatch permutations) and saves
+on SIGTERM.
 
 This file is the trainer: the constructor, `step()` and the traced-call plumbing around it, and
-`train()`'s iteration. What it shares with every trainer comes from there (the loop, checkpoints
-and resume: `TrainLoop`; LoRA / QLoRA: `model_setup.setup_peft`; the tokenizer:
-`TokenizerSetupMixin`); its TRL v0.7.2 host helpers live beside it (`ppo_setup`: models and
-optimizer; `ppo_inputs`: dataloader and batches; `ppo_stats`: stats; `ppo_generation`: `generate`
-and the reward; `ppo_export`: files). No traced math here (`jaxrl.algos.ppo`).
+`train()`'s iteration. What it shares with the other trainers comes from there (the loop,
+checkpoints and resume: `TrainLoop`; the iteration and the sampler's completions: `OnlineLoop`;
+where the reference lives in the train state: `jaxrl.algos.reference`; LoRA / QLoRA:
+`model_setup.setup_peft`; the tokenizer: `TokenizerSetupMixin`); its TRL v0.7.2 host helpers
+live beside it (`ppo_setup`: models and optimizer; `ppo_inputs`: dataloader and batches;
+`ppo_stats`: stats; `ppo_generation`: `generate` and the reward; `ppo_export`: files). No traced
+math here (`jaxrl.algos.ppo`).
 """
 
 from __future__ import annotations
@@ -58,19 +62,20 @@ import optax
 from flax import nnx
 
 from jaxrl import lora, seeding
-from jaxrl.algos import ppo
+from jaxrl.algos import ppo, reference
 from jaxrl.core import rl
 from jaxrl.core.state import TrainState
 from jaxrl.generation import GenerationConfig, Sampler
 from jaxrl.models.heads import CausalLMWithValueHead
 from jaxrl.trainers import ppo_export, ppo_generation, ppo_inputs, ppo_setup, ppo_stats
-from jaxrl.trainers.loop import TrainLoop
+from jaxrl.trainers.export import SaveModelMixin
 from jaxrl.trainers.model_setup import setup_peft
+from jaxrl.trainers.online import OnlineLoop
 from jaxrl.trainers.ppo_config import PPOConfig
 from jaxrl.trainers.tokenizer_setup import TokenizerSetupMixin
 
 
-class PPOTrainer(TokenizerSetupMixin, TrainLoop):
+class PPOTrainer(TokenizerSetupMixin, SaveModelMixin, OnlineLoop):
     """Proximal Policy Optimisation of a causal LM with a value head (TRL v0.7.2 API).
 
     `model`: a `CausalLMWithValueHead` or a path / Hub id (an HF directory, with or without
@@ -175,18 +180,15 @@ class PPOTrainer(TokenizerSetupMixin, TrainLoop):
             self.graphdef, params = nnx.split(policy)
         if self._ref_is_base:
             self.ref_graphdef = self.lm_graphdef
-            # modules_to_save params are trained in full: the reference keeps their initial
-            # values (PEFT's disable_adapter() runs the original modules).
-            saved = nnx.filter_state(params, lora.SavedParam)
-            if jax.tree.leaves(saved):
-                frozen["ref_saved"] = jax.tree.map(jnp.copy, saved)
+            # modules_to_save params keep their initial values (`jaxrl.algos.reference`).
+            frozen.update(reference.lora_base_frozen(params))
         else:
             self.ref_graphdef, ref_params = nnx.split(ref_lm)
             if ref_lm is policy.pretrained_model:  # frozen copy: the policy's buffers are donated
                 ref_params = jax.tree.map(jnp.copy, ref_params)
             if not self.is_peft_model:
                 frozen = {}
-            frozen["ref"] = ref_params
+            frozen[reference.REF] = ref_params
         shared = num_shared_layers if ref_model is None else None
         self.tx = ppo_setup.make_tx(config, optimizer, params, shared, policy.config)
         extras = {
@@ -208,7 +210,7 @@ class PPOTrainer(TokenizerSetupMixin, TrainLoop):
         self._compile()
         self.current_step = 0
         self.log_history: list[dict] = []
-        self._sampler = Sampler(self.lm_graphdef)
+        self.rollout_sampler = Sampler(self.lm_graphdef)
         self._ref_sampler = (
             ppo_generation.AdapterOffSampler(self.lm_graphdef)
             if self._ref_is_base
@@ -260,11 +262,8 @@ class PPOTrainer(TokenizerSetupMixin, TrainLoop):
         policy's LM params (run with the adapter disabled; initial modules_to_save values)."""
         state = self.train_state
         if not self._ref_is_base:
-            return state.frozen["ref"]
-        params = self._policy_params()
-        if "ref_saved" in state.frozen:
-            params = nnx.merge_state(params, state.frozen["ref_saved"])
-        return params["pretrained_model"]
+            return state.frozen[reference.REF]
+        return reference.lora_base_adapter(self._policy_params(), state.frozen)["pretrained_model"]
 
     @property
     def model(self) -> CausalLMWithValueHead:
@@ -278,7 +277,7 @@ class PPOTrainer(TokenizerSetupMixin, TrainLoop):
         the policy's LM with the adapter disabled)."""
         if self._ref_is_base:
             return None
-        return nnx.merge(self.ref_graphdef, self.train_state.frozen["ref"])
+        return nnx.merge(self.ref_graphdef, self.train_state.frozen[reference.REF])
 
     @property
     def kl_coef(self) -> float:
@@ -539,12 +538,11 @@ class PPOTrainer(TokenizerSetupMixin, TrainLoop):
         padding: each ends at its first EOS (kept) or after `max_new_tokens`."""
         if ref:
             out = self._ref_sampler(self._ref_params(), queries, gen, seed=key)
-        else:
-            # With LoRA: base + adapter through the adapter forward (no merged copy).
-            params = self._policy_params()["pretrained_model"]
-            out = self._sampler(params, queries, gen, seed=key)
-        ids_BN, mask_BN = jax.device_get((out.completion_ids_BN, out.completion_mask_BN))
-        return [ids_BN[i, : int(mask_BN[i].sum())].astype(np.int64) for i in range(len(queries))]
+            ids_BN, mask_BN = jax.device_get((out.completion_ids_BN, out.completion_mask_BN))
+            lengths = mask_BN.sum(axis=1)
+            return [ids_BN[i, : int(lengths[i])].astype(np.int64) for i in range(len(queries))]
+        g = self._generate(queries, gen, key, decode=False)
+        return [np.asarray(ids, np.int64) for ids in g.ids]
 
     def _finish(self, query: np.ndarray, completion: np.ndarray, return_prompt: bool):
         return ppo_generation.remove_padding(
@@ -634,18 +632,27 @@ class PPOTrainer(TokenizerSetupMixin, TrainLoop):
     def _train_iterator(self):
         return ppo_inputs.prompt_batches(self.dataset, self.config.batch_size, self.config.seed)
 
-    def _train_iteration(self, batch: dict) -> dict:
-        """One PPO step: sample responses (key fixed by the step), decode, score, `step()`."""
+    # The online iteration (`OnlineLoop`): every step generates, scores, then runs `step()`.
+    def _sampling_params(self) -> Any:
+        # With LoRA: base + adapter through the adapter forward (no merged copy).
+        return self._policy_params()["pretrained_model"]
+
+    def _rollout(self, batch: dict) -> None:
+        """Sample responses to the batch's queries (key fixed by the step), decode and score."""
         c = self.config
         t = time.time()
         queries, prompts = ppo_inputs.batch_queries(batch, self.tokenizer)
         gen = ppo_generation.rollout_generation_config(c, self.tokenizer)
         key = jax.random.fold_in(jax.random.key(c.seed + 1), self.state.global_step)
-        responses = self._sample(queries, gen, key)
+        g = self._generate(queries, gen, key)
         t_gen, t = time.time() - t, time.time()
-        completions = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        scores = [0.0 if s is None else float(s) for s in self.reward(prompts, completions)]
-        t_score = time.time() - t
+        scores = [0.0 if s is None else float(s) for s in self.reward(prompts, g.texts)]
+        responses = [np.asarray(ids, np.int64) for ids in g.ids]
+        self._rollout_data = (queries, responses, scores, t_gen, time.time() - t)
+
+    def _update(self, batch: dict, generated: bool) -> dict:
+        """TRL's `step()` on the rollout, with `train()`'s metrics."""
+        queries, responses, scores, t_gen, t_score = self._rollout_data
         stats = self.step(queries, responses, [np.float32(s) for s in scores])
         metrics = ppo_stats.train_metrics(stats, scores)
         metrics["time/ppo/generate"], metrics["time/ppo/score"] = t_gen, t_score
@@ -666,27 +673,20 @@ class PPOTrainer(TokenizerSetupMixin, TrainLoop):
         super()._restore(step)
         ppo_stats.set_numpy_rng_state(self.train_state.extras["numpy_rng"])
 
-    def save_model(self, output_dir: str | None = None, merged: bool = False) -> str:
-        """Save the policy in TRL's value-head layout (default `output_dir/final`); with LoRA
-        the adapter + value head, or with `merged=True` the full model (adapter folded in)."""
-        out = output_dir or os.path.join(self.config.output_dir, "final")
-        self.save_pretrained(out, merged=merged)
-        return out
-
     def save_pretrained(self, save_directory: str | Path, merged: bool = False) -> None:
         """Policy, tokenizer and model card in TRL v0.7.2's layout (`ppo_export.save_policy`:
         LM + value head; with LoRA the PEFT adapter + the value head alone, or `merged=True`
-        the full value-head model with the adapter folded in)."""
+        the full value-head model with the adapter folded in). `save_model` (default
+        `output_dir/final`) writes the same files."""
+        self.save_model(str(save_directory), merged=merged)
+
+    def _save_weights(self, out: str, merged: bool) -> None:
         ppo_export.save_policy(
-            self.model,
-            save_directory,
-            is_peft=self.is_peft_model,
-            model_path=self.model_path,
-            merged=merged,
+            self.model, out, is_peft=self.is_peft_model, model_path=self.model_path, merged=merged
         )
-        if jax.process_index() == 0:
-            self.tokenizer.save_pretrained(str(save_directory))
-            self.create_model_card(str(save_directory))
+
+    def _save_metadata(self, out: str, merged: bool) -> None:
+        self.create_model_card(out)
 
     def create_model_card(self, path: str, model_name: str | None = "TRL Model") -> None:
         """Write `README.md` (TRL v0.7.2's card; `ppo_export.write_model_card`)."""

@@ -2,9 +2,10 @@
 in one HF directory; with LoRA the PEFT adapter plus a `model.safetensors` holding only the value
 head, or merged) and TRL v0.7.2's model card.
 
-These differ from `jaxrl.trainers.export` (the layout of TRL's current trainers: generation
-config, jaxrl_config.json, `jaxrl.model_card`'s card) on purpose: PPO keeps v0.7.2's files. Only
-process 0 writes. No training or checkpoint code here.
+`PPOTrainer.save_model` is `jaxrl.trainers.export.SaveModelMixin`'s, with these as its weights
+and metadata hooks: the files differ from TRL's current trainers' (generation config,
+jaxrl_config.json, `jaxrl.model_card`'s card) on purpose, PPO keeps v0.7.2's. Only process 0
+writes. No training or checkpoint code here.
 """
 
 from __future__ import annotations
@@ -63,8 +64,6 @@ def save_policy(
     `adapter_config.json` + `adapter_model.safetensors` (PEFT's format) and `model.safetensors`
     holding only `v_head.summary.*`; `merged=True`: the full value-head model with the adapter
     folded in (PEFT's `merge_and_unload`)."""
-    if merged and not is_peft:
-        raise ValueError("merged=True merges LoRA adapters; this model has none.")
     if merged:
         policy.pretrained_model = lora.merge_lora(policy.pretrained_model)
         save_pretrained(policy, save_directory)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxrl.core import optim
 from jaxrl.lora.value_head import AutoModelForCausalLMWithValueHead
 from jaxrl.models.causal_lm import CausalLM
 from jaxrl.models.heads import CausalLMWithValueHead
@@ -70,27 +71,13 @@ def make_tx(
     parts = []
     mask = trainable_mask(params, num_shared_layers, model_config)
     if mask is not None:
-        parts.append(masked_updates(mask))
+        parts.append(optim.masked_updates(mask))
     if c.max_grad_norm is not None:
         parts.append(optax.clip_by_global_norm(c.max_grad_norm))
     parts.append(inner)
     if mask is not None:  # also after: a user optimizer may decay weights
-        parts.append(masked_updates(mask))
+        parts.append(optim.masked_updates(mask))
     return optax.chain(*parts)
-
-
-def masked_updates(mask: Any) -> optax.GradientTransformation:
-    """Multiply updates by a 0/1 tree (frozen shared layers get exactly zero change)."""
-
-    def init(params):
-        del params
-        return optax.EmptyState()
-
-    def update(updates, state, params=None):
-        del params
-        return jax.tree.map(lambda u, m: u * m.astype(u.dtype), updates, mask), state
-
-    return optax.GradientTransformation(init, update)
 
 
 def trainable_mask(params: Any, num_shared_layers: int | None, model_config: Any) -> Any:

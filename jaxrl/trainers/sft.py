@@ -34,7 +34,6 @@ from jaxrl.data.collate import (
 from jaxrl.data.formats import require_columns
 from jaxrl.data.sft import prepare_sft_dataset, rows_as_given
 from jaxrl.trainers.base import Trainer
-from jaxrl.trainers.evaluation import label_ids_from_loss_mask
 from jaxrl.trainers.image_text import ImageTextMixin
 from jaxrl.trainers.sft_config import SFTConfig
 
@@ -435,8 +434,4 @@ class SFTTrainer(ImageTextMixin, Trainer):
         return sft_algo.loss_units
 
     def _prediction_fn(self):
-        def predict(model, mb):
-            logits_BTV = sft_algo.full_logits(model, mb)
-            return logits_BTV, label_ids_from_loss_mask(mb["input_ids"], mb["loss_mask"])
-
-        return predict
+        return sft_algo.predict

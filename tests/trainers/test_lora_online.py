@@ -164,7 +164,7 @@ def test_grpo_with_a_loaded_adapter_keeps_it_as_the_reference(tmp_path, tokenize
     assert set(trainer.train_state.frozen) == {"base", "ref_adapter"}
     ones = np.ones_like(IDS)
     batch = {"input_ids": IDS, "attention_mask": ones, "completion_mask": ones[:, 4:]}
-    ref = jax.jit(trainer.reference_logps)(trainer.train_state, batch)
+    ref = trainer._jit_ref_logps(trainer.train_state, batch)
 
     def logps(m):
         return jax.jit(lambda b: completion_logprobs(m, b, temperature=1.0, chunk_size=128))(batch)
