@@ -12,6 +12,16 @@ from jaxrl._malloc import maybe_reexec, trim_after_compiles
 
 maybe_reexec()  # the CLIs only: huge pages for XLA:CPU buffers (see jaxrl/_malloc.py)
 
+import logging
+
+# transformers announces on import that PyTorch is absent ("PyTorch was not found. Models won't be
+# available ..."). jaxrl uses transformers for configs and tokenizers only and computes in JAX,
+# so on the base install (no torch) the notice is noise on every run. Filtered on transformers'
+# library logger before any jaxrl module imports it; its other messages pass.
+logging.getLogger("transformers").addFilter(
+    lambda record: not str(record.msg).startswith("PyTorch was not found")
+)
+
 from jaxrl.callbacks.base import (
     EarlyStoppingCallback,
     TrainerCallback,

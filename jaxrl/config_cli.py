@@ -24,6 +24,11 @@ class ConfigError(ValueError):
     """A config key or value the user supplied is invalid; the message names the fix."""
 
 
+class MissingExtraError(ImportError):
+    """What the user asked for needs an optional dependency that is not installed (torch to read
+    a `.bin` checkpoint, ...); the message names the pip extra to install. The CLI exits 2."""
+
+
 @dataclass
 class PeftArguments:
     """TRL `ModelConfig`'s PEFT / bitsandbytes fields (same names and defaults), shared by the

@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxrl import parallel, run_dir, scripting
 from jaxrl.config import ConfigError
-from jaxrl.config_cli import PeftArguments, parse_config
+from jaxrl.config_cli import MissingExtraError, PeftArguments, parse_config
 from jaxrl.data import task
 from jaxrl.data.loading import load_dataset_any
 from jaxrl.models.diffusion import rewards as image_rewards
@@ -106,10 +106,13 @@ def _split_algo(argv: list[str]) -> tuple[str, list[str]]:
         else:
             rest.append(argv[i])
             i += 1
-    # DDPO's image pipeline has a CLI of its own (`main_ddpo`, before this parser).
-    algos = tuple(name for name, a in ALGORITHMS.items() if a.script_class is not None)
-    if algo not in algos:
-        raise ValueError(f"--algo {algo!r} is not one of {algos}.")
+    if algo not in ALGORITHMS:
+        raise ValueError(f"--algo {algo!r} is not one of {', '.join(ALGORITHMS)}.")
+    if ALGORITHMS[algo].script_class is None:
+        raise ValueError(
+            f"--algo {algo} has a command line of its own (`jaxrl.train.main_ddpo`); "
+            "`build_trainer` builds the other algorithms' trainers."
+        )
     return algo, rest
 
 
@@ -327,16 +330,16 @@ def main_ddpo(argv: list[str]) -> int:
     JPEG reward and prompts drawn from a fixed list of animals (TRL's example script)."""
     try:
         config, reward = parse_ddpo_cli(argv)
-    except ValueError as e:
+        rng = np.random.default_rng(config.seed)
+        trainer = ALGORITHMS["ddpo"].trainer_class(
+            config,
+            getattr(image_rewards, reward),
+            lambda: (str(rng.choice(TINY_PROMPTS)), {}),
+            config.pretrained_model or None,
+        )
+    except (ValueError, MissingExtraError) as e:
         print(f"jaxrl.train: error: {e}", file=sys.stderr)
         return 2
-    rng = np.random.default_rng(config.seed)
-    trainer = ALGORITHMS["ddpo"].trainer_class(
-        config,
-        getattr(image_rewards, reward),
-        lambda: (str(rng.choice(TINY_PROMPTS)), {}),
-        config.pretrained_model or None,
-    )
     trainer.train()
     out = trainer.save_model()
     print(f"jaxrl.train: done; metrics in {config.output_dir}/metrics.jsonl, model in {out}")
@@ -388,7 +391,14 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingInterrupted as e:
         print(f"jaxrl.train: {e}", file=sys.stderr)
         return 143  # 128 + SIGTERM, so a babysitter knows to resume
-    except (ConfigError, ValueError, FileNotFoundError, TypeError, FloatingPointError) as e:
+    except (
+        ConfigError,
+        ValueError,
+        FileNotFoundError,
+        TypeError,
+        FloatingPointError,
+        MissingExtraError,
+    ) as e:
         print(f"jaxrl.train: error: {e}", file=sys.stderr)
         return 2
     print(

@@ -80,3 +80,12 @@ def pytest_collection_modifyitems(config, items):
         if str(item.path).startswith(TRAINER_TESTS + os.sep):
             item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(autouse=True)
+def _empty_working_directory(tmp_path_factory, monkeypatch):
+    """Every test runs in a new empty working directory (CLI subprocesses inherit it). Tests then
+    never depend on where pytest was started: the embedded jobs' default `outputs/<algo>` (or
+    HF's `trainer_output`) never meets a run the README's commands left in the checkout, where
+    the run-directory check would refuse it, and no test writes into the checkout."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))

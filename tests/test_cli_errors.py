@@ -19,6 +19,7 @@ import pytest
 
 from jaxrl.data import task
 from jaxrl.train import main
+from jaxrl.trainers.registry import ALGORITHMS
 
 # A tiny SFT run on the embedded task: fast, and every field not set here has TRL's default.
 BASE = ["--algo", "sft", "--max_steps", "1", "--disable_tqdm", "true", "--mesh_fsdp", "1"]
@@ -124,6 +125,7 @@ CASES = [
     ("malformed YAML config", lambda t: [*_data(t), "--config", _text(t / "bad.yaml", "learning_rate: [1e-4\nmax_steps: 2\n")], 2, ["bad.yaml", "line"]),
     ("learning_rate is nan", lambda t: [*_data(t), "--learning_rate", "nan"], 2, ["learning_rate"]),
     ("eval without an eval dataset", lambda t: [*_data(t), "--eval_strategy", "steps"], 2, ["eval_strategy", "eval_dataset"]),
+    ("unknown --algo", lambda t: ["--algo", "bogus"], 2, ["'bogus'", *ALGORITHMS]),
 ]  # fmt: skip
 
 

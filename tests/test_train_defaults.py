@@ -7,10 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl import DPOConfig, SFTConfig
+from jaxrl import DDPOConfig, DPOConfig, SFTConfig
 from jaxrl.config import ConfigError
+from jaxrl.config_cli import parse_config
 from jaxrl.data import task
 from jaxrl.train import CONFIG_DIR, build_trainer, main, recipe_path
+from jaxrl.trainers.ddpo_config import parse_ddpo_cli
+from jaxrl.trainers.registry import ALGORITHMS
 
 MODEL = str(task.asset_path("sft_model"))
 
@@ -49,6 +52,26 @@ def test_embedded_job_uses_its_recipe_and_config_names_a_recipe(tmp_path):
     )  # fmt: skip
     assert named.args.max_length == 64 and named.args.prefix_sharing is True
     assert recipe_path("sft.yaml") == CONFIG_DIR / "sft.yaml"
+
+
+@pytest.mark.parametrize("algo", list(ALGORITHMS))
+def test_every_embedded_job_writes_outputs_algo_and_shows_progress(algo):
+    """One layout and one progress display for every `--algo`'s embedded job (DDPO's defaults are
+    its recipe): output_dir `outputs/<algo>`, progress on (HF's `disable_tqdm=False`)."""
+    spec = ALGORITHMS[algo]
+    if spec.recipe is None:
+        config, _ = parse_ddpo_cli([])
+    else:
+        recipe = CONFIG_DIR / f"{spec.recipe}.yaml"
+        config, _ = parse_config(spec.config_class, recipe, script_class=spec.script_class)
+    assert config.output_dir == f"outputs/{algo}"
+    assert config.disable_tqdm is False
+
+
+def test_ddpo_library_default_shows_progress_and_keeps_trls_logdir():
+    config = DDPOConfig(mixed_precision="no")
+    assert config.disable_tqdm is False and config.output_dir == config.logdir == "logs"
+    assert parse_ddpo_cli(["--logdir", "runs/x"])[0].output_dir == "runs/x"
 
 
 def test_eval_without_a_test_split_is_rejected_naming_both_fields(tmp_path, capsys):

@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
 # shellcheck source-path=SCRIPTDIR
-# On every worker (idempotent, safe to rerun): copy this checkout, install jax[tpu] pinned to the
-# jax version jaxrl is tested with, install jaxrl, install gcsfuse from Google's apt repository
-# and mount gs://$BUCKET at /gcs (checkpoints must live where every host sees them).
+# On every worker (idempotent, safe to rerun): copy this checkout, install jaxrl with its `tpu`
+# extra (jax[tpu] at the jax version jaxrl pins, with libtpu), install gcsfuse from Google's apt
+# repository and mount gs://$BUCKET at /gcs (checkpoints must live where every host sees them).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=common.sh
 source "$here/common.sh"
 : "${BUCKET:?set BUCKET (a gs:// bucket name without the prefix)}"
-# Must match the jax pin in pyproject.toml (tests/test_tpu_scripts.py checks it).
-JAX_VERSION=0.10.2
 root="$(cd "$here/.." && pwd)"
 tarball="$(mktemp -t jaxrl.XXXXXX.tgz)"
 trap 'rm -f "$tarball"' EXIT
@@ -18,11 +16,7 @@ gc compute tpus tpu-vm scp "$tarball" "$TPU_NAME":jaxrl.tgz --zone "$ZONE" --wor
 on_all_workers "
 set -euo pipefail
 mkdir -p ~/jaxrl && tar -C ~/jaxrl -xzf ~/jaxrl.tgz
-if [ \"\$(python3 -c 'import jax; print(jax.__version__)' 2>/dev/null)\" != $JAX_VERSION ]; then
-  python3 -m pip install -q 'jax[tpu]==$JAX_VERSION' \
-    -f https://storage.googleapis.com/jax-releases/libtpu_releases.html
-fi
-python3 -m pip install -q -e ~/jaxrl
+python3 -m pip install -q -e \"\$HOME/jaxrl[tpu]\"
 if ! command -v gcsfuse >/dev/null; then
   curl -fsSL https://packages.cloud.google.com/apt/doc/apt-key.gpg \
     | sudo tee /usr/share/keyrings/cloud.google.asc >/dev/null

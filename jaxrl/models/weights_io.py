@@ -17,6 +17,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from jaxrl.config_cli import MissingExtraError
+
 SAFE_TO_NP = {
     "F64": np.dtype(np.float64),
     "F32": np.dtype(np.float32),
@@ -111,9 +113,11 @@ class TorchBinFile:
         try:
             import torch
         except ImportError as err:
-            raise ImportError(
-                f"{path} is a PyTorch .bin checkpoint and reading it needs torch; install it with "
-                "`pip install torch` (or `pip install jaxrl[torch]`), or convert the checkpoint to "
+            raise MissingExtraError(
+                f"{path} is a PyTorch .bin checkpoint, and reading it needs torch, which is not "
+                "installed. Install the torch extra, `pip install 'jaxrl[torch]'` (without a GPU, "
+                "first `pip install torch --index-url https://download.pytorch.org/whl/cpu`: the "
+                "CPU-only build, without ~3 GB of CUDA libraries), or convert the checkpoint to "
                 "safetensors."
             ) from err
         self._torch = torch

@@ -88,7 +88,9 @@ class DDPOConfig:
     # TrainLoop fields (HF TrainingArguments names). Derived from the TRL fields when left None.
     output_dir: str | None = None
     report_to: Any = None
-    disable_tqdm: bool = True
+    # Progress as every trainer shows it (HF's default; TRL's DDPO shows tqdm bars on the main
+    # process): a live bar on a terminal, one line per log otherwise.
+    disable_tqdm: bool = False
     logging_steps: float = 1
     logging_first_step: bool = False
     logging_strategy: str = "steps"
@@ -236,7 +238,9 @@ TINY_CLI_DEFAULTS: dict[str, Any] = dict(
     train_gradient_accumulation_steps=4,
     train_learning_rate=3e-3,
     mixed_precision="no",
-    logdir="ddpo_output",
+    # outputs/<algo>, as every embedded job (the recipes' output_dir); output_dir follows TRL's
+    # logdir unless given, so `--logdir DIR` or `--output_dir DIR` moves it.
+    logdir="outputs/ddpo",
 )
 CLI_REWARDS = ("jpeg_compressibility", "jpeg_incompressibility")
 

@@ -8,7 +8,7 @@ Run from the repository root, on the commit whose checkpoint layout the asset sh
 It writes, under `tests/assets/ckpt_v0/`:
 - `model/`: a tiny random Qwen2 (2 layers, width 32, torch seed 0) with the embedded task's
   character tokenizer, saved by transformers; `sd/`: the package's tiny random SD pipeline
-  (`jaxrl.models.diffusion.tiny`, v2), saved by diffusers;
+  (`jaxrl.models.diffusion.tiny`, v2), as diffusers saved it;
 - `data/dpo.jsonl`, `data/grpo.jsonl`: the first rows of the embedded task's training data;
 - `RUN/checkpoints/checkpoint-1/` and `RUN/metrics.jsonl` for RUN in dpo, grpo (the CLI, 2 steps,
   a save every step) and ddpo (`DDPOTrainer`, 2 epochs, a save every epoch): the orbax checkpoint
@@ -175,7 +175,7 @@ def main() -> None:
         shutil.rmtree(ASSET)
     ASSET.mkdir(parents=True)
     _model(ASSET / "model")
-    tiny_pipeline(ASSET / "sd")
+    shutil.copytree(tiny_pipeline(), ASSET / "sd")
     _data(ASSET / "data")
     commands = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -27,7 +27,7 @@ from jaxrl.models.diffusion import jpeg_compressibility
 from jaxrl.models.diffusion.ddim import transition_log_prob
 from jaxrl.models.diffusion.hf import StableDiffusion, load_pipeline
 from jaxrl.models.diffusion.lora import LoRAParam
-from jaxrl.models.diffusion.tiny import TINY_PROMPTS, default_cache_dir, tiny_pipeline
+from jaxrl.models.diffusion.tiny import TINY_PROMPTS, tiny_pipeline
 from jaxrl.trainers.ddpo import DDPOTrainer
 from jaxrl.trainers.ddpo_config import DDPOConfig
 
@@ -46,9 +46,8 @@ SMALL = dict(
 
 
 @pytest.fixture(scope="module")
-def sd_path(tmp_path_factory):
-    # Named as under $JAXRL_CACHE, so that the CLI test's subprocess finds it built.
-    return tiny_pipeline(tmp_path_factory.mktemp("cache") / default_cache_dir().name)
+def sd_path():
+    return tiny_pipeline()
 
 
 @pytest.fixture(scope="module")
@@ -436,7 +435,7 @@ def test_mesh_equals_one_device(sd, sd_path, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_reward_rises(sd_path, tmp_path):
+def test_cli_reward_rises(tmp_path):
     """`python -m jaxrl.train --algo ddpo` with its tiny defaults: the reward rises over 8 epochs
     (the last three epochs' mean beats the first three's by more than the rewards' mean spread
     within an epoch), the model and the one checkpoint are written.
@@ -448,8 +447,7 @@ def test_cli_reward_rises(sd_path, tmp_path):
     flags = with_devices(1).replace(
         "--xla_backend_optimization_level=0", "--xla_backend_optimization_level=1"
     )
-    # The tiny pipeline the CLI builds on first use under $JAXRL_CACHE: the module's, built.
-    env = {**os.environ, "XLA_FLAGS": flags, "JAXRL_CACHE": str(sd_path.parent)}
+    env = {**os.environ, "XLA_FLAGS": flags}
     argv = [sys.executable, "-m", "jaxrl.train", "--algo", "ddpo", "--logdir", str(tmp_path)]
     argv += ["--save_freq", "8"]  # one checkpoint, after the 8th and last epoch (not every one)
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)

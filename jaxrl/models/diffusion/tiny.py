@@ -1,27 +1,29 @@
-"""A tiny random Stable Diffusion pipeline directory, built deterministically on first use.
+"""The package's tiny random Stable Diffusion pipeline, shipped as a diffusers directory.
 
-The configs are plain data (no imports beyond the standard library at module level), also read
-by the tests' model builders and by the TRL v0.7.2 golden script. The DDPO CLI, bench and tests
-need an SD pipeline without a hub download. `tiny_pipeline()`
-builds one with diffusers/transformers (PyTorch, seeded), SD 1.x layout (UNet 8x8 latents,
-channels (8, 16), CLIP text width 16, a 20-token CLIP tokenizer over a small word list, a DDIM
-scheduler with SD's betas), saves it with `save_pretrained` into a cache directory and returns
-the path. The same directory loads into TRL v0.7.2's pipeline, so benches compare like with like.
+DDPO's embedded CLI job, its bench and its tests need an SD pipeline without a hub download, and
+the base install has no torch: the pipeline ships in `jaxrl/assets/tiny_sd/` (safetensors
+weights and JSON configs, 0.6 MB), which `tiny_pipeline()` returns. SD 1.x layout: UNet 8x8
+latents, channels (8, 16), CLIP text width 16, a 20-token CLIP tokenizer over a small word list,
+a DDIM scheduler with SD's betas. The same directory loads into diffusers and TRL v0.7.2's
+pipeline, so benches compare like with like.
 
-The VAE has SD's four blocks, so latents decode 8x larger: 64x64 images. (Version v1 had two
-blocks and 16x16 images, whose JPEG files are almost all header: their sizes varied by ~6 bytes,
-and DDPO's JPEG rewards hardly moved. At 64x64 they vary by ~60 bytes and the CLI's reward rises.)
+The configs below are plain data (no imports beyond the standard library at module level, so the
+TRL v0.7.2 golden script can load this file by path). They are the recipe of the shipped files:
+`tests/assets/make_tiny_sd.py` builds the pipeline from them with diffusers/transformers (PyTorch,
+seeded) and rewrites the assets; a test checks that the shipped weights equal a fresh build.
+Shipping the files rather than initialising them in JAX keeps the weights byte-identical to the
+torch-built pipeline that every DDPO number in BENCHMARKS.md was measured on.
+
+The VAE has SD's four blocks, so latents decode 8x larger: 64x64 images. (An earlier version had
+two blocks and 16x16 images, whose JPEG files are almost all header: their sizes varied by ~6
+bytes, and DDPO's JPEG rewards hardly moved. At 64x64 they vary by ~60 bytes and the CLI's reward
+rises.)
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-VERSION = "v2"
 WORDS = ("a", "photo", "of", "cat", "dog", "horse", "bird", "fish", "red", "blue", "green")
 UNET = dict(
     block_out_channels=(8, 16),
@@ -68,80 +70,13 @@ SCHEDULER = dict(
 )
 
 
-def default_cache_dir() -> Path:
-    root = os.environ.get("JAXRL_CACHE") or os.path.join(Path.home(), ".cache", "jaxrl")
-    return Path(root) / f"tiny-sd-{VERSION}"
+# The shipped pipeline directory (package data, so an installed wheel has it too).
+TINY_SD_DIR = Path(__file__).resolve().parents[2] / "assets" / "tiny_sd"
 
 
-def _tokenizer_files(directory: Path) -> int:
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for w in WORDS:
-        vocab[f"{w}</w>"] = len(vocab)
-    for ch in sorted(set("".join(WORDS))):
-        vocab.setdefault(ch, len(vocab))
-        vocab.setdefault(f"{ch}</w>", len(vocab))
-    (directory / "vocab.json").write_text(json.dumps(vocab))
-    (directory / "merges.txt").write_text("#version: 0.2\n")
-    return len(vocab)
-
-
-def _build(directory: Path) -> None:
-    import diffusers
-    import torch
-    import transformers
-
-    tok_dir = directory / "_tok"
-    tok_dir.mkdir(parents=True)
-    vocab_size = _tokenizer_files(tok_dir)
-    tokenizer = transformers.CLIPTokenizer(
-        str(tok_dir / "vocab.json"), str(tok_dir / "merges.txt"), model_max_length=20
-    )
-    torch.manual_seed(0)
-    unet = diffusers.UNet2DConditionModel(**UNET)
-    torch.manual_seed(1)
-    vae = diffusers.AutoencoderKL(**VAE)
-    torch.manual_seed(2)
-    text = transformers.CLIPTextModel(
-        transformers.CLIPTextConfig(**CLIP_TEXT, vocab_size=vocab_size)
-    )
-    scheduler = diffusers.DDIMScheduler(**SCHEDULER)
-    pipe = diffusers.StableDiffusionPipeline(
-        vae=vae.eval(),
-        text_encoder=text.eval(),
-        tokenizer=tokenizer,
-        unet=unet.eval(),
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
-    pipe.save_pretrained(directory, safe_serialization=True)
-    # transformers 5 writes only tokenizer.json; older versions (TRL v0.7.2's 4.36) load the
-    # slow CLIP tokenizer from vocab.json + merges.txt, so ship those too.
-    for name in ("vocab.json", "merges.txt"):
-        shutil.move(tok_dir / name, directory / "tokenizer" / name)
-    shutil.rmtree(tok_dir)
-
-
-def tiny_pipeline(cache_dir: str | Path | None = None) -> Path:
-    """Path of the tiny SD pipeline directory, building it on first use (atomic rename, so
-    concurrent first uses are safe)."""
-    target = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    if (target / "model_index.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    try:
-        _build(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process finished first
-            if not (target / "model_index.json").exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return target
+def tiny_pipeline() -> Path:
+    """Path of the package's tiny SD pipeline directory (read-only package data)."""
+    return TINY_SD_DIR
 
 
 TINY_PROMPTS = tuple(f"a photo of a {w}" for w in ("cat", "dog", "horse", "bird", "fish"))
