@@ -384,7 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = build_trainer(argv)
         trainer.train()
-        out = trainer.save_model()
+        # The CLI's contract: the model in OUTPUT_DIR/final/, beside checkpoints/ and metrics
+        # (the library's save_model() writes into output_dir itself, as HF's).
+        out = trainer.save_model(os.path.join(trainer.args.output_dir, "final"))
     except TrainingInterrupted as e:
         print(f"jaxrl.train: {e}", file=sys.stderr)
         return 143  # 128 + SIGTERM, so a babysitter knows to resume
