@@ -1,13 +1,20 @@
-"""Writes docs/config_fields.md: every field of TRL's configs and how jaxrl treats it.
+"""What the config fields mean, for people: docs/config_fields.md (every field of TRL's configs
+and how jaxrl treats it) and `python -m jaxrl.train --help` (`usage`: each algorithm's flags in
+groups, one line each, refused ones marked).
 
-`python -m jaxrl.config_docs > docs/config_fields.md` regenerates it from the installed
-`transformers` and `trl` and from jaxrl's config classes; tests/test_config_fields.py fails when
-the file, the classes and the installed TRL disagree. Development tool only: it imports trl.
+`python -m jaxrl.config_docs > docs/config_fields.md` regenerates the page and
+`python -m jaxrl.config_docs --help-table` the descriptions `--help` prints
+(`assets/flag_help.json`), both from the installed `transformers` and `trl` and jaxrl's config
+classes; tests fail when they, the classes and the installed TRL disagree. Only those generators
+import trl; `usage` reads the committed table.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
+from pathlib import Path
 
 from jaxrl import scripting
 from jaxrl.config import TrainingConfig
@@ -156,5 +163,369 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------- `python -m jaxrl.train --help`
+
+HELP_FILE = Path(__file__).parent / "assets" / "flag_help.json"
+REFUSED = "[refused when set]"
+# Fields of TRL v0.7.2's PPO / DDPO configs that are refused unless left at TRL's default (their
+# configs check them in __post_init__; a test sets each and expects the refusal).
+LEGACY_REFUSED = {
+    "PPOConfig": {
+        "accelerator_kwargs": "there is no accelerate Accelerator in jaxrl",
+        "project_kwargs": "there is no accelerate ProjectConfiguration in jaxrl",
+        "push_to_hub_if_best_kwargs": "jaxrl does not push to the Hub during training",
+    },
+    "DDPOConfig": {
+        "mixed_precision": "fp16 autocast is not used; set the frozen weights' dtype with `dtype`",
+        "allow_tf32": "matmul precision is JAX's `jax_default_matmul_precision`",
+        "train_use_8bit_adam": "bitsandbytes AdamW8bit has no JAX build; jaxrl uses optax.adamw",
+        "accelerator_kwargs": "there is no accelerate Accelerator in jaxrl",
+        "project_kwargs": "checkpoints go to output_dir/checkpoints",
+    },
+    # TRL ModelConfig's (the CLI's script flags): `LoraConfig.from_trl` refuses it.
+    "ScriptArguments": {"use_dora": "DoRA is not implemented; use plain LoRA"},
+}
+# The groups of `--help`, in order; the algorithm's own fields are the third.
+MODEL_AND_DATA = "Model and data"
+TRAINING = "Training"
+LOGGING = "Logging, evaluation and saving"
+COMPAT = f"Accepted for TRL compatibility only {REFUSED}"
+_MODEL_DATA_NAMES = {
+    "model_init_kwargs", "max_length", "max_prompt_length", "max_completion_length",
+    "max_seq_length", "packing", "packing_strategy", "padding_free", "pad_to_multiple_of",
+    "truncation_mode", "chat_template_path", "eos_token", "pad_token", "padding_value",
+    "label_pad_token_id", "completion_only_loss", "assistant_only_loss", "remove_unused_columns",
+    "trust_remote_code", "model_revision", "dtype", "attn_implementation", "pretrained_model",
+    "pretrained_revision", "query_dataset", "model_name", "reward_model", "param_dtype",
+}  # fmt: skip
+_MODEL_DATA_PREFIXES = ("dataset_", "model_", "tokenizer_", "lora_", "use_peft", "use_rslora",
+                        "use_dora", "load_in_", "bnb_", "use_bnb", "reward_model", "reward_funcs")  # fmt: skip
+_LOGGING_PREFIXES = (
+    "logging_", "log_", "eval_", "save_", "hub_", "push_to_hub", "report_to", "run_name",
+    "output_dir", "overwrite_output_dir", "resume_from", "disable_tqdm", "load_best_model",
+    "metric_for_best", "greater_is_better", "per_device_eval", "prediction_loss_only",
+    "include_for_metrics", "include_inputs_for_metrics", "batch_eval_metrics", "tracker_",
+    "logdir", "exp_name", "num_checkpoint_limit", "generate_during_eval", "do_eval",
+    "do_predict", "num_completions_to_print", "wandb_", "task_name", "restore_callback",
+)  # fmt: skip
+
+
+def refused_reason(cls: type, name: str) -> str | None:
+    """Why field `name` of config class `cls` is refused when set, or None if it is not."""
+    foreign = {f.name: f.reason for f in getattr(cls, "_all_foreign_fields", lambda: ())()}
+    if name in foreign:
+        return foreign[name]
+    unsupported = getattr(cls, "unsupported_fields", dict)()
+    if name in unsupported:
+        return unsupported[name][1]
+    for klass in cls.__mro__:
+        if name in LEGACY_REFUSED.get(klass.__name__, {}):
+            return LEGACY_REFUSED[klass.__name__][name]
+    return None
+
+
+def _refused(algo: str, name: str) -> str | None:
+    for cls in flag_classes(algo):
+        if name in _field_names(cls) and refused_reason(cls, name) is not None:
+            return refused_reason(cls, name)
+    return None
+
+
+def flag_classes(algo: str) -> list[type]:
+    """The classes whose fields are `--algo ALGO`'s flags (the script's first)."""
+    spec = ALGORITHMS[algo]
+    return [c for c in (spec.script_class, spec.config_class) if c is not None]
+
+
+def flag_group(algo: str, name: str) -> str:
+    """The `--help` group of flag `name` of `--algo ALGO`."""
+    spec = ALGORITHMS[algo]
+    if _refused(algo, name) is not None:
+        return COMPAT
+    shared = {f.name for f in dataclasses.fields(TrainingConfig)}
+    if spec.script_class is not None and name in _field_names(spec.script_class):
+        return MODEL_AND_DATA
+    if name in _MODEL_DATA_NAMES or name.startswith(_MODEL_DATA_PREFIXES):
+        return MODEL_AND_DATA
+    if name.startswith(_LOGGING_PREFIXES):
+        return LOGGING
+    if name in shared or algo in ("ppo", "ddpo") and name in _LEGACY_TRAINING:
+        return TRAINING
+    return _algo_group(algo)
+
+
+# PPO / DDPO (TRL v0.7.2, no TrainingArguments base): their optimiser and batch fields.
+_LEGACY_TRAINING = {
+    "steps", "learning_rate", "batch_size", "mini_batch_size", "forward_batch_size",
+    "gradient_accumulation_steps", "max_grad_norm", "seed", "num_epochs", "max_steps",
+    "train_batch_size", "train_learning_rate", "train_adam_beta1", "train_adam_beta2",
+    "train_adam_epsilon", "train_adam_weight_decay", "train_max_grad_norm",
+    "train_gradient_accumulation_steps", "mesh_data", "mesh_fsdp", "mesh_tensor",
+    "logical_axis_rules", "num_train_epochs", "world_size", "optimize_cuda_cache",
+    "optimize_device_cache", "use_lora", "lora_rank", "dtype", "sample_batch_size",
+}  # fmt: skip
+
+
+def _algo_group(algo: str) -> str:
+    return f"{ALGORITHMS[algo].config_class.__name__} (the algorithm's own)"
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls) if f.init}
+
+
+def _flags(algo: str) -> list[dataclasses.Field]:
+    seen: set[str] = set()
+    out = []
+    for cls in flag_classes(algo):
+        for f in dataclasses.fields(cls):
+            if f.init and f.name not in seen and f.name != "algo":
+                seen.add(f.name)
+                out.append(f)
+    return out
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return repr(f.default)
+    if f.default_factory is not dataclasses.MISSING:
+        return repr(f.default_factory())
+    return "(required)"
+
+
+def load_help() -> dict[str, dict[str, str]]:
+    """The committed one-line descriptions: {config class name: {field: description}}."""
+    return json.loads(HELP_FILE.read_text())
+
+
+def describe(table: dict[str, dict[str, str]], algo: str, name: str) -> str:
+    """Flag `name`'s description for `--algo ALGO`: the algorithm's class first, then the
+    script's and TrainingConfig's (their fields are shared by every algorithm)."""
+    for cls in (*reversed(flag_classes(algo)), TrainingConfig):
+        text = table.get(cls.__name__, {}).get(name)
+        if text:
+            return text
+    return ""
+
+
+def usage(algo: str, synopsis: str = "") -> str:
+    """`--help` of `python -m jaxrl.train --algo ALGO`: the flags in groups (model and data,
+    training, the algorithm's own, logging and saving, TRL-compatibility-only last), each with
+    its type, default and one-line description; refused ones say so."""
+    table = load_help()
+    order = [MODEL_AND_DATA, TRAINING, _algo_group(algo), LOGGING, COMPAT]
+    groups: dict[str, list[str]] = {g: [] for g in order}
+    # The model and the data before the PEFT / quantization flags (TRL's ModelConfig order).
+    peft = ("lora_", "use_peft", "use_rslora", "use_dora", "load_in_", "bnb_", "use_bnb")
+    for f in sorted(_flags(algo), key=lambda f: f.name.startswith(peft)):
+        group = flag_group(algo, f.name)
+        text = describe(table, algo, f.name)
+        reason = _refused(algo, f.name)
+        if reason is not None:
+            text = f"{REFUSED} {reason}"
+        kind = getattr(f.type, "__name__", None) or str(f.type)
+        groups[group].append(f"  --{f.name} ({kind}, default {_default(f)})\n      {text}")
+    lines = [synopsis.strip(), ""] if synopsis else []
+    lines.append(f"Flags of --algo {algo} (--flag VALUE, --flag=VALUE; YAML keys alike):")
+    for group in order:
+        if groups[group]:
+            lines += ["", f"{group}:", *groups[group]]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------ the description table (development tool)
+
+# Descriptions of fields TRL's installed configs do not have (jaxrl's own, TRL v0.7.2's PPO and
+# DDPO fields) or where ours differ from TRL's help text. Everything else: TRL's / HF's own words.
+OWN_HELP = {
+    # script-level flags of `python -m jaxrl.train`
+    "algo": "The algorithm: sft, reward, dpo, grpo, rloo, ppo or ddpo.",
+    "config": "A YAML file of field: value pairs; flags on the command line override it.",
+    "tokenizer_name_or_path": "The tokenizer's directory or Hub id (default: the model's).",
+    "reward_model_name_or_path": "A reward model directory, scored before the reward functions.",
+    "reward_funcs": "Reward functions: names from jaxrl.rewards or dotted import paths.",
+    # jaxrl's own TrainingConfig fields
+    "mesh_data": "Devices on the data-parallel mesh axis (-1: the remaining devices).",
+    "mesh_fsdp": "Devices the params, grads and optimizer state are sharded over (-1: the rest).",
+    "mesh_tensor": "Devices each layer's weights are split over (tensor parallelism).",
+    "logical_axis_rules": "[[logical axis, mesh axis or null], ...] overriding the sharding rules.",
+    "scan_layers": "Run the layer stack as one scanned block (default: not on GPU, else yes).",
+    "remat_policy": "What jax.checkpoint keeps per layer (default: full with "
+    "gradient_checkpointing, else none).",
+    "logprob_chunk_size": "Tokens per chunk of the log-prob computation (never full-vocab "
+    "logits for the whole batch).",
+    "param_dtype": "The dtype the params are stored and updated in (float32, bfloat16).",
+    "residual_dtype": "The dtype of the residual stream (default: the wider of param and "
+    "compute dtype).",
+    "overwrite_output_dir": "Delete a previous run's checkpoints, metrics.jsonl and final/ in "
+    "output_dir.",
+    "warmup_ratio": "Ratio of total training steps used for a linear warmup (HF v4; set only "
+    "one of it and warmup_steps).",
+    "length_buckets": "Row lengths a step may be padded to (fewer compiled shapes); None: "
+    "max_length only.",
+    "max_seq_length": "TRL's former name of max_length.",
+    "DPOConfig.max_prompt_length": "Maximum prompt length in tokens (which end is kept: "
+    "truncation_mode).",
+    "DPOConfig.prefix_sharing": "Run chosen and rejected completions after one shared prompt "
+    "(one prompt forward per pair).",
+    "DPOConfig.ref_model_quantization": "Store the frozen reference as int8 or nf4 (less memory).",
+    "DPOConfig.reference_free": "Compare with a uniform reference (no reference model).",
+    "DPOConfig.generate_during_eval": "Log sampled completions of the policy and the reference "
+    "at evaluation.",
+    "label_pad_token_id": "Label id of padding, ignored by the loss.",
+    "padding_value": "Pad token id of the batches (default: the tokenizer's).",
+    # TRL v0.7.2 PPOConfig
+    "PPOConfig.exp_name": "The experiment's name (tracking only).",
+    "PPOConfig.seed": "Seed of the trainer's random numbers.",
+    "PPOConfig.log_with": "'wandb' or None (metrics.jsonl is always written).",
+    "PPOConfig.task_name": "Name of the task (tracking only).",
+    "PPOConfig.model_name": "Name of the model (tracking only).",
+    "PPOConfig.query_dataset": "Name of the dataset (tracking only).",
+    "PPOConfig.reward_model": "The reward model (tracking; the CLI: a reward model directory).",
+    "PPOConfig.remove_unused_columns": "prepare_dataloader drops the columns the model does "
+    "not use.",
+    "PPOConfig.tracker_kwargs": "Keyword arguments of the tracker ({'wandb': {...}}).",
+    "PPOConfig.tracker_project_name": "The wandb project.",
+    "PPOConfig.steps": "Number of training samples (PPO steps: steps / batch_size).",
+    "PPOConfig.learning_rate": "Adam's learning rate (no weight decay).",
+    "adap_kl_ctrl": "Use the adaptive KL controller (else a fixed KL coefficient).",
+    "init_kl_coef": "Initial KL penalty coefficient (adaptive or fixed).",
+    "kl_penalty": "KL estimator of the penalty: kl, abs, mse or full.",
+    "target": "Target KL value of the adaptive controller.",
+    "horizon": "Horizon of the adaptive KL controller.",
+    "gamma": "Discount factor of the advantages (GAE).",
+    "lam": "Lambda of generalised advantage estimation.",
+    "cliprange": "Clip range of the policy ratio in the PPO loss.",
+    "cliprange_value": "Clip range of the value function's loss.",
+    "vf_coef": "Weight of the value function's loss.",
+    "PPOConfig.batch_size": "Samples per optimisation step (PPO step).",
+    "forward_batch_size": "Deprecated alias of mini_batch_size.",
+    "mini_batch_size": "Samples per mini-batch of each PPO epoch.",
+    "PPOConfig.gradient_accumulation_steps": "Mini-batches accumulated per optimiser update.",
+    "world_size": "Filled by the trainer (the number of processes); leave unset.",
+    "ppo_epochs": "Optimisation epochs over each batch.",
+    "PPOConfig.max_grad_norm": "Clip gradients to this global norm (None: no clipping).",
+    "optimize_cuda_cache": "A PyTorch allocator hint; no effect (XLA owns device memory).",
+    "optimize_device_cache": "A PyTorch allocator hint; no effect (XLA owns device memory).",
+    "early_stopping": "Stop a PPO step's epochs early once the KL exceeds target_kl.",
+    "target_kl": "KL at which early_stopping stops the step's epochs.",
+    "compare_steps": "Steps between comparisons of push_to_hub_if_best_kwargs (refused).",
+    "ratio_threshold": "Skip mini-batches whose mean policy ratio exceeds this.",
+    "use_score_scaling": "Scale the scores by their running standard deviation.",
+    "use_score_norm": "With use_score_scaling: also subtract their running mean.",
+    "score_clip": "Clip the scores to [-score_clip, score_clip].",
+    "whiten_rewards": "Whiten the rewards (no mean shift) before computing advantages.",
+    "PPOConfig.pad_to_multiple_of": "Pad rollouts to a multiple of this length (fewer "
+    "compiled shapes).",
+    "PPOConfig.max_steps": "PPO steps to run (-1: steps / batch_size).",
+    "response_length": "Maximum new tokens per rollout.",
+    "min_response_length": "Minimum new tokens per rollout (EOS masked before it).",
+    "PPOConfig.top_k": "Top-k filtering of the rollouts' sampling (0: off).",
+    "is_encoder_decoder": "Filled by the trainer; leave unset.",
+    "is_peft_model": "Filled by the trainer; leave unset.",
+    "backward_batch_size": "Filled by the trainer (mini_batch_size * "
+    "gradient_accumulation_steps); leave unset.",
+    "global_backward_batch_size": "Filled by the trainer; leave unset.",
+    "global_batch_size": "Filled by the trainer; leave unset.",
+    # TRL v0.7.2 DDPOConfig
+    "DDPOConfig.exp_name": "The experiment's name (tracking only).",
+    "DDPOConfig.seed": "Seed of the trainer's random numbers.",
+    "DDPOConfig.log_with": "'wandb' or None (metrics.jsonl is always written).",
+    "DDPOConfig.tracker_kwargs": "Keyword arguments of the tracker ({'wandb': {...}}).",
+    "DDPOConfig.tracker_project_name": "The wandb project.",
+    "logdir": "Top-level logging directory of TRL's checkpoints (see output_dir).",
+    "num_epochs": "Training epochs (each samples, then trains).",
+    "save_freq": "Epochs between checkpoints.",
+    "num_checkpoint_limit": "Checkpoints kept (the oldest are deleted).",
+    "resume_from": "A checkpoint to resume from.",
+    "sample_num_steps": "Denoising steps when sampling.",
+    "sample_eta": "DDIM eta when sampling.",
+    "sample_guidance_scale": "Classifier-free guidance scale when sampling.",
+    "sample_batch_size": "Images per sampling batch (per device).",
+    "sample_num_batches_per_epoch": "Sampling batches per epoch.",
+    "train_batch_size": "Samples per training batch (per device).",
+    "train_learning_rate": "AdamW's learning rate.",
+    "train_adam_beta1": "AdamW's beta1.",
+    "train_adam_beta2": "AdamW's beta2.",
+    "train_adam_weight_decay": "AdamW's weight decay.",
+    "train_adam_epsilon": "AdamW's epsilon.",
+    "train_gradient_accumulation_steps": "Batches accumulated per optimiser update.",
+    "train_max_grad_norm": "Clip gradients to this global norm.",
+    "train_num_inner_epochs": "Training passes over each epoch's samples.",
+    "train_cfg": "Train with classifier-free guidance.",
+    "train_adv_clip_max": "Clip advantages to [-train_adv_clip_max, train_adv_clip_max].",
+    "train_clip_range": "Clip range of the PPO ratio.",
+    "train_timestep_fraction": "Fraction of the denoising timesteps trained on.",
+    "per_prompt_stat_tracking": "Normalise rewards per prompt (running mean and std).",
+    "per_prompt_stat_tracking_buffer_size": "Rewards kept per prompt for its statistics.",
+    "per_prompt_stat_tracking_min_count": "Rewards a prompt needs before its own statistics "
+    "are used.",
+    "async_reward_computation": "Compute rewards in a thread pool while sampling.",
+    "max_workers": "Threads of async_reward_computation.",
+    "negative_prompts": "Comma-separated negative prompts for classifier-free guidance.",
+    "pretrained_model": "The Stable Diffusion pipeline's directory (empty: the package's tiny "
+    "one).",
+    "use_lora": "Train LoRA adapters on the UNet (else the full UNet).",
+    "lora_rank": "Rank of the UNet's LoRA adapters.",
+    "DDPOConfig.dtype": "Compute dtype of the frozen weights (float32 or bfloat16).",
+}
+
+
+def _first_sentence(text: str, limit: int = 140) -> str:
+    text = " ".join(text.split())
+    for end in (". ", ".\n"):
+        if end in text:
+            text = text[: text.index(end) + 1]
+            break
+    if len(text) > limit:
+        text = text[: text.rfind(" ", 0, limit - 1)] + " ..."
+    return text
+
+
+def help_table() -> dict[str, dict[str, str]]:
+    """{class name: {field: one-line description}} for every class whose fields are flags:
+    `OWN_HELP`, else `MAPPED`'s note, else the first sentence of TRL's / HF's help text. Refused
+    fields get their reason when `--help` prints them."""
+    import transformers
+    import trl
+
+    refs = [transformers.TrainingArguments, trl.ModelConfig, trl.ScriptArguments]
+    refs += [getattr(trl, n) for n in dir(trl) if n.endswith("Config") and n[0].isupper()]
+    trl_help: dict[str, dict[str, str]] = {}
+    for ref in refs:
+        if dataclasses.is_dataclass(ref):
+            for f in dataclasses.fields(ref):
+                if f.metadata.get("help"):
+                    trl_help.setdefault(ref.__name__, {})[f.name] = f.metadata["help"]
+    generic = {n: h for fields in trl_help.values() for n, h in fields.items()}
+    hf_help = trl_help["TrainingArguments"]
+    classes: dict[str, type] = {"TrainingConfig": TrainingConfig}
+    for algo in ALGORITHMS:
+        classes.update((c.__name__, c) for c in flag_classes(algo))
+    table: dict[str, dict[str, str]] = {}
+    shared = _field_names(TrainingConfig)
+    for name, cls in classes.items():
+        own = trl_help.get(name, {})
+        rows = {}
+        for field_name in sorted(_field_names(cls)):
+            key = f"{name}.{field_name}"
+            inherited = own.get(field_name) == hf_help.get(field_name)
+            if cls is not TrainingConfig and field_name in shared and inherited:
+                if key not in OWN_HELP:
+                    continue  # TrainingConfig's description
+            text = OWN_HELP.get(key) or OWN_HELP.get(field_name) or MAPPED.get(field_name)
+            text = text or own.get(field_name) or generic.get(field_name, "")
+            rows[field_name] = _first_sentence(text) if text else ""
+        table[name] = rows
+    return table
+
+
+def write_help_table() -> None:
+    HELP_FILE.write_text(json.dumps(help_table(), indent=1, sort_keys=True) + "\n")
+
+
 if __name__ == "__main__":
-    print(render(), end="")
+    if sys.argv[1:] == ["--help-table"]:
+        write_help_table()
+    else:
+        print(render(), end="")

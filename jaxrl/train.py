@@ -21,7 +21,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl import parallel, run_dir, scripting
+from jaxrl import config_docs, parallel, run_dir, scripting
 from jaxrl.config import ConfigError
 from jaxrl.config_cli import MissingExtraError, PeftArguments, parse_config
 from jaxrl.data import task
@@ -347,29 +347,9 @@ def main_ddpo(argv: list[str]) -> int:
 
 
 def usage(algo: str) -> str:
-    """`--help`: the module's synopsis and every flag `--algo ALGO` accepts, with its default."""
-    lines = [(__doc__ or "").strip(), "", f"Flags of --algo {algo} (name, type, default):"]
-    spec = ALGORITHMS[algo]
-    seen: set[str] = set()
-    # DDPO's CLI reads its config class only; the others add the script-level fields.
-    classes = [spec.config_class]
-    if spec.script_class is not None:
-        classes.insert(0, spec.script_class)
-    for cls in classes:
-        lines.append(f"  [{cls.__name__}]")
-        for f in dataclasses.fields(cls):
-            if not f.init or f.name in seen or f.name == "algo":
-                continue
-            seen.add(f.name)
-            if f.default is not dataclasses.MISSING:
-                default = repr(f.default)
-            elif f.default_factory is not dataclasses.MISSING:
-                default = repr(f.default_factory())
-            else:
-                default = "(required)"
-            kind = getattr(f.type, "__name__", None) or str(f.type)
-            lines.append(f"  --{f.name} ({kind}, default {default})")
-    return "\n".join(lines)
+    """`--help`: the module's synopsis and every flag `--algo ALGO` accepts, in groups, each with
+    its type, default and one-line description (`jaxrl.config_docs.usage`)."""
+    return config_docs.usage(algo, synopsis=__doc__ or "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -387,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = build_trainer(argv)
         trainer.train()
-        out = trainer.save_model()
+        # The CLI's contract: the model in OUTPUT_DIR/final/, beside checkpoints/ and metrics
+        # (the library's save_model() writes into output_dir itself, as HF's).
+        out = trainer.save_model(os.path.join(trainer.args.output_dir, "final"))
     except TrainingInterrupted as e:
         print(f"jaxrl.train: {e}", file=sys.stderr)
         return 143  # 128 + SIGTERM, so a babysitter knows to resume

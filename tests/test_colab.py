@@ -42,6 +42,6 @@ def test_notebook_runs_top_to_bottom_on_cpu(tmp_path, monkeypatch):
     )
     client.execute()  # raises CellExecutionError naming the failing cell
     assert (tmp_path / "dpo_tiny" / "metrics.jsonl").read_text()
-    assert (tmp_path / "dpo_model" / "final" / "config.json").exists()
+    assert (tmp_path / "dpo_model" / "config.json").exists()
     last = notebook.cells[-1].outputs[0]["data"]["text/plain"]
     assert "(2," in last  # the metrics of step 2 are shown

@@ -507,3 +507,29 @@ def test_load_adapter_errors(hf_dir, tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(ValueError, match="use_dora"):
         lora.load_peft_adapter(from_pretrained(hf_dir("llama")), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("family", "options"),
+    [("llama", {"modules_to_save": ["lm_head"]}), ("gpt2", {"target_modules": ["c_attn"]})],
+)
+def test_peft_model_object_is_base_plus_adapter_directory(hf_dir, tmp_path, family, options):
+    """`lora.from_peft_model(PeftModel)` in memory = `from_pretrained(base)` +
+    `load_peft_adapter(saved adapter)`, parameter for parameter; its logits are PEFT's."""
+    path = hf_dir(family)
+    torch.manual_seed(4)
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **options)
+    policy = peft.get_peft_model(load_hf(path), config).eval()
+    if "modules_to_save" in options:
+        with torch.no_grad():  # the trained copy differs from the base head
+            policy.base_model.model.lm_head.modules_to_save.default.weight.mul_(1.5)
+    policy.save_pretrained(tmp_path / "peft")
+    ours = lora.from_peft_model(policy)
+    want = lora.load_peft_adapter(from_pretrained(path), tmp_path / "peft")
+    assert ours.lora_config == want.lora_config
+    got, expected = nnx.to_flat_state(nnx.state(ours)), dict(nnx.to_flat_state(nnx.state(want)))
+    assert sorted(p for p, _ in got) == sorted(expected)
+    for p, v in got:
+        np.testing.assert_array_equal(v.get_value(), expected[p].get_value(), err_msg=str(p))
+    ids, mask, _ = padded_batch()
+    assert masked_max_diff(forward(ours, ids, mask), torch_logits(policy, ids, mask), mask) < ATOL

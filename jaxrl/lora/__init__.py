@@ -76,6 +76,8 @@ from jaxrl.lora.peft_io import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     PEFT_PREFIX,
+    from_peft_model,
+    is_peft_model,
     load_peft_adapter,
     save_peft_adapter,
 )
@@ -108,7 +110,9 @@ __all__ = [
     "base_quantization",
     "disable_adapter",
     "dropout_rng",
+    "from_peft_model",
     "hf_module_names",
+    "is_peft_model",
     "load_peft_adapter",
     "merge_lora",
     "peft_v5_config",

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -36,9 +37,10 @@ from jaxrl.lora.targets import (
     num_layer_axes,
     parameter_names,
 )
-from jaxrl.models import hf_keys, moe
+from jaxrl.models import hf_keys, hf_objects, moe
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.families import family
+from jaxrl.models.hf import from_state
 from jaxrl.models.weights_io import SafetensorsFile, write_safetensors
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -228,24 +230,30 @@ def load_peft_adapter(model: nnx.Module, path: str | Path) -> nnx.Module:
             f"{path} is not a PEFT adapter directory: expected {ADAPTER_CONFIG} and "
             f"{ADAPTER_WEIGHTS} (PeftModel.save_pretrained output)."
         )
-    model_config: ModelConfig = model.config
     peft_config = json.loads((path / ADAPTER_CONFIG).read_text())
+    reader = SafetensorsFile(path / ADAPTER_WEIGHTS)
+    return _load_adapter(model, peft_config, reader, str(path / ADAPTER_WEIGHTS))
+
+
+def _load_adapter(model: nnx.Module, peft_config: dict, reader: Any, source: str) -> nnx.Module:
+    """`load_peft_adapter` from an `adapter_config.json` dict and a reader of the adapter file's
+    tensors (`keys`, `get`; PEFT's saved key names), which `source` names in messages."""
+    model_config: ModelConfig = model.config
     if peft_config.get("fan_in_fan_out") and not family(model_config.model_type).conv1d_modules:
         raise ValueError(
-            f"{path} sets fan_in_fan_out=True, which only fits GPT-2's Conv1D layers; this is a "
+            f"{source} sets fan_in_fan_out=True, which only fits GPT-2's Conv1D layers; this is a "
             f"{model_config.model_type} model."
         )
     apply_lora(model, LoraConfig.from_peft(peft_config), nnx.Rngs(0))
-    reader = SafetensorsFile(path / ADAPTER_WEIGHTS)
     unused = set(reader.keys())
 
     def read(key: str, shape: tuple) -> np.ndarray:
         if key not in unused:
-            raise KeyError(f"{path / ADAPTER_WEIGHTS} has no tensor {key!r} the adapter needs.")
+            raise KeyError(f"{source} has no tensor {key!r} the adapter needs.")
         unused.discard(key)
         x = reader.get(key)
         if tuple(x.shape) != tuple(shape):
-            raise ValueError(f"{key} in {path} has shape {x.shape}, the model needs {shape}.")
+            raise ValueError(f"{key} in {source} has shape {x.shape}, the model needs {shape}.")
         return x
 
     def assign(variable: nnx.Variable, layers: list[np.ndarray]) -> None:
@@ -295,16 +303,66 @@ def load_peft_adapter(model: nnx.Module, path: str | Path) -> nnx.Module:
         ]
         saved_var = get_node(model, entry.path)
         assign(saved_var, layers)
-    unused -= _inert_vision_adapters(reader, unused, model_config, path)
+    unused -= _inert_vision_adapters(reader, unused, model_config, source)
     if unused:
-        raise ValueError(
-            f"{path / ADAPTER_WEIGHTS} has tensors this model does not use: {sorted(unused)[:10]}"
-        )
+        raise ValueError(f"{source} has tensors this model does not use: {sorted(unused)[:10]}")
     return model
 
 
+def is_peft_model(obj: Any) -> bool:
+    """A `peft.PeftModel` (imports nothing: such an object exists only once peft is loaded)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(obj, peft.PeftModel)
+
+
+# A PeftModel's state-dict names of its base weights: PEFT's wrapper modules insert
+# `base_layer` (LoRA layers) and `original_module` (`modules_to_save`) into the path.
+_WRAPPER_PARTS = (".base_layer.", ".original_module.")
+
+
+def _base_state_dict(peft_model: Any) -> dict[str, Any]:
+    """The base model's weights under their transformers names: the wrapped base layers, not
+    the adapters (`lora_*`) nor the trained copies of `modules_to_save` (both the adapter's)."""
+    out = {}
+    for key, tensor in peft_model.get_base_model().state_dict().items():
+        if ".lora_" in key or ".modules_to_save." in key:
+            continue
+        for part in _WRAPPER_PARTS:
+            while part in key:
+                key = key.replace(part, ".")
+        out[key] = tensor
+    return out
+
+
+def from_peft_model(peft_model: Any, **load_kwargs: Any) -> nnx.Module:
+    """A jaxrl model with LoRA from a `peft.PeftModel` in memory, as loading its base directory
+    and then `load_peft_adapter` on its saved adapter would give: the base weights and the
+    active adapter (PEFT's saved key names, `get_peft_model_state_dict`) read from the objects,
+    `load_kwargs` as `from_pretrained`'s."""
+    from peft import get_peft_model_state_dict  # optional dependency (the object needs it)
+
+    name = peft_model.active_adapter
+    if not isinstance(name, str):
+        raise ValueError(
+            f"The PeftModel has several active adapters ({name}); jaxrl trains one. Activate "
+            "one (set_adapter) or merge them first."
+        )
+    base = peft_model.get_base_model()
+    model = from_state(
+        hf_objects.hf_config_of(base),
+        hf_objects.StateDictReader(_base_state_dict(peft_model)),
+        source=f"The given PeftModel's base {type(base).__name__}",
+        passthrough_dir=hf_objects.local_dir(hf_objects.source_path(base)),
+        **load_kwargs,
+    )
+    adapter = get_peft_model_state_dict(peft_model, adapter_name=name)
+    config = peft_model.peft_config[name].to_dict()
+    source = f"The given PeftModel's adapter {name!r}"
+    return _load_adapter(model, config, hf_objects.StateDictReader(adapter), source)
+
+
 def _inert_vision_adapters(
-    reader: SafetensorsFile, keys: set[str], config: ModelConfig, path: Path
+    reader: Any, keys: set[str], config: ModelConfig, source: str
 ) -> set[str]:
     """An image-text model's adapter tensors outside its language model (PEFT's `all-linear`
     or `q_proj` also adapt the vision tower's layers): jaxrl trains the language model on text and
@@ -319,7 +377,7 @@ def _inert_vision_adapters(
     )
     if trained:
         raise ValueError(
-            f"{path / ADAPTER_WEIGHTS} has trained adapters outside the language model (e.g. "
+            f"{source} has trained adapters outside the language model (e.g. "
             f"{trained[0]}): jaxrl trains {hf_keys.checkpoint_model_type(config)}'s language model "
             "on text only and does not run its vision tower. Merge that adapter with PEFT first "
             "(merge_and_unload) and train a new one on the merged model."

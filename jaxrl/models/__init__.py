@@ -23,6 +23,7 @@ from jaxrl.models.hf import (
     save_pretrained,
 )
 from jaxrl.models.hf_config import config_from_hf
+from jaxrl.models.hf_objects import from_transformers
 from jaxrl.models.llama import LlamaForCausalLM, LlamaModel
 from jaxrl.models.presets import count_params, flops_per_token, get_preset
 from jaxrl.models.vision import Gemma3ForConditionalGeneration
@@ -48,6 +49,7 @@ __all__ = [
     "flops_per_token",
     "from_config",
     "from_pretrained",
+    "from_transformers",
     "get_preset",
     "save_pretrained",
 ]

@@ -284,7 +284,7 @@ class MissingWeightError(KeyError, ValueError):
 
 
 def _read_param(
-    entry: hf_keys.ParamEntry, reader: CheckpointReader, config: ModelConfig, directory: Path
+    entry: hf_keys.ParamEntry, reader: CheckpointReader, config: ModelConfig, source: str
 ) -> np.ndarray:
     """Our (stacked, for scanned layers) host array for one param, in the param dtype."""
     out = np.empty(entry.variable.shape, config.param_dtype)
@@ -292,15 +292,15 @@ def _read_param(
         found = hf_keys.lookup_key(key, reader, config)
         if found is None:
             raise MissingWeightError(
-                f"Checkpoint {directory} has no weight '{key}' needed by {config.model_type} "
+                f"{source} has no weight '{key}' needed by {config.model_type} "
                 f"(config and weights disagree, or the checkpoint is incomplete). Use the "
                 "config.json that came with these weights, or re-download the checkpoint."
             )
         x = reader.get(found)
         if tuple(x.shape) != tuple(entry.hf_shape):
             raise ValueError(
-                f"Shape mismatch for '{key}' in {directory}: checkpoint has {tuple(x.shape)}, the "
-                f"model built from config.json expects {tuple(entry.hf_shape)}."
+                f"Shape mismatch for '{key}': {source} has {tuple(x.shape)}, the "
+                f"model built from its config expects {tuple(entry.hf_shape)}."
             )
         # Filled in place so a scanned stack costs one stacked tensor of host memory.
         target = out[index]
@@ -349,7 +349,6 @@ def from_pretrained(
     import transformers
 
     _check_task(task)
-    mesh = None if mesh is None else parallel.normalize_mesh(mesh, rules)
     directory = resolve_checkpoint_dir(path_or_hub_id)
     config_file = directory / "config.json"
     if not config_file.exists():
@@ -362,6 +361,54 @@ def from_pretrained(
             f"model_type={model_type!r} in {config_file} is not supported by jaxrl.models "
             f"(transformers could not read it: {err})."
         ) from err
+    return from_state(
+        hf_config,
+        CheckpointReader(directory),
+        source=f"Checkpoint {directory}",
+        passthrough_dir=directory,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        residual_dtype=residual_dtype,
+        mesh=mesh,
+        rules=rules,
+        scan_layers=scan_layers,
+        remat_policy=remat_policy,
+        task=task,
+        num_labels=num_labels,
+        attention_impl=attention_impl,
+        value_head_kwargs=value_head_kwargs,
+        vision=vision,
+        activation_offloading=activation_offloading,
+    )
+
+
+def from_state(
+    hf_config: Any,
+    reader: Any,
+    *,
+    source: str,
+    passthrough_dir: Path | None = None,
+    dtype: Any = None,
+    param_dtype: Any = None,
+    residual_dtype: Any = None,
+    mesh: Mesh | None = None,
+    rules: parallel.Rules | None = None,
+    scan_layers: bool = False,
+    remat_policy: str = "none",
+    task: str = "causal_lm",
+    num_labels: int | None = None,
+    attention_impl: str | None = None,
+    value_head_kwargs: dict[str, Any] | None = None,
+    vision: bool = False,
+    activation_offloading: bool = False,
+) -> Model:
+    """`from_pretrained` from an HF config and a `key -> np.ndarray` reader of HF-named weights
+    (`keys()`, `in`, `get`: a checkpoint directory's, or a transformers model's state dict held
+    in memory, `jaxrl.models.hf_objects`). `source` names the weights in messages ("Checkpoint
+    DIR"); `passthrough_dir` is the directory an image-text model's vision weights are copied
+    from when it is saved."""
+    _check_task(task)
+    mesh = None if mesh is None else parallel.normalize_mesh(mesh, rules)
     labels = _num_labels(hf_config, task, num_labels)
     config = config_from_hf(
         _prepare_hf_config(hf_config, task, labels),
@@ -377,9 +424,9 @@ def from_pretrained(
         activation_offloading=activation_offloading,
     )
     # The released GPT-OSS checkpoints' MXFP4 expert weights are read dequantized.
-    reader = mxfp4.dequantizing_reader(CheckpointReader(directory), hf_config, config.param_dtype)
-    if config.language_model_prefix:
-        config = dataclasses.replace(config, passthrough_dir=str(directory))
+    reader = mxfp4.dequantizing_reader(reader, hf_config, config.param_dtype)
+    if config.language_model_prefix and passthrough_dir is not None:
+        config = dataclasses.replace(config, passthrough_dir=str(passthrough_dir))
 
     head_kwargs = dict(value_head_kwargs or {})
     head_seed = head_kwargs.pop("seed", 0)
@@ -413,15 +460,15 @@ def from_pretrained(
             )
             value = jax.jit(init, out_shardings=sharding)()
             warnings.warn(
-                f"{directory} has no 'score.weight': the score head ({labels} labels) is newly "
+                f"{source} has no 'score.weight': the score head ({labels} labels) is newly "
                 "initialised; train it before use.",
-                stacklevel=2,
+                stacklevel=3,
             )
         elif fresh_v_head and entry.path[0] == "v_head":
             host = v_kernel if entry.path[-1] == "kernel" else v_bias
             value = _place(np.asarray(host), sharding)
         else:
-            value = _place(_read_param(entry, reader, config, directory), sharding)
+            value = _place(_read_param(entry, reader, config, source), sharding)
             used.update(hf_keys.lookup_key(k, reader, config) for k in entry.keys())
         loaded.append((entry.path, entry.variable.replace(value=value)))
     own = {hf_keys.disk_key(k, config) for k in used}
@@ -429,7 +476,7 @@ def from_pretrained(
         set(reader.keys()) - used - set(_passthrough_keys(config, reader, own)),
         config,
         task,
-        directory,
+        source,
     )
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
@@ -449,14 +496,14 @@ def _passthrough_keys(
     )
 
 
-def _warn_unused(unused: set[str], config: ModelConfig, task: str, directory: Path) -> None:
+def _warn_unused(unused: set[str], config: ModelConfig, task: str, source: str) -> None:
     expected = {"lm_head.weight"} if (config.tie_word_embeddings or task != "causal_lm") else set()
     unused = sorted(k for k in unused if k not in expected and not k.endswith(IGNORED_KEY_SUFFIXES))
     if unused:
         warnings.warn(
-            f"Checkpoint {directory} has {len(unused)} weight(s) the model does not use: "
+            f"{source} has {len(unused)} weight(s) the model does not use: "
             f"{', '.join(unused[:20])}{' ...' if len(unused) > 20 else ''}",
-            stacklevel=3,
+            stacklevel=4,
         )
 
 

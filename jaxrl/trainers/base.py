@@ -48,7 +48,7 @@ from jaxrl.trainers.evaluation import EvalPrediction, EvaluationMixin
 from jaxrl.trainers.export import ExportMixin
 from jaxrl.trainers.lengths import LengthsMixin
 from jaxrl.trainers.loop import TrainLoop
-from jaxrl.trainers.model_setup import ModelSetupMixin
+from jaxrl.trainers.model_setup import ModelSetupMixin, source_path
 from jaxrl.trainers.tokenizer_setup import TokenizerSetupMixin
 
 logger = logging.getLogger("jaxrl")
@@ -119,7 +119,7 @@ class Trainer(
         )
         self.rules = parallel.merge_rules(a.logical_axis_rules)
         self.compute_dtype = self._compute_dtype()
-        self.model_path = model if isinstance(model, str) else None
+        self.model_path = source_path(model)
         self.model = self._load_model(model, task=self.model_task)
         self._setup_peft(peft_config, quantization_config)
         # TRL's MoE load-balancing loss (trainers whose config has `router_aux_loss_coef`).

@@ -28,11 +28,13 @@ class SaveModelMixin:
     TRL v0.7.2's value-head files and card by overriding the two hooks."""
 
     def save_model(self, output_dir: str | None = None, merged: bool = False):
-        """Write an HF directory (config, safetensors, tokenizer), from process 0 only. With LoRA,
-        as TRL with PEFT: the adapter alone (`adapter_config.json` + `adapter_model.safetensors`,
-        `base_model_name_or_path` = the model path), or with `merged=True` the full model with
-        the adapters folded in (PEFT's `merge_and_unload`)."""
-        out = output_dir or os.path.join(self.args.output_dir, "final")
+        """Write an HF directory (config, safetensors, tokenizer), from process 0 only, into
+        `output_dir` (default `args.output_dir`, as HF's `Trainer.save_model`, so
+        `from_pretrained(args.output_dir)` loads it; the CLI passes `OUTPUT_DIR/final`). With
+        LoRA, as TRL with PEFT: the adapter alone (`adapter_config.json` +
+        `adapter_model.safetensors`, `base_model_name_or_path` = the model path), or with
+        `merged=True` the full model with the adapters folded in (PEFT's `merge_and_unload`)."""
+        out = output_dir or self.args.output_dir
         if merged and not self.is_peft:
             raise ValueError("save_model(merged=True) merges LoRA adapters; this model has none.")
         self._save_weights(out, merged)

@@ -1,6 +1,7 @@
 """How a trainer gets its model: the device mesh, the compute and param dtypes, the model loaded
-(a path or hub id, a transformers config for a random init, or a user-built nnx model) with its
-params placed on the mesh by the sharding rules, and LoRA / QLoRA set up on it (TRL's
+(a path or hub id, a transformers config for a random init, a transformers or `peft.PeftModel`
+object read in memory, or a user-built nnx model) with its params placed on the mesh by the
+sharding rules, and LoRA / QLoRA set up on it (TRL's
 `peft_config`, `quantization_config`).
 
 `ModelSetupMixin` is one of the pieces `jaxrl.trainers.base.Trainer` is composed of: its methods
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl import lora, models, parallel
+from jaxrl.models import hf_objects
 
 logger = logging.getLogger("jaxrl")
 
@@ -62,6 +64,12 @@ class ModelSetupMixin:
         kw.update(self._model_load_kwargs())
         if isinstance(model, str):
             return models.from_pretrained(model, task=task, **kw)
+        # TRL's `model=AutoModelForCausalLM.from_pretrained(...)` (or a PeftModel over one): its
+        # config and weights are read in memory as from its directory; training is in JAX.
+        if lora.is_peft_model(model):
+            return lora.from_peft_model(model, task=task, **kw)
+        if hf_objects.is_transformers_model(model):
+            return models.from_transformers(model, task=task, **kw)
         from transformers import PretrainedConfig
 
         if isinstance(model, PretrainedConfig):  # random init from a config (from scratch)
@@ -81,8 +89,8 @@ class ModelSetupMixin:
             nnx.update(model, jax.device_put(params, shardings))
             return model
         raise TypeError(
-            "model must be a path/hub id, a transformers config (random init) or a jaxrl nnx "
-            f"model, got {type(model).__name__}."
+            "model must be a path/hub id, a transformers model or config (random init), a "
+            f"peft.PeftModel or a jaxrl nnx model, got {type(model).__name__}."
         )
 
     def _model_load_kwargs(self) -> dict[str, Any]:
@@ -108,6 +116,17 @@ class ModelSetupMixin:
             trainer_name=type(self).__name__,
         )
         self.is_peft = self.lora_config is not None
+
+
+def source_path(model: Any) -> str | None:
+    """Where the tokenizer, generation config and model card's base model are found: the path
+    or Hub id given, or the one a transformers / PEFT model object was loaded from (TRL reads
+    `model.config._name_or_path`); None for a model built in memory."""
+    if isinstance(model, str):
+        return model
+    if lora.is_peft_model(model):
+        model = model.get_base_model()
+    return hf_objects.source_path(model) if hf_objects.is_transformers_model(model) else None
 
 
 def setup_peft(

@@ -1,7 +1,7 @@
 """How `PPOTrainer` gets its models and optimizer, with TRL v0.7.2's semantics: the value-head
-policy (a path / Hub id or a built `CausalLMWithValueHead`), the frozen reference (a path, a
-causal LM, a value-head model's LM, or the policy's own LM), and the optax chain (gradient
-clipping, a user optimizer or Adam with an injectable rate, and `num_shared_layers`' frozen
+policy (a path / Hub id, a transformers causal LM or a built `CausalLMWithValueHead`), the
+frozen reference (a path, a causal LM (ours or transformers'), a value-head model's LM, or the
+policy's own LM), and the optax chain (gradient clipping, a user optimizer or Adam with an injectable rate, and `num_shared_layers`' frozen
 embeddings and first layers as a 0/1 update mask).
 
 LoRA / QLoRA on the policy's LM is `jaxrl.trainers.model_setup.setup_peft`, shared with every
@@ -23,6 +23,7 @@ from jaxrl.lora.value_head import AutoModelForCausalLMWithValueHead
 from jaxrl.models.causal_lm import CausalLM
 from jaxrl.models.heads import CausalLMWithValueHead
 from jaxrl.models.hf import from_pretrained
+from jaxrl.models.hf_objects import from_transformers, is_transformers_model
 
 
 def load_policy(model: Any, seed: int) -> CausalLMWithValueHead:
@@ -30,9 +31,13 @@ def load_policy(model: Any, seed: int) -> CausalLMWithValueHead:
         return AutoModelForCausalLMWithValueHead.from_pretrained(model, seed=seed)
     if isinstance(model, CausalLMWithValueHead):
         return model
+    if is_transformers_model(model):  # its LM weights, read in memory; a new value head
+        return from_transformers(
+            model, task="causal_lm_with_value_head", value_head_kwargs={"seed": seed}
+        )
     raise ValueError(
-        "model must be a jaxrl CausalLMWithValueHead or a path / Hub id of an HF causal LM "
-        f"(value head keys optional), got {type(model).__name__}. Load one with "
+        "model must be a jaxrl CausalLMWithValueHead, a transformers causal LM or a path / Hub "
+        f"id of one (value head keys optional), got {type(model).__name__}. Load one with "
         "jaxrl.AutoModelForCausalLMWithValueHead.from_pretrained(...)."
     )
 
@@ -53,8 +58,11 @@ def reference(policy: CausalLMWithValueHead, ref_model: Any, num_shared_layers):
         return ref_model.pretrained_model
     if isinstance(ref_model, CausalLM):
         return ref_model
+    if is_transformers_model(ref_model):
+        return from_transformers(ref_model)
     raise ValueError(
-        "ref_model must be None, a path, or a jaxrl causal LM / CausalLMWithValueHead, got "
+        "ref_model must be None, a path, a transformers causal LM, or a jaxrl causal LM / "
+        "CausalLMWithValueHead, got "
         f"{type(ref_model).__name__}."
     )
 

@@ -50,6 +50,22 @@ def test_sft_export_keeps_source_generation_config(tmp_path, tokenizer, hf_model
     assert card.data.datasets == ["org/arith"] and "math" in card.data.tags
 
 
+def test_save_model_without_a_path_writes_output_dir(tmp_path, tokenizer, hf_model_dir):
+    """HF's and TRL's default: `save_model()` writes into `args.output_dir` itself, so a TRL
+    script's `from_pretrained(args.output_dir)` loads the trained model."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    args = SFTConfig(**base_args(tmp_path / "run"))
+    trainer = SFTTrainer(hf_model_dir, args=args, processing_class=tokenizer)
+    assert trainer.save_model() == args.output_dir
+    model = AutoModelForCausalLM.from_pretrained(args.output_dir)
+    AutoTokenizer.from_pretrained(args.output_dir)
+    assert not (tmp_path / "run" / "final").exists()
+    want = AutoModelForCausalLM.from_pretrained(hf_model_dir).model.embed_tokens.weight
+    np.testing.assert_array_equal(model.model.embed_tokens.weight.detach(), want.detach())
+
+
 def test_generation_config_derived_from_config(tmp_path, tokenizer, hf_model_dir):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
