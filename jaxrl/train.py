@@ -34,6 +34,7 @@ from jaxrl.trainers.ddpo_config import parse_ddpo_cli
 from jaxrl.trainers.registry import ALGORITHMS
 
 DEFAULT_ALGO = "dpo"
+EXIT_SIGTERM = 143  # 128 + SIGTERM after the checkpoint is saved, so a babysitter knows to resume
 # Recipes ship inside the package so that an installed wheel runs the embedded job too.
 CONFIG_DIR = Path(__file__).resolve().parent / "recipes"
 
@@ -330,14 +331,19 @@ def main_ddpo(argv: list[str]) -> int:
     except ValueError as e:
         print(f"jaxrl.train: error: {e}", file=sys.stderr)
         return 2
-    rng = np.random.default_rng(config.seed)
+    # Prompts from NumPy's global generator, as TRL's example script: the trainer seeds it and
+    # its state is in every checkpoint, so a resumed run draws the prompts it would have drawn.
     trainer = ALGORITHMS["ddpo"].trainer_class(
         config,
         getattr(image_rewards, reward),
-        lambda: (str(rng.choice(TINY_PROMPTS)), {}),
+        lambda: (str(np.random.choice(TINY_PROMPTS)), {}),
         config.pretrained_model or None,
     )
-    trainer.train()
+    try:
+        trainer.train()
+    except TrainingInterrupted as e:
+        print(f"jaxrl.train: {e}", file=sys.stderr)
+        return EXIT_SIGTERM
     out = trainer.save_model()
     print(f"jaxrl.train: done; metrics in {config.output_dir}/metrics.jsonl, model in {out}")
     return 0
@@ -387,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         out = trainer.save_model()
     except TrainingInterrupted as e:
         print(f"jaxrl.train: {e}", file=sys.stderr)
-        return 143  # 128 + SIGTERM, so a babysitter knows to resume
+        return EXIT_SIGTERM
     except (ConfigError, ValueError, FileNotFoundError, TypeError, FloatingPointError) as e:
         print(f"jaxrl.train: error: {e}", file=sys.stderr)
         return 2
