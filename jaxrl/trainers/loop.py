@@ -555,23 +555,26 @@ class TrainLoop:
     # ----------------------------------------------------------------- train
     def train(self, resume_from_checkpoint: Any = None) -> TrainOutput:
         self._check_can_train()
-        if resume_from_checkpoint is None:
-            resume_from_checkpoint = self.args.resume_from_checkpoint
-        resume_from_checkpoint = loop_options.parse_resume_from_checkpoint(resume_from_checkpoint)
+        # The argument, else the config's field (an explicit False: no resume, as HF).
+        resume = loop_options.parse_resume_from_checkpoint(
+            self.args.resume_from_checkpoint
+            if resume_from_checkpoint is None
+            else resume_from_checkpoint
+        )
         # Refuse a used output_dir or a concurrent run; the lock is held while training.
         lock = run_dir.prepare(
             self.args.output_dir,
-            resume_from_checkpoint=resume_from_checkpoint,
+            resume_from_checkpoint=resume,
             overwrite_output_dir=getattr(self.args, "overwrite_output_dir", False),
             process_index=jax.process_index(),
             own_metrics=not getattr(self, "_metrics_file_preexisted", True),
         )
         try:
-            return self._train(resume_from_checkpoint)
+            return self._train(resume)
         finally:
             lock.release()
 
-    def _train(self, resume_from_checkpoint: Any) -> TrainOutput:
+    def _train(self, resume: bool | str | None) -> TrainOutput:
         a = self.args
         os.makedirs(a.output_dir, exist_ok=True)
         self._ensure_state()
@@ -590,11 +593,6 @@ class TrainLoop:
             s.eval_steps = s.logging_steps  # HF: eval_steps defaults to logging_steps
         s.num_train_epochs = math.ceil(max_steps / spe)
         s.train_batch_size = self.train_batch_size
-        resume = (
-            resume_from_checkpoint
-            if resume_from_checkpoint is not None
-            else a.resume_from_checkpoint
-        )
         step0 = self._resolve_resume(resume)
         if step0 is not None:
             self._restore(step0)
