@@ -42,6 +42,7 @@ from jaxrl.config_checks import (
 )
 from jaxrl.config_cli import ConfigError, coerce
 from jaxrl.config_fields import Foreign
+from jaxrl.loop_options import parse_resume_from_checkpoint
 
 # HF/TRL fields with no JAX meaning: present with TRL's default, rejected when set (see
 # config_fields.py). They form base classes so every TRL script and recipe parses.
@@ -283,8 +284,7 @@ class TrainingConfig(_ForeignTrainingFields):
             self.bf16 = not self.fp16
         check(not (self.bf16 and self.fp16), "Set at most one of `bf16` and `fp16` to true.")
         self.report_to = self._normalise_report_to(self.report_to)
-        if self.resume_from_checkpoint in ("latest", False):
-            self.resume_from_checkpoint = True if self.resume_from_checkpoint else None
+        self.resume_from_checkpoint = parse_resume_from_checkpoint(self.resume_from_checkpoint)
         self.resolve_model_init_kwargs()
         self._validate_mesh()
         if self.remat_policy is None:

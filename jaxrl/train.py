@@ -34,6 +34,7 @@ from jaxrl.trainers.ddpo_config import parse_ddpo_cli
 from jaxrl.trainers.registry import ALGORITHMS
 
 DEFAULT_ALGO = "dpo"
+EXIT_SIGTERM = 143  # 128 + SIGTERM after the checkpoint is saved, so a babysitter knows to resume
 # Recipes ship inside the package so that an installed wheel runs the embedded job too.
 CONFIG_DIR = Path(__file__).resolve().parent / "recipes"
 
@@ -330,17 +331,22 @@ def main_ddpo(argv: list[str]) -> int:
     JPEG reward and prompts drawn from a fixed list of animals (TRL's example script)."""
     try:
         config, reward = parse_ddpo_cli(argv)
-        rng = np.random.default_rng(config.seed)
+        # Prompts from NumPy's global generator, as TRL's example script: the trainer seeds it
+        # and its state is in every checkpoint, so a resumed run draws the prompts it would have.
         trainer = ALGORITHMS["ddpo"].trainer_class(
             config,
             getattr(image_rewards, reward),
-            lambda: (str(rng.choice(TINY_PROMPTS)), {}),
+            lambda: (str(np.random.choice(TINY_PROMPTS)), {}),
             config.pretrained_model or None,
         )
     except (ValueError, MissingExtraError) as e:
         print(f"jaxrl.train: error: {e}", file=sys.stderr)
         return 2
-    trainer.train()
+    try:
+        trainer.train()
+    except TrainingInterrupted as e:
+        print(f"jaxrl.train: {e}", file=sys.stderr)
+        return EXIT_SIGTERM
     out = trainer.save_model()
     print(f"jaxrl.train: done; metrics in {config.output_dir}/metrics.jsonl, model in {out}")
     return 0
@@ -372,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         out = trainer.save_model(os.path.join(trainer.args.output_dir, "final"))
     except TrainingInterrupted as e:
         print(f"jaxrl.train: {e}", file=sys.stderr)
-        return 143  # 128 + SIGTERM, so a babysitter knows to resume
+        return EXIT_SIGTERM
     except (
         ConfigError,
         ValueError,

@@ -43,3 +43,41 @@ def test_best_model_validation_as_hf():
 def test_remove_unused_columns_false_is_refused_where_nothing_reads_them():
     with pytest.raises(ConfigError, match="remove_unused_columns=False` would change nothing"):
         SFTConfig(remove_unused_columns=False)
+
+
+@pytest.mark.parametrize(
+    "value, want",
+    [
+        (None, None),
+        (False, None),
+        ("", None),
+        ("false", None),
+        ("None", None),
+        (True, True),
+        ("true", True),
+        ("True", True),
+        ("latest", True),
+        ("runs/a/checkpoints/checkpoint-5", "runs/a/checkpoints/checkpoint-5"),
+    ],
+)
+def test_resume_from_checkpoint_reads_the_same_in_every_config(value, want):
+    """One reading of the field: what the SIGTERM message tells the user to run
+    (`--resume_from_checkpoint true`) resumes PPO and DDPO too, instead of being a path."""
+    from pathlib import Path
+
+    from jaxrl.trainers.ddpo_config import DDPOConfig, parse_ddpo_cli
+    from jaxrl.trainers.ppo_config import PPOConfig
+
+    assert loop_options.parse_resume_from_checkpoint(value) == want
+    assert SFTConfig(resume_from_checkpoint=value).resume_from_checkpoint == want
+    assert PPOConfig(resume_from_checkpoint=value).resume_from_checkpoint == want
+    assert DDPOConfig(resume_from_checkpoint=value).resume_from_checkpoint == want
+    assert DDPOConfig(resume_from=value).resume_from_checkpoint == want  # TRL's field
+    if isinstance(value, str):  # the command lines: strings only
+        assert parse_ddpo_cli(["--resume_from_checkpoint", value])[0].resume_from_checkpoint == want
+        if want is not None:
+            assert parse_ddpo_cli(["--resume_from", value])[0].resume_from_checkpoint == want
+    if isinstance(want, str):
+        assert loop_options.parse_resume_from_checkpoint(Path(want)) == want
+    with pytest.raises(ValueError, match="resume_from_checkpoint=5 must be true"):
+        loop_options.parse_resume_from_checkpoint(5)

@@ -141,3 +141,53 @@ def test_help_lists_the_algorithms_flags(capsys, argv, expected, absent):
         assert text in out, text
     for text in absent:
         assert text not in out, text
+
+
+# A CLI run whose SIGTERM lands while its last checkpoint is written: the patched
+# `wait_until_finished` signals the process itself once that save is in flight.
+_SIGTERM_DURING_LAST_SAVE = """
+import os, signal, sys
+from jaxrl import checkpoint
+from jaxrl.train import main
+
+save, wait = checkpoint.Checkpointer.save, checkpoint.Checkpointer.wait_until_finished
+armed = []
+
+def save_then_arm(self, step, tree, meta):
+    save(self, step, tree, meta)
+    armed.append(step == 2)
+
+def wait_with_sigterm(self):
+    if armed and armed.pop():
+        os.kill(os.getpid(), signal.SIGTERM)
+    wait(self)
+
+checkpoint.Checkpointer.save = save_then_arm
+checkpoint.Checkpointer.wait_until_finished = wait_with_sigterm
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_last_save_lets_it_finish_and_exits_143(tmp_path):
+    """The handler stays installed until the last checkpoint is committed: the save completes
+    (no temporary directory left), the run exits 143 with the resume command, and the resume
+    finishes the run (was: killed by the default handler, status -15, a tmp dir left)."""
+    out = tmp_path / "run"
+    argv = [*FAST, "--output_dir", str(out), "--max_steps", "2", "--save_steps", "2"]
+    env = dict(os.environ, XLA_FLAGS=with_devices(2))
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGTERM_DURING_LAST_SAVE, *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "saved step 2" in proc.stderr and "--resume_from_checkpoint true" in proc.stderr
+    assert Checkpointer(out / "checkpoints").all_steps() == [2]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-2"]
+    assert [r["step"] for r in step_lines(out / "metrics.jsonl")] == [1, 2]
+    # The resume has nothing left to train: it logs the summary and exports.
+    assert main([*argv, "--resume_from_checkpoint", "true"]) == 0
+    assert (out / "final").is_dir()

@@ -1,8 +1,8 @@
 """`metrics.jsonl` writer: one JSON object per logged step, written by process 0 only.
 
 Floats are written with Python's shortest round-trip repr, so two runs with identical numbers
-produce byte-identical files; a resumed run first drops lines past the resumed step so its file
-matches an uninterrupted run's.
+produce byte-identical files; a resumed run first drops the lines logged after the checkpoint it
+resumes from, so its file matches an uninterrupted run's.
 """
 
 import json
@@ -38,13 +38,22 @@ class JsonlMetricsCallback(TrainerCallback):
         self.close()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            # Keep only lines up to the step we resume from (none on a fresh run): the lines after
-            # it were written by the interrupted run and will be logged again.
-            kept = [
-                line
-                for line in self.path.read_text().splitlines(keepends=True)
-                if (record := _parse(line)) is not None and record["step"] <= state.global_step
-            ]
+            # Keep only the lines logged before the checkpoint we resume from (none on a fresh
+            # run): the later ones were written by the interrupted run and will be logged again.
+            # At the resumed step itself that is as many lines as the checkpoint's log_history
+            # holds there (a step-0 evaluation of a run killed before its first save, or the
+            # summary of a finished run, came after it).
+            at_step = sum(1 for h in state.log_history if h.get("step") == state.global_step)
+            kept = []
+            for line in self.path.read_text().splitlines(keepends=True):
+                record = _parse(line)
+                if record is None or record["step"] > state.global_step:
+                    continue
+                if record["step"] == state.global_step:
+                    if at_step == 0:
+                        continue
+                    at_step -= 1
+                kept.append(line)
             tmp_path = self.path.with_name(self.path.name + ".tmp")
             tmp_path.write_text("".join(kept))
             tmp_path.replace(self.path)

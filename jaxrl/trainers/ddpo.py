@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl import parallel
+from jaxrl import parallel, seeding
 from jaxrl.algos import ddpo
 from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.core.state import TrainState
@@ -83,6 +83,10 @@ class DDPOTrainer(TrainLoop):
         callbacks: list[TrainerCallback] | None = None,
     ):
         self.args = self.config = config
+        # TRL's DDPOTrainer seeds the host generators: a prompt function drawing from NumPy's
+        # or Python's (TRL's examples) repeats its prompts, and resumes them, as the loop
+        # checkpoints those generators' states.
+        seeding.set_seed(config.seed)
         self.reward_fn = reward_function
         self.prompt_fn = prompt_function
         self.image_samples_hook = image_samples_hook

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from jaxrl.config_checks import check_mesh_fields
+from jaxrl.loop_options import parse_resume_from_checkpoint
 
 
 def _exp_name() -> str:
@@ -179,7 +180,9 @@ class DDPOConfig:
         if self.save_total_limit is None:
             self.save_total_limit = self.num_checkpoint_limit
         if self.resume_from_checkpoint is None:
-            self.resume_from_checkpoint = self.resume_from or None
+            self.resume_from_checkpoint = self.resume_from
+        # The CLI gives "true" (what the SIGTERM message says to run): not a path.
+        self.resume_from_checkpoint = parse_resume_from_checkpoint(self.resume_from_checkpoint)
         if self.num_train_epochs is None:
             self.num_train_epochs = self.num_epochs
 

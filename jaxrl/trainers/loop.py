@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxrl import loop_options, run_dir
+from jaxrl import loop_options, run_dir, seeding
 from jaxrl.callbacks.base import (
     CallbackHandler,
     DefaultFlowCallback,
@@ -59,8 +59,9 @@ class TrainingInterrupted(RuntimeError):
 
 
 class TrainOutput(NamedTuple):
-    """What `train()` returns (HF's layout): the last step, the mean training loss over the steps
-    this call ran, and the run's summary metrics (`train_runtime`, `train_loss`, ...)."""
+    """What `train()` returns (HF's layout): the last step, the mean training loss over the whole
+    run (a resumed run's included: the running sum is checkpointed), and the run's summary metrics
+    (`train_runtime`, `train_loss`, ...)."""
 
     global_step: int
     training_loss: float
@@ -248,6 +249,7 @@ class TrainLoop:
             "config": self.args.to_dict(),
             "save_only_model": model_only,
             "host_state": self._host_state(),
+            "loop_state": self._loop_state(),
         }
         if model_only:  # HF: the weights alone; no optimizer state, RNG or callback buffers
             tree = {"params": self.train_state.params}
@@ -255,6 +257,25 @@ class TrainLoop:
             tree = {"train_state": self.train_state, "callbacks": self._callback_states()}
         ckpt.save(step, tree, meta)
         self._event("on_save")
+
+    def _loop_state(self) -> dict:
+        """The loop's own host state: the running loss sum behind the summary's `train_loss`
+        (HF's `tr_loss`, kept here so a resumed run averages the whole run) and the host's global
+        generators (Python's and NumPy's, HF's `rng_state.pth`: e.g. a DDPO prompt function or a
+        completions sample drawing from them)."""
+        return {
+            "train_loss_sum": self._loss_sum,
+            "train_loss_from": self._loss_from,
+            "rng": seeding.host_rng_state(),
+        }
+
+    def _load_loop_state(self, state: dict | None) -> None:
+        if state is None:  # a checkpoint written before the loop saved its state
+            self._loss_sum, self._loss_from = 0.0, int(self.state.global_step)
+            return
+        self._loss_sum = float(state["train_loss_sum"])
+        self._loss_from = int(state["train_loss_from"])
+        seeding.set_host_rng_state(state["rng"])
 
     def _host_state(self) -> dict:
         """JSON-serialisable host-side state the next iterations depend on (e.g. DDPO's
@@ -306,10 +327,11 @@ class TrainLoop:
         """The step to resume from (HF semantics): True for the newest checkpoint of this run, or
         a path: a `checkpoint-N` directory, a checkpoints directory (its newest step) or a run's
         output_dir. A path outside this run switches the checkpointer to that directory."""
-        if resume in (None, False):
+        resume = loop_options.parse_resume_from_checkpoint(resume)
+        if resume is None:
             return None
         ckpt = self._checkpointer()
-        if resume is True or resume == "latest":
+        if resume is True:
             step = ckpt.latest_step()
             if step is None:  # e.g. a babysitter relaunch before the first save
                 logger.warning("No checkpoint in %s yet; starting from scratch.", ckpt.directory)
@@ -378,7 +400,9 @@ class TrainLoop:
             and k
             not in (
                 "output_dir",
+                "logdir",  # DDPO's output_dir
                 "resume_from_checkpoint",
+                "resume_from",  # DDPO's resume_from_checkpoint
                 "overwrite_output_dir",
                 "disable_tqdm",
                 "report_to",
@@ -399,6 +423,7 @@ class TrainLoop:
         self._log_window = meta.get("log_window", [])
         self._tokens_seen = meta.get("tokens_seen", 0)
         self._load_host_state(meta.get("host_state", {}))
+        self._load_loop_state(meta.get("loop_state"))
         self._restore_exportable_states()
         logger.info("Resumed from step %d", self.state.global_step)
 
@@ -530,24 +555,26 @@ class TrainLoop:
     # ----------------------------------------------------------------- train
     def train(self, resume_from_checkpoint: Any = None) -> TrainOutput:
         self._check_can_train()
+        # The argument, else the config's field (an explicit False: no resume, as HF).
+        resume = loop_options.parse_resume_from_checkpoint(
+            self.args.resume_from_checkpoint
+            if resume_from_checkpoint is None
+            else resume_from_checkpoint
+        )
         # Refuse a used output_dir or a concurrent run; the lock is held while training.
         lock = run_dir.prepare(
             self.args.output_dir,
-            resume_from_checkpoint=(
-                resume_from_checkpoint
-                if resume_from_checkpoint is not None
-                else self.args.resume_from_checkpoint
-            ),
+            resume_from_checkpoint=resume,
             overwrite_output_dir=getattr(self.args, "overwrite_output_dir", False),
             process_index=jax.process_index(),
             own_metrics=not getattr(self, "_metrics_file_preexisted", True),
         )
         try:
-            return self._train(resume_from_checkpoint)
+            return self._train(resume)
         finally:
             lock.release()
 
-    def _train(self, resume_from_checkpoint: Any) -> TrainOutput:
+    def _train(self, resume: bool | str | None) -> TrainOutput:
         a = self.args
         os.makedirs(a.output_dir, exist_ok=True)
         self._ensure_state()
@@ -555,7 +582,9 @@ class TrainLoop:
         self._log_due: set[int] = set()
         self._log_window: list[dict] = []
         self._tokens_seen = 0
-        self._loss_sum = 0.0
+        if self.state.global_step == 0 or not hasattr(self, "_loss_sum"):
+            # A fresh run (a second train() call on this trainer continues the run's sum).
+            self._loss_sum, self._loss_from = 0.0, int(self.state.global_step)
         max_steps = self.max_steps
         spe = self.steps_per_epoch
         s = self.state
@@ -564,11 +593,6 @@ class TrainLoop:
             s.eval_steps = s.logging_steps  # HF: eval_steps defaults to logging_steps
         s.num_train_epochs = math.ceil(max_steps / spe)
         s.train_batch_size = self.train_batch_size
-        resume = (
-            resume_from_checkpoint
-            if resume_from_checkpoint is not None
-            else (a.resume_from_checkpoint)
-        )
         step0 = self._resolve_resume(resume)
         if step0 is not None:
             self._restore(step0)
@@ -577,13 +601,15 @@ class TrainLoop:
             self._checkpointer().protected_step = self.state.best_global_step
         it = self._train_iterator()
         it.skip(start)
+        # Installed until the last save is committed: a SIGTERM while it is written lets it
+        # finish (no half-written directory) and stops the run as one between steps does.
         sigterm = install_sigterm_handler()
-        self._event("on_train_begin")
-        if a.eval_on_start and start == 0 and self._has_eval_data():
-            self.evaluate()
-        t0, tokens0 = time.time(), self._tokens_seen
-        self._train_start, self._input_tokens_at_start = t0, self.state.num_input_tokens_seen
         try:
+            self._event("on_train_begin")
+            if a.eval_on_start and start == 0 and self._has_eval_data():
+                self.evaluate()
+            t0, tokens0 = time.time(), self._tokens_seen
+            self._train_start, self._input_tokens_at_start = t0, self.state.num_input_tokens_seen
             for step in range(start, max_steps):
                 if step % spe == 0:
                     self._event("on_epoch_begin")
@@ -598,27 +624,28 @@ class TrainLoop:
                     self._event("on_epoch_end")
                 self._maybe_log_save_evaluate()
                 if self._preempted(sigterm):
-                    self._save_checkpoint()
-                    self._checkpointer().wait_until_finished()
-                    raise TrainingInterrupted(
-                        f"SIGTERM received: saved step {self.state.global_step} to "
-                        f"{self._checkpointer().step_dir(self.state.global_step)}; rerun with "
-                        "--resume_from_checkpoint true."
-                    )
+                    self._stop_preempted()
                 if self.control.should_training_stop:
                     break
             self._flush_pending()
             # A partial logging window at the end is logged under "steps" (HF drops it).
             if self._log_window and self._logging_strategy() == "steps":
                 self._emit_log(self.state.global_step)
-        finally:
-            sigterm.uninstall()
             if getattr(self, "_ckpt", None) is not None:
                 self._ckpt.wait_until_finished()
+            if jax.process_count() == 1 and sigterm.received:  # during the last save
+                self._stop_preempted()
+        finally:
+            try:
+                if getattr(self, "_ckpt", None) is not None:
+                    self._ckpt.wait_until_finished()
+            finally:
+                sigterm.uninstall()
         runtime = max(time.time() - t0, 1e-9)
         steps_run = self.state.global_step - start
-        # HF: the summed per-step losses of this call over the steps it ran.
-        train_loss = self._loss_sum / max(steps_run, 0.001)
+        # HF: the summed per-step losses over the run's steps (a resumed run's sum is restored;
+        # only a checkpoint older than that sum starts counting at its step).
+        train_loss = self._loss_sum / max(self.state.global_step - self._loss_from, 0.001)
         metrics = {
             "train_runtime": round(runtime, 4),
             "train_samples_per_second": round(steps_run * self.train_batch_size / runtime, 3),
@@ -640,6 +667,19 @@ class TrainLoop:
             self._checkpointer().keep_only(self.state.best_global_step)
         self._event("on_train_end")
         return TrainOutput(self.state.global_step, train_loss, metrics)
+
+    def _stop_preempted(self) -> None:
+        """After a SIGTERM: the current step saved (unless its checkpoint is already committed),
+        every save awaited, then `TrainingInterrupted` (the CLI exits 143)."""
+        ckpt = self._checkpointer()
+        ckpt.wait_until_finished()
+        if self.state.global_step not in ckpt.all_steps():
+            self._save_checkpoint()
+            ckpt.wait_until_finished()
+        raise TrainingInterrupted(
+            f"SIGTERM received: saved step {self.state.global_step} to "
+            f"{ckpt.step_dir(self.state.global_step)}; rerun with --resume_from_checkpoint true."
+        )
 
     def _preempted(self, sigterm) -> bool:
         """SIGTERM seen: on one host directly; across hosts at a step all of them agree on."""

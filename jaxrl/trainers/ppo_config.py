@@ -19,6 +19,8 @@ import sys
 import warnings
 from typing import Any
 
+from jaxrl.loop_options import parse_resume_from_checkpoint
+
 KL_PENALTIES = ("kl", "abs", "mse", "full")
 
 
@@ -168,6 +170,8 @@ class PPOConfig:
                 "device buffers itself.",
                 stacklevel=3,
             )
+        # The CLI gives "true" (what the SIGTERM message says to run): not a path.
+        self.resume_from_checkpoint = parse_resume_from_checkpoint(self.resume_from_checkpoint)
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
             raise ValueError(f"pad_to_multiple_of must be >= 1, got {self.pad_to_multiple_of}.")
         self.total_ppo_epochs = int(math.ceil(self.steps / self.batch_size))

@@ -50,7 +50,8 @@ def test_resume_truncates_to_match_uninterrupted_run(tmp_path):
     with resumed_path.open("a") as f:
         f.write('{"step": 40, "loss": 0.')  # killed mid-line
     second = JsonlMetricsCallback(resumed_path)
-    state = TrainerState(global_step=20)
+    # The checkpoint's state: its log_history holds what was logged before it was saved.
+    state = TrainerState(global_step=20, log_history=[{"step": 10}, {"step": 20}])
     second.on_train_begin(ARGS, state, TrainerControl())
     assert [json.loads(x)["step"] for x in resumed_path.read_text().splitlines()] == [10, 20]
     _log_steps(second, state, [30, 40])
@@ -69,3 +70,28 @@ def test_fresh_run_replaces_old_file_and_non_zero_process_writes_nothing(tmp_pat
     JsonlMetricsCallback(path).on_log(ARGS, other, TrainerControl(), logs={"loss": 1.0})
     callback.close()
     assert path.read_text() == ""
+
+
+def test_resume_drops_lines_logged_after_the_checkpoint_at_its_step(tmp_path):
+    """At the resumed step, only as many lines as the checkpoint's log_history holds there: a
+    step-0 eval of a run killed before its first save and a finished run's summary (both logged
+    after that checkpoint) would otherwise appear twice once logged again."""
+    path = tmp_path / "metrics.jsonl"
+    rows = [
+        {"step": 0, "eval_loss": 2.0},
+        {"step": 1, "loss": 1.5},
+        {"step": 2, "loss": 1.0},
+        {"step": 2, "eval_loss": 1.2},
+        {"step": 2, "train_loss": 1.25},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # Killed before the first checkpoint: a relaunch starts at step 0 with no history.
+    JsonlMetricsCallback(path).on_train_begin(ARGS, TrainerState(), TrainerControl())
+    assert path.read_text() == ""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # Resumed from a checkpoint at step 2 saved after the step's log and eval lines.
+    state = TrainerState(global_step=2, log_history=rows[:4])
+    callback = JsonlMetricsCallback(path)
+    callback.on_train_begin(ARGS, state, TrainerControl())
+    callback.close()
+    assert [json.loads(x) for x in path.read_text().splitlines()] == rows[:4]

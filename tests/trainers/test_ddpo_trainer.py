@@ -8,8 +8,10 @@ import functools
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import chex
 import jax
@@ -22,6 +24,7 @@ from xla_flags import with_devices
 
 from jaxrl.algos.ddpo import SAMPLE_KEYS
 from jaxrl.callbacks.base import TrainerCallback
+from jaxrl.checkpoint import Checkpointer
 from jaxrl.losses.ddpo import PerPromptStatTracker, ddpo_loss, normalize_rewards
 from jaxrl.models.diffusion import jpeg_compressibility
 from jaxrl.models.diffusion.ddim import transition_log_prob
@@ -333,10 +336,28 @@ def _metric_rows(run_dir):
     return [json.loads(x) for x in lines if "train_runtime" not in x]
 
 
+def numpy_prompts():
+    """TRL's example prompt function: prompts drawn from NumPy's global generator."""
+    return lambda: (str(np.random.choice(TINY_PROMPTS[:2])), {})
+
+
+def prompt_recording(reward_fn, seen):
+    """`reward_fn` that appends each batch's prompts to `seen`."""
+
+    def reward(images, prompts, metadata):
+        seen.append(list(prompts))
+        return reward_fn(images, prompts, metadata)
+
+    return reward
+
+
 @pytest.mark.slow  # end to end: full training runs
-def test_resume_is_exact_and_lora_trains_only_adapters(sd, tmp_path):
+def test_resume_is_exact_and_lora_trains_only_adapters(sd, tmp_path, caplog):
     """Killed after epoch 1 and resumed == uninterrupted, bit for bit (metrics.jsonl), with
-    per-prompt stat tracking (host state in the checkpoint) and async rewards."""
+    per-prompt stat tracking (host state in the checkpoint), async rewards and prompts drawn
+    from NumPy's global generator, whose state the checkpoint carries into the new process
+    (was: its draws restarted, so epochs after a resume had other prompts). The resume is asked
+    for as the CLI asks, `resume_from="true"`, with no warning of a changed config field."""
     kw = dict(
         # Two sampled batches of 2 per epoch, as `small_trainer`: the same compiled programs
         # (a persistent compilation cache hit where that ran first), and async scoring that
@@ -346,7 +367,10 @@ def test_resume_is_exact_and_lora_trains_only_adapters(sd, tmp_path):
         per_prompt_stat_tracking_min_count=2,
         async_reward_computation=True,
     )
-    full = make(sd, tmp_path / "full", **kw)
+    want_prompts, got_prompts = [], []
+    full_cfg = DDPOConfig(**{**SMALL, **kw, "logdir": str(tmp_path / "full")})
+    reward = prompt_recording(jpeg_compressibility, want_prompts)
+    full = DDPOTrainer(full_cfg, reward, numpy_prompts(), fresh(sd))
     base0 = jax.tree.map(np.asarray, full._unet_rest)
     lora0 = jax.tree.map(np.asarray, full._unet_params)
     full.train()
@@ -360,13 +384,16 @@ def test_resume_is_exact_and_lora_trains_only_adapters(sd, tmp_path):
     cfg = DDPOConfig(**{**SMALL, **kw, "logdir": str(run)})
     with pytest.raises(_Killed):
         DDPOTrainer(
-            cfg, jpeg_compressibility, cycling_prompts(), fresh(sd), None, [_KillAfterSave()]
+            cfg, jpeg_compressibility, numpy_prompts(), fresh(sd), None, [_KillAfterSave()]
         ).train()
-    resumed = make(sd, run, **kw, resume_from=str(run / "checkpoints" / "checkpoint-1"))
-    # The prompt function is user state: replay the one epoch of prompts already drawn.
-    for _ in range(4):
-        resumed.prompt_fn()
+    np.random.seed(12345)  # a new process's generator, whatever it holds
+    cfg = DDPOConfig(**{**SMALL, **kw, "logdir": str(run), "resume_from": "true"})
+    reward = prompt_recording(jpeg_compressibility, got_prompts)
+    resumed = DDPOTrainer(cfg, reward, numpy_prompts(), fresh(sd))
+    caplog.clear()
     resumed.train()
+    assert "changed config fields" not in caplog.text
+    assert got_prompts == want_prompts[2:]  # epochs 2-3: two batches each
     want, got = _metric_rows(tmp_path / "full"), _metric_rows(run)
     assert [r["step"] for r in got] == [1, 2, 3]
     assert got == want
@@ -459,3 +486,39 @@ def test_cli_reward_rises(tmp_path):
     assert np.mean(rewards[-3:]) - np.mean(rewards[:3]) > spread, (rewards, spread)
     assert (tmp_path / "unet" / "config.json").exists()
     assert (tmp_path / "checkpoints" / "checkpoint-8").is_dir()
+
+
+@pytest.mark.slow
+def test_cli_sigterm_exits_143_and_resumes(sd_path, tmp_path, monkeypatch):
+    """`python -m jaxrl.train --algo ddpo` on SIGTERM: the epoch saved, status 143 and the
+    resume command on stderr, no traceback (was: `TrainingInterrupted` escaped, status 1); that
+    command (`--resume_from_checkpoint true`, once taken for a path) continues the run with no
+    epoch logged twice."""
+    from jaxrl.train import main
+
+    out = tmp_path / "run"
+    small = ["--sample_num_steps", "2", "--sample_batch_size", "2", "--train_batch_size", "2",
+             "--sample_num_batches_per_epoch", "1", "--train_gradient_accumulation_steps", "1",
+             "--mesh_fsdp", "1", "--save_freq", "1000", "--logdir", str(out)]  # fmt: skip
+    env = {**os.environ, "XLA_FLAGS": with_devices(1), "JAXRL_CACHE": str(sd_path.parent)}
+    argv = [sys.executable, "-m", "jaxrl.train", "--algo", "ddpo", "--num_epochs", "200", *small]
+    proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    try:
+        deadline = time.time() + 600
+        while not metrics.exists() or not metrics.read_text():
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    assert "rerun with --resume_from_checkpoint true" in err and "Traceback" not in err
+    (saved,) = Checkpointer(out / "checkpoints").all_steps()
+    assert 0 < saved < 200
+    monkeypatch.setenv("JAXRL_CACHE", str(sd_path.parent))
+    resume = ["--num_epochs", str(saved + 1), *small, "--resume_from_checkpoint", "true"]
+    assert main(["--algo", "ddpo", *resume]) == 0
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if "reward_mean" in x]
+    assert [r["step"] for r in rows] == list(range(1, saved + 2))

@@ -3,13 +3,14 @@
 `save_total_limit` sparing the best step), `save_only_model` and HF's checkpoint paths for
 `resume_from_checkpoint`."""
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from trainer_utils import base_args, tiny_config, train_logs
+from trainer_utils import base_args, killed_after_checkpoint, tiny_config, train_logs
 
 from jaxrl import SFTConfig, SFTTrainer
 from jaxrl.checkpoint import Checkpointer
@@ -69,6 +70,32 @@ def test_train_output_and_logging_strategies(tmp_path, tokenizer, sft_data, monk
     out_no = silent.train()
     assert train_logs(silent) == [] and len(silent.state.log_history) == 1  # the summary only
     assert out_no.training_loss == pytest.approx(out.training_loss, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_summary_train_loss_is_the_whole_runs_after_a_resume(tmp_path, tokenizer, sft_data):
+    """HF's train_loss is the mean step loss over the run: a run resumed from its step-2
+    checkpoint reports the 4-step mean (the running sum is in the checkpoint), not the mean of
+    steps 3-4; a finished run resumed trains nothing and keeps one summary line with that mean,
+    not a second one with train_loss 0.0."""
+    save = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    full = make(tmp_path / "full", tokenizer, sft_data, **save)
+    out = full.train()
+    losses = [h["loss"] for h in train_logs(full)]
+    assert len(losses) == 4 and out.training_loss == pytest.approx(np.mean(losses), rel=1e-6)
+
+    killed_after_checkpoint(tmp_path / "full", 2, tmp_path / "part")
+    part = make(tmp_path / "part", tokenizer, sft_data, resume_from_checkpoint=True, **save)
+    out_part = part.train()
+    assert [h["loss"] for h in train_logs(part) if h["step"] > 2] == losses[2:]
+    assert out_part.training_loss == out.training_loss
+    assert out_part.training_loss != pytest.approx(np.mean(losses[2:]), rel=1e-6)
+
+    again = make(tmp_path / "full", tokenizer, sft_data, resume_from_checkpoint=True, **save)
+    assert again.train().training_loss == out.training_loss
+    rows = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert [r["train_loss"] for r in rows if "train_loss" in r] == [out.training_loss]
 
 
 def _eval_losses(trainer) -> dict[int, float]:
