@@ -13,7 +13,9 @@ data order); a subclass owns *what one iteration does* through a few hooks:
 - `steps_per_epoch`, `max_steps`, `train_batch_size`, `evaluate()`, `_has_train_data()`,
   `_has_eval_data()`.
 
-This file holds no model, data or algorithm code.
+Callback dispatch and management (`add_callback`, reporting callbacks, in-step
+`state_update`s) are `jaxrl.trainers.loop_callbacks.LoopCallbacksMixin`'s. This file holds no
+model, data or algorithm code.
 """
 
 from __future__ import annotations
@@ -40,9 +42,6 @@ from jaxrl.callbacks.base import (
 )
 from jaxrl.callbacks.collapse import CollapseWarningCallback
 from jaxrl.callbacks.jsonl import JsonlMetricsCallback
-from jaxrl.callbacks.progress import RichProgressCallback
-from jaxrl.callbacks.tensorboard import TensorBoardCallback
-from jaxrl.callbacks.wandb import WandbCallback
 from jaxrl.checkpoint import (
     CheckpointCorruptError,
     Checkpointer,
@@ -50,6 +49,7 @@ from jaxrl.checkpoint import (
     step_dir_name,
     step_of,
 )
+from jaxrl.trainers.loop_callbacks import LoopCallbacksMixin
 
 logger = logging.getLogger("jaxrl")
 
@@ -80,7 +80,7 @@ def _abstract(tree: Any) -> Any:
     )
 
 
-class TrainLoop:
+class TrainLoop(LoopCallbacksMixin):
     """Loop, logging, checkpoints and callbacks; subclasses supply the iteration (see module doc).
 
     Subclasses set `self.args` (a config with HF's TrainingArguments loop fields) and call
@@ -117,74 +117,6 @@ class TrainLoop:
         every process is, unless a launcher started several per host and says which this is
         (`LOCAL_RANK`, as torchrun and accelerate set)."""
         return int(os.environ.get("LOCAL_RANK", "0")) == 0
-
-    def _event(self, name: str, **kwargs):
-        """Dispatch a lifecycle event; callbacks get `trainer=self` besides HF's kwargs."""
-        self.control = getattr(self.callback_handler, name)(
-            self.args,
-            self.state,
-            self.control,
-            trainer=self,
-            processing_class=self.processing_class,
-            **kwargs,
-        )
-
-    def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
-        """Add a callback (an instance or a class), as HF's `Trainer.add_callback`."""
-        before = self._state_update_callbacks()
-        self.callback_handler.add_callback(callback)
-        self._check_state_updates(before)
-
-    def pop_callback(self, callback: TrainerCallback | type[TrainerCallback]):
-        """Remove and return a callback (by instance or class); None if absent (HF)."""
-        before = self._state_update_callbacks()
-        popped = self.callback_handler.pop_callback(callback)
-        self._check_state_updates(before)
-        return popped
-
-    def remove_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
-        """Remove a callback (by instance or class), as HF's `Trainer.remove_callback`."""
-        before = self._state_update_callbacks()
-        self.callback_handler.remove_callback(callback)
-        self._check_state_updates(before)
-
-    def _state_update_callbacks(self) -> list[TrainerCallback]:
-        return [cb for cb in self.callback_handler.callbacks if hasattr(cb, "state_update")]
-
-    def _check_state_updates(self, before: list[TrainerCallback]) -> None:
-        """A callback with an in-step `state_update` added or removed after the train step was
-        compiled: compile it again, so the change is not silently ignored."""
-        if list(map(id, self._state_update_callbacks())) != list(map(id, before)):
-            self._state_updates_changed()
-
-    def _state_updates_changed(self) -> None:
-        """Hook: the callbacks' `state_update`s changed (trainers with a compiled step rebuild
-        it)."""
-
-    def _wandb_options(self) -> dict:
-        """`WandbCallback` arguments (project, init_kwargs) a trainer's config sets; none here."""
-        return {}
-
-    def _reporting_callbacks(self) -> list[TrainerCallback]:
-        cbs: list[TrainerCallback] = []
-        report = self.args.report_to
-        report = [report] if isinstance(report, str) else list(report or [])
-        if "wandb" in report or "all" in report:
-            cbs.append(WandbCallback(**self._wandb_options()))
-        if "tensorboard" in report:
-            cbs.append(TensorBoardCallback())
-        if not self.args.disable_tqdm:
-            cbs.append(RichProgressCallback())
-        return cbs
-
-    def _state_updates(self) -> list:
-        """Pure in-step `state -> state` updates contributed by callbacks (`state_update(trainer)`),
-        e.g. TR-DPO reference sync; compiled into the jitted step."""
-        return [
-            cb.state_update(self)
-            for cb in self.callback_handler.callbacks
-            if hasattr(cb, "state_update")
-        ]
 
     # ----------------------------------------------------------------- subclass hooks
     def _ensure_state(self) -> None:
