@@ -176,3 +176,84 @@ def make_buffer_step(
         return step(state, batch_A)
 
     return update
+
+
+def sampling_correction_metrics(
+    train_logps_BC: jax.Array,
+    sampling_logps_BC: jax.Array,
+    mask_BC: jax.Array,
+    *,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> dict[str, jax.Array]:
+    """TRL's sampling-correction metrics of a generation batch: how far the sampler's log-probs
+    of the completion tokens are from the training forward's on the same rows.
+
+    `sampling/sampling_logp_difference/mean|max`: |train - sampler| over the completion tokens
+    (`mask_BC`). `sampling/importance_sampling_ratio/min|mean|max`: TRL's
+    `vllm_importance_sampling_mode` ratio exp(train - sampler), per token (`token_*`, over the
+    completion tokens) or per sequence (`sequence_*`, the exp of the row's summed difference,
+    over all rows), clamped to [clip_min, clip_max] (`*_truncate`) or set to 0 outside it
+    (`*_mask`). All 0 when there is no completion token (as TRL)."""
+    if mode not in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
+        raise ValueError(
+            f"Unknown importance sampling mode {mode!r}; use token_truncate, token_mask, "
+            "sequence_truncate or sequence_mask."
+        )
+    mask_BC = mask_BC.astype(bool)
+    diff_BC = jnp.where(mask_BC, train_logps_BC.astype(jnp.float32) - sampling_logps_BC, 0.0)
+    n_tokens = jnp.sum(mask_BC)
+    delta_BC = jnp.abs(diff_BC)
+    lo = -jnp.inf if clip_min is None else clip_min
+    hi = jnp.inf if clip_max is None else clip_max
+    if mode.startswith("sequence"):
+        ratio_R = jnp.exp(jnp.sum(diff_BC, axis=-1))
+        valid_R = jnp.ones_like(ratio_R, dtype=bool)
+    else:
+        ratio_R, valid_R = jnp.exp(diff_BC).reshape(-1), mask_BC.reshape(-1)
+    if mode.endswith("truncate"):
+        ratio_R = jnp.clip(ratio_R, lo, hi)
+    else:
+        ratio_R = jnp.where((ratio_R < lo) | (ratio_R > hi), 0.0, ratio_R)
+    n_ratios = jnp.sum(valid_R)
+
+    def guarded(value: jax.Array, count: jax.Array) -> jax.Array:
+        return jnp.where(count > 0, value, 0.0)
+
+    return {
+        "sampling/sampling_logp_difference/mean": guarded(
+            jnp.sum(delta_BC) / jnp.maximum(n_tokens, 1), n_tokens
+        ),
+        "sampling/sampling_logp_difference/max": guarded(jnp.max(delta_BC), n_tokens),
+        "sampling/importance_sampling_ratio/min": guarded(
+            jnp.min(jnp.where(valid_R, ratio_R, jnp.inf)), n_ratios
+        ),
+        "sampling/importance_sampling_ratio/mean": guarded(
+            jnp.sum(jnp.where(valid_R, ratio_R, 0.0)) / jnp.maximum(n_ratios, 1), n_ratios
+        ),
+        "sampling/importance_sampling_ratio/max": guarded(
+            jnp.max(jnp.where(valid_R, ratio_R, -jnp.inf)), n_ratios
+        ),
+    }
+
+
+_jit_sampling_metrics = jax.jit(
+    sampling_correction_metrics, static_argnames=("mode", "clip_min", "clip_max")
+)
+
+
+def rollout_sampling_metrics(
+    config: Any, train_logps_BC: jax.Array, sampling_logps_BC: jax.Array, batch: dict
+) -> dict[str, jax.Array]:
+    """`sampling_correction_metrics` of a rollout batch (its `completion_mask`), with the
+    config's TRL `vllm_importance_sampling_mode`/`_clip_min`/`_clip_max` where it has them
+    (else TRL's defaults: sequence_mask, None, 3.0)."""
+    return _jit_sampling_metrics(
+        train_logps_BC,
+        sampling_logps_BC,
+        batch["completion_mask"],
+        mode=getattr(config, "vllm_importance_sampling_mode", "sequence_mask"),
+        clip_min=getattr(config, "vllm_importance_sampling_clip_min", None),
+        clip_max=getattr(config, "vllm_importance_sampling_clip_max", 3.0),
+    )

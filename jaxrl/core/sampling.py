@@ -147,3 +147,27 @@ def choose_tokens(
         tokens_B = jnp.argmax(processed_BV, axis=-1)
     tokens_B = tokens_B.astype(jnp.int32)
     return tokens_B, jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=-1)[:, 0]
+
+
+def push_recent(recent_BW: jax.Array, tokens_B: jax.Array) -> jax.Array:
+    """The last W tokens of each row with `tokens_B` appended (the oldest drops out)."""
+    return jnp.concatenate([recent_BW[:, 1:], tokens_B[:, None].astype(recent_BW.dtype)], axis=1)
+
+
+def stop_sequence_hits(recent_BW: jax.Array, sequences_SW: jax.Array) -> jax.Array:
+    """[B] whether each row's last tokens end with one of the stop sequences: `sequences_SW`
+    holds them right-aligned, -1 left of a shorter one (matching anything)."""
+    same_BSW = (recent_BW[:, None, :] == sequences_SW[None]) | (sequences_SW[None] < 0)
+    return jnp.any(jnp.all(same_BSW, axis=-1), axis=-1)
+
+
+def advance_stop_strings(
+    states_BK: jax.Array, tokens_B: jax.Array, next_KVQ: jax.Array, lengths_K: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Each stop string's automaton state after each row's new token
+    (`jaxrl.data.stop_strings`), and [B] whether a string ended inside that token."""
+    k_K = jnp.arange(next_KVQ.shape[0])
+    tokens_B = jnp.clip(tokens_B, 0, next_KVQ.shape[1] - 1)
+    states_BK = next_KVQ[k_K[None, :], tokens_B[:, None], states_BK]
+    hit_BK = states_BK >= lengths_K[None, :]
+    return jnp.where(hit_BK, 0, states_BK), jnp.any(hit_BK, axis=-1)

@@ -74,7 +74,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl import parallel
 from jaxrl.algos import reference
-from jaxrl.algos.rollout import make_buffer_step, make_policy_logps, make_reference_logps
+from jaxrl.algos.rollout import (
+    make_buffer_step,
+    make_policy_logps,
+    make_reference_logps,
+    rollout_sampling_metrics,
+)
 from jaxrl.callbacks.base import TrainerCallback
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.config import ConfigError
@@ -429,9 +434,11 @@ class OnPolicyTrainer(
         rollout["num_items_in_batch"] = jnp.full(
             (N,), jnp.sum(completion_mask_NC, dtype=jnp.float32), jnp.float32
         )
+        sampling_metrics = {}
         if self._needs_old_logps() or self._kl_in_reward():
             if a.num_iterations > 1:
                 old = self._jit_logps(policy, rollout)
+                sampling_metrics = rollout_sampling_metrics(a, old, out.logprobs_BN, rollout)
             else:  # the sampler's log-probs are the sampling policy's (same temperature)
                 old = out.logprobs_BN
             rollout["old_logps"] = old
@@ -444,6 +451,7 @@ class OnPolicyTrainer(
             rollout.pop("old_logps", None)
         metrics.update(self._completion_metrics(s["lengths_N"], s["truncated_N"]))
         metrics.update(s["user_metrics"])
+        metrics.update(sampling_metrics)
         # TRL shuffles the generation batch once before splitting it into micro-step slices.
         order = np.random.default_rng([a.seed, plan.generation]).permutation(len(advantages_N))
         sharding = self._rollout_sharding()

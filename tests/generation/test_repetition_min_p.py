@@ -299,7 +299,7 @@ def test_samplers_of_one_model_structure_share_their_programs(sampler, llama):
     """A second sampler of a model with the same structure (another load of the checkpoint, as
     a second trainer builds) reuses the compiled prefill and decode programs: the same tokens,
     nothing compiled again."""
-    from jaxrl import generation
+    from jaxrl.generation import sampler as generation
 
     config = GenerationConfig(max_new_tokens=3)
     prompts = ragged_prompts(seed=2)

@@ -146,6 +146,13 @@ def test_num_iterations_reuses_generations(hf_model_dir, tokenizer, tmp_path):
     logs = train_logs(trainer)
     assert logs[0]["reward"] == logs[1]["reward"] and len(logs) == 4
     assert "old_logps" in trainer.rollout
+    # The recomputed log-probs are the training forward's: TRL's sampling-correction metrics
+    # compare the sampler's against them (float32: equal to rounding).
+    for log in logs:
+        assert log["sampling/sampling_logp_difference/max"] < 1e-5
+        assert log["sampling/sampling_logp_difference/mean"] < 1e-5
+        for key in ("min", "mean", "max"):
+            assert abs(log[f"sampling/importance_sampling_ratio/{key}"] - 1.0) < 1e-5
 
 
 RESUME = dict(max_steps=4, save_strategy="steps", save_steps=2)

@@ -37,7 +37,6 @@ This module does no tokenization and no scoring.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -50,7 +49,16 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrl.core.logprobs import unembed_logits
-from jaxrl.core.sampling import choose_tokens, mark_seen, token_presence
+from jaxrl.core.sampling import (
+    advance_stop_strings,
+    choose_tokens,
+    mark_seen,
+    push_recent,
+    stop_sequence_hits,
+    token_presence,
+)
+from jaxrl.data import stop_strings as stop_strings_lib
+from jaxrl.generation.config import GenerationConfig
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.families import family
 from jaxrl.models.kv_cache import Cache, CacheView, cache_shardings, init_cache
@@ -58,162 +66,6 @@ from jaxrl.models.masks import default_positions
 from jaxrl.parallel import Rules, batch_sharding, data_parallel_size, merge_rules
 
 MIN_BUCKET = 16
-# transformers GenerationConfig fields that change the output and that we do not implement,
-# with the value at which they are inactive.
-_UNSUPPORTED_HF_FIELDS = {
-    "num_beams": 1,
-    "num_return_sequences": 1,
-    "typical_p": 1.0,
-    "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0,
-    "no_repeat_ngram_size": 0,
-    "bad_words_ids": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "sequence_bias": None,
-    "stop_strings": None,
-    "exponential_decay_length_penalty": None,
-    "renormalize_logits": False,
-    "guidance_scale": None,
-    "penalty_alpha": None,
-    "min_length": 0,
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationConfig:
-    """How to generate, with transformers' field names and defaults.
-
-    `max_new_tokens` counts completion tokens (transformers' default budget is `max_length=20`
-    tokens in total; here it is 20 new ones). `top_k=0` or `top_p=1.0` turn those filters off;
-    temperature, top-k, top-p and min-p apply only with `do_sample=True` (as transformers, which
-    only warns when they are set for greedy decoding; here they are ignored then).
-    `eos_token_id` may be one id or several; `stop_token_ids` are extra ids that end a
-    completion exactly like EOS (vLLM's name). `pad_token_id` fills completions after they end
-    (default: the first EOS id, as transformers, else 0).
-
-    `repetition_penalty` (> 0, 1.0 = off; transformers' `RepetitionPenaltyLogitsProcessor`):
-    the logit of every id that occurs in the row's prompt (its real tokens, not its padding) or
-    among its tokens generated so far is divided by the penalty if it is >= 0 and multiplied
-    by it if it is < 0, once per id however often it occurs. It applies before everything
-    else, to greedy decoding too. `min_p` (in [0, 1], None = off; transformers'
-    `MinPLogitsWarper`): after temperature, top-k and top-p, tokens whose probability
-    (renormalised over what those kept) is below `min_p` times the most likely token's are
-    dropped. Neither changes the returned log-probs (see the module docstring).
-
-    `suppress_token_ids` (transformers' `SuppressTokensLogitsProcessor`, TRL's
-    `suppress_tokens=[image_token_id]` for image-text models): ids never chosen, greedy or
-    sampled (their logits are -inf before the draw; the log-probs are left as they are).
-    """
-
-    max_new_tokens: int = 20
-    min_new_tokens: int = 0
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 50
-    top_p: float = 1.0
-    eos_token_id: int | tuple[int, ...] | None = None
-    pad_token_id: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    repetition_penalty: float = 1.0
-    min_p: float | None = None
-    suppress_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        eos = self.eos_token_id
-        if eos is not None:
-            eos = tuple(int(i) for i in eos) if isinstance(eos, Sequence) else int(eos)
-            object.__setattr__(self, "eos_token_id", eos)
-        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
-        object.__setattr__(
-            self, "suppress_token_ids", tuple(int(i) for i in self.suppress_token_ids)
-        )
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
-        if self.min_new_tokens < 0:
-            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}.")
-        if self.do_sample and not self.temperature > 0:
-            raise ValueError(
-                f"temperature must be > 0 when do_sample=True, got {self.temperature}; use "
-                "do_sample=False for greedy decoding."
-            )
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        penalty = float(self.repetition_penalty)
-        if not penalty > 0:
-            raise ValueError(
-                f"repetition_penalty must be > 0 (1.0 = off, above 1 discourages repeating a "
-                f"token of the prompt or completion), got {self.repetition_penalty}."
-            )
-        object.__setattr__(self, "repetition_penalty", penalty)
-        if self.min_p is not None:
-            min_p = float(self.min_p)
-            if not 0.0 <= min_p <= 1.0:
-                raise ValueError(f"min_p must be in [0, 1] or None (off), got {self.min_p}.")
-            object.__setattr__(self, "min_p", min_p)
-
-    @property
-    def stop_ids(self) -> tuple[int, ...]:
-        """Every id that ends a completion: the EOS id(s), then `stop_token_ids`."""
-        eos = self.eos_token_id
-        eos = () if eos is None else (eos,) if isinstance(eos, int) else eos
-        return tuple(dict.fromkeys((*eos, *self.stop_token_ids)))
-
-    @property
-    def pad_id(self) -> int:
-        if self.pad_token_id is not None:
-            return self.pad_token_id
-        return self.stop_ids[0] if self.stop_ids else 0
-
-    @classmethod
-    def from_transformers(cls, hf_config: Any, **overrides: Any) -> GenerationConfig:
-        """From a `transformers.GenerationConfig` (unset fields take transformers' defaults).
-
-        Raises on options that change the output but are not implemented here (beam search,
-        no_repeat_ngram_size, typical_p, ...), and when neither the config nor `overrides` give
-        `max_new_tokens` (a `max_length` budget depends on each prompt's length).
-        """
-        defaults = type(hf_config)._get_default_generation_params()
-        unset = object()
-
-        def field(name: str) -> Any:
-            value = getattr(hf_config, name, unset)
-            return defaults.get(name) if value is None or value is unset else value
-
-        active = {
-            name: field(name)
-            for name, off in _UNSUPPORTED_HF_FIELDS.items()
-            if field(name) not in (off, None)
-        }
-        if active:
-            raise ValueError(
-                f"jaxrl.generation does not implement these generation options: {active}; unset "
-                "them (greedy/sampling with temperature, top_k, top_p, min_p, "
-                "repetition_penalty, min_new_tokens and EOS/stop ids are supported)."
-            )
-        values = {
-            "max_new_tokens": getattr(hf_config, "max_new_tokens", None),
-            "min_new_tokens": getattr(hf_config, "min_new_tokens", None) or 0,
-            "do_sample": bool(field("do_sample")),
-            "temperature": float(field("temperature")),
-            "top_k": int(field("top_k") or 0),
-            "top_p": float(field("top_p")),
-            "repetition_penalty": float(field("repetition_penalty")),
-            "min_p": field("min_p"),
-            "eos_token_id": getattr(hf_config, "eos_token_id", None),
-            "pad_token_id": getattr(hf_config, "pad_token_id", None),
-        }
-        values.update(overrides)
-        if values["max_new_tokens"] is None:
-            raise ValueError(
-                "The transformers GenerationConfig sets no max_new_tokens; set it there or pass "
-                "max_new_tokens=... to GenerationConfig.from_transformers."
-            )
-        return cls(**values)
 
 
 class SampleOutput(NamedTuple):
@@ -239,8 +91,44 @@ class SamplingState:
     key_mask_BS: jax.Array
     cache: Cache
     rng: jax.Array
+    # [B]: each row's own max_new_tokens (<= the config's).
+    limits_B: jax.Array | None = None
     # [B, V]: ids in each row's prompt or completion so far; None without a repetition penalty.
     seen_BV: jax.Array | None = None
+    # [B, W]: each row's last W completion tokens (-2 before the first); None without
+    # stop_sequences.
+    recent_BW: jax.Array | None = None
+    # [B, K]: each stop string's automaton state per row; None without stop_strings.
+    stop_BK: jax.Array | None = None
+
+
+class StopTables(NamedTuple):
+    """Device arrays of a config's stop sequences and strings (None where it has none)."""
+
+    sequences_SW: jax.Array | None
+    strings_KVQ: jax.Array | None
+    string_lengths_K: jax.Array | None
+
+
+NO_STOPS = StopTables(None, None, None)
+
+
+def _stops_after(
+    s: SamplingState, tokens_B: jax.Array, stop_ids: jax.Array, tables: StopTables
+) -> tuple[jax.Array, Any, Any]:
+    """(whether each row's new token ends it, the new recent-token window, stop-string states):
+    an EOS/stop id, the end of a stop sequence or of a stop string, or the row's own limit."""
+    ends_B = jnp.isin(tokens_B, stop_ids) | (s.lengths_B >= s.limits_B)
+    recent_BW, stop_BK = s.recent_BW, s.stop_BK
+    if recent_BW is not None:
+        recent_BW = push_recent(recent_BW, tokens_B)
+        ends_B |= stop_sequence_hits(recent_BW, tables.sequences_SW)
+    if stop_BK is not None:
+        stop_BK, hit_B = advance_stop_strings(
+            stop_BK, tokens_B, tables.strings_KVQ, tables.string_lengths_K
+        )
+        ends_B |= hit_B
+    return ends_B, recent_BW, stop_BK
 
 
 def bucket_length(longest: int, buckets: Sequence[int] | None) -> int:
@@ -287,6 +175,30 @@ def left_pad(
     return ids_BP, mask_BP
 
 
+def row_limits(max_new_tokens: Any, n_prompts: int, group_size: int, cap: int) -> np.ndarray:
+    """[n_prompts * group_size] int32 per-row limits from None (all `cap`), one int, or one per
+    row (or per prompt, shared by its group), each checked to be in [1, cap]."""
+    rows = n_prompts * group_size
+    if max_new_tokens is None:
+        return np.full((rows,), cap, np.int32)
+    limits = np.asarray(max_new_tokens, dtype=np.int64).reshape(-1)
+    if limits.size == 1:
+        limits = np.full((rows,), int(limits[0]))
+    elif limits.size == n_prompts and group_size > 1:
+        limits = np.repeat(limits, group_size)
+    if limits.size != rows:
+        raise ValueError(
+            f"max_new_tokens has {limits.size} entries; give one per completion row ({rows}) "
+            f"or one per prompt ({n_prompts})."
+        )
+    if limits.min() < 1 or limits.max() > cap:
+        raise ValueError(
+            f"Per-row max_new_tokens must be in [1, {cap}] (the generation config's "
+            f"max_new_tokens caps them); got {limits.min()}..{limits.max()}."
+        )
+    return limits.astype(np.int32)
+
+
 class Sampler:
     """Batched sampling from a jaxrl causal LM with a KV cache (see the module docstring).
 
@@ -314,21 +226,45 @@ class Sampler:
         self.mesh, self.rules = mesh, rules
         self.prompt_buckets = None if prompt_buckets is None else tuple(sorted(prompt_buckets))
         self._config: ModelConfig | None = None
+        # The last stop-string automaton built (its tokenizer held so that its id stays unique).
+        self._stop_cache: dict[str, Any] = {}
         # What the traced programs depend on besides their arguments: samplers of the same model
         # structure, mesh and rules share the compiled prefill and decode programs.
         # (`merge_rules`: the rules as hashable tuples, over the defaults as every user reads them.)
         self._spec = _SamplerSpec(self.graphdef, mesh, merge_rules(rules), self._trace_context)
 
     def _prefill(
-        self, params, prompt_ids_BP, prompt_mask_BP, rng, config, group_size=1, pixel_values=None
+        self,
+        params,
+        prompt_ids_BP,
+        prompt_mask_BP,
+        rng,
+        config,
+        group_size=1,
+        pixel_values=None,
+        limits_B=None,
+        stop_BK=None,
+        tables=None,
     ):
+        if limits_B is None:
+            limits_B = jnp.full((len(prompt_ids_BP) * group_size,), config.max_new_tokens)
+        tables = tables or NO_STOPS
         return _prefill_program(
-            self._spec, params, prompt_ids_BP, prompt_mask_BP, rng, config, group_size,
+            self._spec,
+            params,
+            prompt_ids_BP,
+            prompt_mask_BP,
+            rng,
+            config,
+            group_size,
             pixel_values,
-        )  # fmt: skip
+            limits_B,
+            stop_BK,
+            tables,
+        )
 
-    def _decode(self, params: Any, state: SamplingState, config: GenerationConfig):
-        return _decode_program(self._spec, params, state, config)
+    def _decode(self, params: Any, state: SamplingState, config: GenerationConfig, tables=None):
+        return _decode_program(self._spec, params, state, config, tables or NO_STOPS)
 
     def __call__(
         self,
@@ -340,6 +276,8 @@ class Sampler:
         seed: int | jax.Array = 0,
         group_size: int = 1,
         pixel_values: Any = None,
+        max_new_tokens: Any = None,
+        tokenizer: Any = None,
     ) -> SampleOutput:
         """Generate completions for `prompts` (ragged id lists, or [B, T] ids + optional mask).
 
@@ -349,6 +287,10 @@ class Sampler:
         `pixel_values` [B, I, C, H, W] (an image-text Gemma 3): prompt b's images in the order
         of its image tokens (rows with fewer pad with anything); the prefill merges their
         features into the prompt as the training forward does, decoding is text-only.
+        `max_new_tokens`: each row's own limit (B * group_size ints in [1, the config's], or B
+        for a group's rows alike); a row that reaches it ends there, its mask 1 up to it.
+        `tokenizer`: the tokenizer whose texts `generation_config.stop_strings` match
+        (transformers' `generate(..., tokenizer=)`).
         """
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}.")
@@ -361,16 +303,70 @@ class Sampler:
         ids_BP, mask_BP = left_pad(prompts, prompt_mask, self.prompt_buckets, config.pad_id)
         self._check_positions(model_config, mask_BP, config)
         rng = jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
+        limits_B = row_limits(max_new_tokens, len(ids_BP), group_size, config.max_new_tokens)
+        tables, stop_BK = self._stop_tables(config, tokenizer, model_config, ids_BP, mask_BP)
         if pixel_values is not None:
             pixel_values = self._check_pixel_values(model_config, ids_BP, pixel_values)
             pixel_values = self._place(pixel_values)
+        if stop_BK is not None:
+            stop_BK = self._place(stop_BK)
         ids_BP, mask_BP = self._place(ids_BP), self._place(mask_BP)
+        limits_B = self._place(limits_B)
         # (Text prompts pass pixel_values=None: no leaves, the text-only program.)
-        state = self._prefill(params, ids_BP, mask_BP, rng, config, group_size, pixel_values)
-        state, completion_mask_BN = self._decode(params, state, config)
+        state = self._prefill(
+            params,
+            ids_BP,
+            mask_BP,
+            rng,
+            config,
+            group_size,
+            pixel_values,
+            limits_B,
+            stop_BK,
+            tables,
+        )
+        state, completion_mask_BN = self._decode(params, state, config, tables)
         if group_size > 1:
             ids_BP, mask_BP = (jnp.repeat(x, group_size, axis=0) for x in (ids_BP, mask_BP))
         return SampleOutput(ids_BP, mask_BP, state.tokens_BN, completion_mask_BN, state.logprobs_BN)
+
+    def _stop_tables(
+        self,
+        config: GenerationConfig,
+        tokenizer: Any,
+        model_config: ModelConfig,
+        ids_BP: np.ndarray,
+        mask_BP: np.ndarray,
+    ) -> tuple[StopTables, np.ndarray | None]:
+        """The device tables of `config`'s stop sequences and strings, and each prompt's
+        stop-string states [B, K] (None without stop strings)."""
+        sequences_SW = None
+        if config.stop_sequences:
+            width = max(map(len, config.stop_sequences))
+            sequences_SW = np.full((len(config.stop_sequences), width), -1, np.int32)
+            for i, seq in enumerate(config.stop_sequences):
+                sequences_SW[i, width - len(seq) :] = seq
+            sequences_SW = jnp.asarray(sequences_SW)
+        if not config.stop_strings:
+            return StopTables(sequences_SW, None, None), None
+        if tokenizer is None:
+            raise ValueError(
+                f"stop_strings {list(config.stop_strings)} need the tokenizer to match texts: "
+                "pass tokenizer=... to the sampler call (as transformers' generate)."
+            )
+        key = (id(tokenizer), config.stop_strings, model_config.vocab_size)
+        if self._stop_cache.get("key") != key:
+            table, texts, patterns = stop_strings_lib.build_table(
+                tokenizer, config.stop_strings, model_config.vocab_size
+            )
+            self._stop_cache = {
+                "key": key, "tokenizer": tokenizer, "texts": texts, "patterns": patterns,
+                "device": (jnp.asarray(table.next_KVQ), jnp.asarray(table.lengths_K)),
+            }  # fmt: skip
+        cached = self._stop_cache
+        rows = [row[m.astype(bool)] for row, m in zip(ids_BP, mask_BP, strict=True)]
+        stop_BK = stop_strings_lib.prompt_states(cached["texts"], cached["patterns"], rows)
+        return StopTables(sequences_SW, *cached["device"]), stop_BK
 
     def _model_config(self, params: Any) -> ModelConfig:
         if self._config is None:
@@ -455,6 +451,9 @@ def _prefill_body(
     config: GenerationConfig,
     group_size: int = 1,
     pixel_values: jax.Array | None = None,
+    limits_B: jax.Array | None = None,
+    stop_BK: jax.Array | None = None,
+    tables: StopTables = NO_STOPS,
 ) -> SamplingState:
     model = nnx.merge(spec.graphdef, params)
     batch, prompt_len = prompt_ids_BP.shape
@@ -484,7 +483,7 @@ def _prefill_body(
     if group_size > 1:
         # One prefill per prompt; its cache rows serve the whole group (rows i*G .. i*G+G-1).
         batch *= group_size
-        cache, logits_BV, key_mask_BS, prompt_mask_BP, seen_BV = (
+        cache, logits_BV, key_mask_BS, prompt_mask_BP, seen_BV, stop_BK = (
             jax.tree.map(lambda x, a=axis: jnp.repeat(x, group_size, axis=a), tree)
             for tree, axis in (
                 (cache, 1 if model.config.scan_layers else 0),
@@ -492,6 +491,7 @@ def _prefill_body(
                 (key_mask_BS, 0),
                 (prompt_mask_BP, 0),
                 (seen_BV, 0),
+                (stop_BK, 0),
             )
         )
         if spec.mesh is not None:
@@ -502,22 +502,36 @@ def _prefill_body(
         seen_BV = jax.lax.with_sharding_constraint(seen_BV, batch_sharding(spec.mesh, spec.rules))
     step = jnp.zeros((), jnp.int32)
     tokens_B, logprobs_B = choose_tokens(logits_BV, rng, step, config, seen_BV)
-    return SamplingState(
+    recent_BW = None
+    if tables.sequences_SW is not None:
+        recent_BW = jnp.full((batch, tables.sequences_SW.shape[1]), -2, jnp.int32)
+    state = SamplingState(
         step=step + 1,
         tokens_BN=jnp.full((batch, n_new), config.pad_id, jnp.int32).at[:, 0].set(tokens_B),
         logprobs_BN=jnp.zeros((batch, n_new), jnp.float32).at[:, 0].set(logprobs_B),
-        done_B=jnp.isin(tokens_B, jnp.asarray(config.stop_ids, jnp.int32)),
+        done_B=jnp.zeros((batch,), bool),
         lengths_B=jnp.ones((batch,), jnp.int32),
         positions_B=jnp.sum(prompt_mask_BP, axis=1).astype(jnp.int32),
         key_mask_BS=key_mask_BS,
         cache=cache,
         rng=rng,
+        limits_B=limits_B.astype(jnp.int32),
         seen_BV=None if seen_BV is None else mark_seen(seen_BV, tokens_B),
+        recent_BW=recent_BW,
+        stop_BK=stop_BK,
     )
+    done_B, recent_BW, stop_BK = _stops_after(
+        state, tokens_B, jnp.asarray(config.stop_ids, jnp.int32), tables
+    )
+    return state.replace(done_B=done_B, recent_BW=recent_BW, stop_BK=stop_BK)
 
 
 def _decode_body(
-    spec: _SamplerSpec, params: Any, state: SamplingState, config: GenerationConfig
+    spec: _SamplerSpec,
+    params: Any,
+    state: SamplingState,
+    config: GenerationConfig,
+    tables: StopTables = NO_STOPS,
 ) -> tuple[SamplingState, jax.Array]:
     model = nnx.merge(spec.graphdef, params)
     unembed_DV = model.unembed_weight()
@@ -538,7 +552,10 @@ def _decode_body(
         logprobs_B = jnp.where(s.done_B, 0.0, logprobs_B)
         # (Finished rows add the pad id, as in transformers; their tokens are pad anyway.)
         seen_BV = None if s.seen_BV is None else mark_seen(s.seen_BV, tokens_B)
-        return s.replace(
+        lengths_B = jnp.where(s.done_B, s.lengths_B, s.lengths_B + 1)
+        moved = s.replace(lengths_B=lengths_B)
+        ends_B, recent_BW, stop_BK = _stops_after(moved, tokens_B, stop_ids, tables)
+        return moved.replace(
             step=s.step + 1,
             tokens_BN=jax.lax.dynamic_update_slice_in_dim(
                 s.tokens_BN, tokens_B[:, None], s.step, axis=1
@@ -546,11 +563,12 @@ def _decode_body(
             logprobs_BN=jax.lax.dynamic_update_slice_in_dim(
                 s.logprobs_BN, logprobs_B[:, None], s.step, axis=1
             ),
-            done_B=s.done_B | jnp.isin(tokens_B, stop_ids),
-            lengths_B=jnp.where(s.done_B, s.lengths_B, s.lengths_B + 1),
+            done_B=s.done_B | ends_B,
             positions_B=s.positions_B + 1,
             cache=cache,
             seen_BV=seen_BV,
+            recent_BW=recent_BW,
+            stop_BK=stop_BK,
         )
 
     state = jax.lax.while_loop(unfinished, one_token, state)
@@ -562,13 +580,14 @@ def _decode_body(
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6))
 def _prefill_program(
-    spec, params, prompt_ids_BP, prompt_mask_BP, rng, config, group_size, pixel_values
-):
+    spec, params, prompt_ids_BP, prompt_mask_BP, rng, config, group_size, pixel_values,
+    limits_B, stop_BK, tables,
+):  # fmt: skip
     args = (params, prompt_ids_BP, prompt_mask_BP, rng, config, group_size, pixel_values)
-    return _traced(spec, _prefill_body, *args)
+    return _traced(spec, _prefill_body, *args, limits_B, stop_BK, tables)
 
 
 # The state (KV cache included) is dead after decoding: donate it.
 @functools.partial(jax.jit, static_argnums=(0, 3), donate_argnums=(2,))
-def _decode_program(spec, params, state, config):
-    return _traced(spec, _decode_body, params, state, config)
+def _decode_program(spec, params, state, config, tables):
+    return _traced(spec, _decode_body, params, state, config, tables)
