@@ -1,6 +1,8 @@
-"""DDPOTrainer: TRL v0.7.2's DDPO (denoising diffusion policy optimisation) on `TrainLoop`.
+"""DDPOTrainer: TRL v0.7.2's DDPO (denoising diffusion policy optimisation) on the one online shell
+(`jaxrl.trainers.online.OnlineLoop`: rollout -> score -> update, on `TrainLoop`).
 
-One loop step is one DDPO epoch (TRL `step(epoch, global_step)`):
+One loop step is one DDPO epoch (TRL `step(epoch, global_step)`; the rollout is steps 1-3, the
+update step 4):
 1. `_generate_samples`: `sample_num_batches_per_epoch` batches of `sample_batch_size` prompts
    from `prompt_function`, each sampled with DDIM + per-step log-probs in one jitted `lax.scan`
    and decoded to images in [0, 1];
@@ -47,7 +49,7 @@ from jaxrl.models.diffusion.hf import StableDiffusion, load_pipeline, save_unet
 from jaxrl.models.diffusion.lora import LoRAParam, add_lora, save_lora_weights
 from jaxrl.models.diffusion.tiny import tiny_pipeline
 from jaxrl.trainers.ddpo_config import DDPOConfig
-from jaxrl.trainers.loop import TrainLoop
+from jaxrl.trainers.online import OnlineLoop
 
 PromptFn = Callable[[], tuple[str, Any]]
 RewardFn = Callable[[np.ndarray, tuple, tuple], tuple[Any, Any]]
@@ -67,7 +69,7 @@ class _Epochs:
         return self.epoch - 1
 
 
-class DDPOTrainer(TrainLoop):
+class DDPOTrainer(OnlineLoop):
     """TRL v0.7.2 `DDPOTrainer(config, reward_function, prompt_function, sd_pipeline,
     image_samples_hook)`. `sd_pipeline` is a diffusers SD 1.x/2.x directory (TRL's
     `pretrained_model`) or a `StableDiffusion` from `load_pipeline`; None uses
@@ -201,7 +203,7 @@ class DDPOTrainer(TrainLoop):
             state,
         )
         self.train_state = jax.device_put(state, shardings)
-        self._update = jax.jit(self._update_fn, out_shardings=(shardings, replicated))
+        self._jit_update = jax.jit(self._update_fn, out_shardings=(shardings, replicated))
 
     def _has_train_data(self) -> bool:
         return True
@@ -223,8 +225,17 @@ class DDPOTrainer(TrainLoop):
         n = c.sample_batch_size * c.sample_num_batches_per_epoch
         return n // (c.train_batch_size * c.train_gradient_accumulation_steps)
 
-    def _train_iteration(self, epoch: int) -> dict:
-        return self.step(epoch, epoch * self.updates_per_epoch * self.config.train_num_inner_epochs)
+    # The online iteration (`OnlineLoop`): each epoch samples and scores images, then trains.
+    def _global_step(self, epoch: int) -> int:
+        """TRL's optimizer-update count at the start of `epoch`."""
+        return epoch * self.updates_per_epoch * self.config.train_num_inner_epochs
+
+    def _rollout(self, epoch: int) -> None:
+        self._epoch_rollout = self._sample_and_score(epoch, self._global_step(epoch))
+
+    def _update(self, epoch: int, generated: bool) -> dict:
+        rollout, self._epoch_rollout = self._epoch_rollout, None  # its samples are not kept
+        return self._train_epoch(*rollout)
 
     # ------------------------------------------------------------------ DDPO
     def _epoch_key(self, epoch: int) -> jax.Array:
@@ -282,8 +293,13 @@ class DDPOTrainer(TrainLoop):
     def step(self, epoch: int, global_step: int) -> dict:
         """One DDPO epoch (TRL `step`): sample, score, compute advantages, train. Returns the
         epoch's metrics (device arrays for the train metrics)."""
-        c = self.config
         self._ensure_state()
+        return self._train_epoch(*self._sample_and_score(epoch, global_step))
+
+    def _sample_and_score(self, epoch: int, global_step: int) -> tuple[dict, np.ndarray, jax.Array]:
+        """The epoch's rollout: samples with their advantages placed on the mesh, the rewards,
+        and the key of the training phase."""
+        c = self.config
         key = self._epoch_key(epoch)
         sample_key, train_key = jax.random.split(key)
         samples, pairs, results = self._generate_samples(
@@ -302,10 +318,14 @@ class DDPOTrainer(TrainLoop):
         self._images_out(pairs, epoch, global_step)
         advantages = self._advantages(samples.pop("prompt_ids"), rewards)
         samples["advantages"] = jnp.asarray(advantages, jnp.float32)
-        samples = self._rows(samples)
+        return self._rows(samples), rewards, train_key
+
+    def _train_epoch(self, samples: dict, rewards: np.ndarray, train_key: jax.Array) -> dict:
+        """`train_num_inner_epochs` passes of the jitted update over the epoch's samples."""
+        c = self.config
         metrics_U = []
         for inner_epoch in range(c.train_num_inner_epochs):
-            self.train_state, m = self._update(
+            self.train_state, m = self._jit_update(
                 self.train_state, samples, jax.random.fold_in(train_key, inner_epoch)
             )
             metrics_U.append(m)

@@ -1,4 +1,4 @@
-"""The one online shell (GRPO, RLOO, PPO): rollout -> score -> update.
+"""The one online shell (GRPO, RLOO, PPO, and DDPO for images): rollout -> score -> update.
 
 An online iteration asks the policy's sampler for completions of a batch of prompts (the
 policy's own params, never a copy; a LoRA policy through its adapter forward), decodes them,
@@ -8,8 +8,9 @@ once; the loop around it (when to log, evaluate, save, stop, resume) is `TrainLo
 the reference policy lives in the train state is `jaxrl.algos.reference`'s.
 
 A trainer supplies:
-- `rollout_sampler` (a `jaxrl.generation.Sampler`, built with the trainer's mesh and prompt
-  buckets) and `_sampling_params()`, the params it samples from;
+- for language models, `rollout_sampler` (a `jaxrl.generation.Sampler`, built with the
+  trainer's mesh and prompt buckets) and `_sampling_params()`, the params it samples from
+  (DDPO samples images with its own jitted DDIM program and uses the iteration alone);
 - `_needs_rollout(item)`: whether this iteration generates. PPO generates at every step; GRPO and
   RLOO reuse one generation batch for `steps_per_generation x num_iterations` steps;
 - `_rollout(item)`: generate (`_generate`), score with its reward functions, and keep what the

@@ -436,13 +436,13 @@ def test_mesh_equals_one_device(sd, sd_path, tmp_path):
     specs = [v.sharding.spec for v in jax.tree.leaves(mesh.train_state.params)]
     assert any("fsdp" in s and "tensor" in s for s in specs)  # e.g. attention q/k/v kernels
     params0 = [np.asarray(x) for x in jax.tree.leaves(mesh.train_state.params)]
-    update, seen = mesh._update, []
+    update, seen = mesh._jit_update, []
 
     def spy(state, samples, key):
         seen.append(samples["latents"].sharding.spec[0])
         return update(state, samples, key)
 
-    mesh._update = spy
+    mesh._jit_update = spy
     m_one, m_mesh = one.step(0, 0), mesh.step(0, 0)
     assert seen == [("data", "fsdp")] * 2  # 4 prompts per micro-batch, one per data x fsdp shard
     np.testing.assert_allclose(mesh.last_rewards, one.last_rewards, rtol=1e-5)
