@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl import parallel, run_dir, scripting
+from jaxrl.checkpoint import CheckpointDiskFullError
 from jaxrl.config import ConfigError
 from jaxrl.config_cli import PeftArguments, parse_config
 from jaxrl.data import task
@@ -327,20 +328,44 @@ def main_ddpo(argv: list[str]) -> int:
     JPEG reward and prompts drawn from a fixed list of animals (TRL's example script)."""
     try:
         config, reward = parse_ddpo_cli(argv)
-    except ValueError as e:
-        print(f"jaxrl.train: error: {e}", file=sys.stderr)
-        return 2
-    rng = np.random.default_rng(config.seed)
-    trainer = ALGORITHMS["ddpo"].trainer_class(
-        config,
-        getattr(image_rewards, reward),
-        lambda: (str(rng.choice(TINY_PROMPTS)), {}),
-        config.pretrained_model or None,
-    )
-    trainer.train()
-    out = trainer.save_model()
+        rng = np.random.default_rng(config.seed)
+        trainer = ALGORITHMS["ddpo"].trainer_class(
+            config,
+            getattr(image_rewards, reward),
+            lambda: (str(rng.choice(TINY_PROMPTS)), {}),
+            config.pretrained_model or None,
+        )
+        trainer.train()
+        out = trainer.save_model()
+    except TrainingInterrupted as e:
+        print(f"jaxrl.train: {e}", file=sys.stderr)
+        return 143  # 128 + SIGTERM, as main()
+    except USER_ERRORS as e:
+        return report_error(e)
     print(f"jaxrl.train: done; metrics in {config.output_dir}/metrics.jsonl, model in {out}")
     return 0
+
+
+# What bad input raises: each carries a message naming the problem and the fix.
+USER_ERRORS = (
+    ConfigError,
+    ValueError,
+    FileNotFoundError,
+    NotADirectoryError,
+    TypeError,
+    FloatingPointError,
+    CheckpointDiskFullError,
+)
+
+
+def report_error(err: BaseException) -> int:
+    """Print a user error as one paragraph (after the traceback of the user's own code, when
+    the error carries one: a reward function that raised) and return exit status 2."""
+    user_traceback = getattr(err, "user_traceback", "")
+    if user_traceback:
+        print(user_traceback.rstrip(), file=sys.stderr)
+    print(f"jaxrl.train: error: {err}", file=sys.stderr)
+    return 2
 
 
 def usage(algo: str) -> str:
@@ -388,9 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingInterrupted as e:
         print(f"jaxrl.train: {e}", file=sys.stderr)
         return 143  # 128 + SIGTERM, so a babysitter knows to resume
-    except (ConfigError, ValueError, FileNotFoundError, TypeError, FloatingPointError) as e:
-        print(f"jaxrl.train: error: {e}", file=sys.stderr)
-        return 2
+    except USER_ERRORS as e:
+        return report_error(e)
     print(
         f"jaxrl.train: done; metrics in {os.path.join(trainer.args.output_dir, 'metrics.jsonl')},"
         f" model in {out}"

@@ -234,3 +234,98 @@ def test_overwrite_resume_kill_and_damaged_checkpoint_continue_one_run(tmp_path,
     capsys.readouterr()
     assert _run(out, *data, *save, "--resume_from_checkpoint", "true") == 2
     assert f"No intact checkpoint in {out / 'checkpoints'}" in capsys.readouterr().err
+
+
+# A tiny GRPO/RLOO run on the embedded prompts: 2 prompts x 4 completions, scored by the user's
+# reward function, failing at the first scoring (before any train step is compiled).
+ONLINE = ["--max_steps", "1", "--per_device_train_batch_size", "8", "--num_generations", "4"]
+ONLINE += ["--eval_strategy", "no", "--eval_on_start", "false", "--save_strategy", "no"]
+ONLINE += ["--disable_tqdm", "true", "--mesh_data", "1", "--mesh_fsdp", "1"]
+
+USER_REWARDS = """
+def reads_answer(prompts, completions, **kwargs):
+    return [float(c == a) for c, a in zip(completions, kwargs["answer"])]
+
+
+def infinite(prompts, completions, **kwargs):
+    return [float("inf")] * len(prompts)
+"""
+
+
+@pytest.fixture
+def user_rewards(tmp_path, monkeypatch, request):
+    """A module of the user's reward functions, importable by its dotted name."""
+    name = f"user_rewards_{request.node.name.replace('[', '_').replace(']', '')}"
+    (tmp_path / f"{name}.py").write_text(USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def _error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("jaxrl.train: error:")]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rloo"])
+def test_a_raising_reward_function_exits_2_with_its_own_traceback(
+    tmp_path, capsys, user_rewards, algo
+):
+    flags = ["--algo", algo, *ONLINE, "--reward_funcs", f"{user_rewards}.reads_answer"]
+    assert main([*flags, "--output_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    message = _error_lines(err)
+    assert len(message) == 1, err[-3000:]
+    for word in ["'reads_answer' raised KeyError: 'answer'", "at global step 0", "dataset lacks"]:
+        assert word in message[0], message[0]
+    # The user's code stays visible above the paragraph; jaxrl's plumbing does not.
+    assert f"{user_rewards}.py" in err and 'kwargs["answer"]' in err
+    assert "jaxrl/trainers" not in err and "jaxrl/rewards.py" not in err
+
+
+def test_an_infinite_reward_names_its_function_not_the_learning_rate(
+    tmp_path, capsys, user_rewards
+):
+    flags = ["--algo", "grpo", *ONLINE, "--reward_funcs", f"{user_rewards}.infinite"]
+    assert main([*flags, "--output_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    message = _error_lines(err)
+    assert len(message) == 1 and "Traceback" not in err, err[-3000:]
+    assert "'infinite' returned inf for completion 0" in message[0]
+    assert "learning_rate" not in message[0]
+
+
+def test_disk_full_during_a_save_is_one_paragraph_and_keeps_earlier_checkpoints(
+    tmp_path, capsys, monkeypatch
+):
+    """ENOSPC from the checkpoint writer (the second save's metadata file): one paragraph naming
+    the directory and the space needed, no orbax tracebacks, checkpoint-1 intact and resumable."""
+    import errno
+
+    import orbax.checkpoint as ocp
+
+    write = ocp.JsonCheckpointHandler._save_fn
+    calls = []
+
+    async def full_disk(self, item, directory):
+        calls.append(directory)
+        if len(calls) >= 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+        return await write(self, item, directory)
+
+    monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", full_disk)
+    out = tmp_path / "out"
+    save = ["--save_strategy", "steps", "--save_steps", "1", "--max_steps", "3"]
+    assert main([*BASE, *_data(tmp_path), *save, "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    message = _error_lines(err)
+    assert len(message) == 1 and "Traceback" not in err, err[-3000:]
+    for word in ["disk is full", "checkpoint 2", str(out / "checkpoints"), "needs about"]:
+        assert word in message[0], message[0]
+    assert "MB" in message[0] and str(out / "checkpoints" / "checkpoint-1") in message[0]
+    assert "--resume_from_checkpoint true" in message[0]
+    monkeypatch.undo()
+    assert main([*BASE, *_data(tmp_path), *save, "--output_dir", str(out), "--logging_steps", "1", "--resume_from_checkpoint", "true"]) == 0  # fmt: skip
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "checkpoint-1",
+        "checkpoint-2",
+        "checkpoint-3",
+    ]
