@@ -119,6 +119,8 @@ CASES = [
     ("truncated safetensors", truncated_weights, 2, ["model.safetensors", "truncated"]),
     ("corrupt safetensors", corrupt_weights, 2, ["model.safetensors", "corrupt"]),
     ("output_dir is a file", output_dir_is_a_file, 2, ["is an existing file", "--output_dir"]),
+    ("output_dir under a file", lambda t: [*output_dir_is_a_file(t), "--output_dir", str(t / "out" / "run")], 2, ["cannot be created", f"{os.sep}out' is an existing file"]),
+    ("resume from a checkpoint that does not exist", lambda t: [*_data(t), "--resume_from_checkpoint", str(t / "runs/nowhere/checkpoints/checkpoint-5")], 2, ["runs/nowhere/checkpoints/checkpoint-5' does not exist", "runs' is missing"]),
     ("output_dir holds a previous run", previous_run, 2, ["--overwrite_output_dir", "--resume_from_checkpoint", "checkpoints/", "metrics.jsonl"]),
     ("output_dir in use by a live run", live_lock, 2, ["in use by another run", "jaxrl.lock"]),
     ("malformed YAML config", lambda t: [*_data(t), "--config", _text(t / "bad.yaml", "learning_rate: [1e-4\nmax_steps: 2\n")], 2, ["bad.yaml", "line"]),
@@ -329,3 +331,26 @@ def test_disk_full_during_a_save_is_one_paragraph_and_keeps_earlier_checkpoints(
         "checkpoint-2",
         "checkpoint-3",
     ]
+
+
+def _ddpo_causal_lm(tmp: Path) -> list[str]:
+    return ["--pretrained_model", str(task.asset_path("sft_model"))]
+
+
+# `--algo ddpo` has a CLI of its own (no BASE flags); each case fails before any model is built.
+DDPO_CASES = [
+    ("missing pipeline directory", lambda t: ["--pretrained_model", str(t / "nowhere")], ["nowhere' does not exist", "StableDiffusionPipeline.save_pretrained"]),
+    ("causal LM as a pipeline", _ddpo_causal_lm, ["not a diffusers Stable Diffusion directory", "unet/", "scheduler/"]),
+    ("num_epochs not a number", lambda t: ["--num_epochs", "abc"], ["--num_epochs expects int", "'abc'"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("setup,words", [c[1:] for c in DDPO_CASES], ids=[c[0] for c in DDPO_CASES])
+def test_ddpo_bad_input_is_one_clear_paragraph(tmp_path, capsys, setup, words):
+    argv = ["--algo", "ddpo", "--output_dir", str(tmp_path / "out"), *setup(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    message = _error_lines(err)
+    assert len(message) == 1 and "Traceback" not in err, err[-3000:]
+    for word in words:
+        assert word in message[0], message[0]
