@@ -354,3 +354,21 @@ def test_ddpo_bad_input_is_one_clear_paragraph(tmp_path, capsys, setup, words):
     assert len(message) == 1 and "Traceback" not in err, err[-3000:]
     for word in words:
         assert word in message[0], message[0]
+
+
+def test_ppo_refuses_a_causal_lm_as_reward_model(tmp_path, capsys):
+    """A causal LM has no trained score head: PPO would train on random scores (was a warning)."""
+    sft = str(task.asset_path("sft_model"))
+    argv = ["--algo", "ppo", "--max_steps", "1", "--disable_tqdm", "true", "--save_strategy", "no"]
+    argv += ["--reward_model", sft, "--output_dir", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    message = _error_lines(err)
+    assert len(message) == 1 and "Traceback" not in err, err[-3000:]
+    for word in [
+        f"{sft} has no trained score head",
+        "causal LM, not a reward model",
+        "--algo reward",
+    ]:
+        assert word in message[0], message[0]
+    assert not (tmp_path / "out" / "final").exists()

@@ -157,6 +157,7 @@ def from_config(
     value_head_kwargs: dict[str, Any] | None = None,
     vision: bool = False,
     activation_offloading: bool = False,
+    require_trained_head: bool = False,
 ) -> Model:
     """Randomly initialised model (normal(0, initializer_range) weights, as HF), created sharded.
     The weights depend on `seed` only, not on `scan_layers`: an unrolled stack is the scanned one
@@ -329,6 +330,7 @@ def from_pretrained(
     value_head_kwargs: dict[str, Any] | None = None,
     vision: bool = False,
     activation_offloading: bool = False,
+    require_trained_head: bool = False,
 ) -> Model:
     """Load an HF checkpoint directory (or Hub id) into a sharded jaxrl model.
 
@@ -341,7 +343,8 @@ def from_pretrained(
     `residual_dtype` overrides the residual dtype (see `config_from_hf`).
 
     For `task="sequence_classification"` from a causal-LM checkpoint the score head is freshly
-    initialised (as transformers does), with `num_labels` (default 1). For
+    initialised (as transformers does), with `num_labels` (default 1); with
+    `require_trained_head=True` (a reward model used to score) that is a ValueError instead. For
     `task="causal_lm_with_value_head"` the value head is read from TRL's `v_head.summary.*` keys
     when the checkpoint has them, else initialised as TRL does (`value_head_kwargs`, plus an
     optional `seed` for that init).
@@ -391,6 +394,14 @@ def from_pretrained(
     shardings = _shardings(abstract_state, mesh, rules)
     flat_shardings = dict(nnx.to_flat_state(shardings))
     fresh_head = task == "sequence_classification" and "score.weight" not in reader
+    if fresh_head and require_trained_head:
+        raise ValueError(
+            f"{directory} has no trained score head ('score.weight' is not in its weights: it "
+            f"is a {type(hf_config).__name__.removesuffix('Config')} causal LM, not a reward "
+            "model), so its scores would be random numbers. Train a reward model from it first "
+            f"(python -m jaxrl.train --algo reward --model_name_or_path {directory} "
+            "--dataset_name PREFERENCE_DATA) and pass that run's final/ directory."
+        )
     fresh_v_head = task == "causal_lm_with_value_head" and not all(k in reader for k in V_HEAD_KEYS)
     if fresh_v_head:
         v_kernel, v_bias = value_head_init(
