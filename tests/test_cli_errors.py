@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 from jaxrl.data import task
@@ -372,3 +373,46 @@ def test_ppo_refuses_a_causal_lm_as_reward_model(tmp_path, capsys):
     ]:
         assert word in message[0], message[0]
     assert not (tmp_path / "out" / "final").exists()
+
+
+def test_an_adapter_directory_as_the_model_loads_its_base_and_the_adapter(tmp_path, capsys):
+    """As PEFT's AutoPeftModel classes (and transformers with peft installed) do: the base named
+    in adapter_config.json, then the adapter, whose weights continue training (lora_B saved
+    nonzero comes back, not PEFT's zero init); the tokenizer is the base's."""
+    import numpy as np
+    from flax import nnx
+
+    from jaxrl import lora, models
+    from jaxrl.models.weights_io import SafetensorsFile
+
+    base = str(task.asset_path("sft_model"))
+    model = models.from_pretrained(base)
+    lora.apply_lora(model, lora.LoraConfig(r=2, target_modules=["q_proj"]), nnx.Rngs(0))
+    state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda x: x + 0.01, state))  # lora_B no longer zero
+    adapter = tmp_path / "adapter"
+    lora.save_peft_adapter(model, adapter, base_model_name_or_path=base)
+    saved = SafetensorsFile(adapter / "adapter_model.safetensors")
+    key = next(k for k in saved.keys() if k.endswith("lora_B.weight"))
+
+    out = tmp_path / "out"
+    argv = [*BASE, *_data(tmp_path), "--learning_rate", "1e-9", "--output_dir", str(out)]
+    assert main([*argv, "--model_name_or_path", str(adapter)]) == 0, capsys.readouterr().err[-3000:]
+    trained = SafetensorsFile(out / "final" / "adapter_model.safetensors")
+    np.testing.assert_allclose(trained.get(key), saved.get(key), atol=1e-5)
+    assert np.abs(saved.get(key)).min() > 0.005
+
+
+def test_an_adapter_directory_where_a_full_model_is_needed_says_so(tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"base_model_name_or_path": "org/base"})
+    )
+    from jaxrl import models
+
+    with pytest.raises(ValueError, match="is a PEFT adapter .* for the base model 'org/base'"):
+        models.from_pretrained(adapter)
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+    with pytest.raises(ValueError, match="names no base model"):
+        models.from_pretrained(adapter)

@@ -277,6 +277,29 @@ def resolve_checkpoint_dir(path_or_hub_id: str | Path) -> Path:
         ) from err
 
 
+def adapter_base_model(path: str | Path) -> str | None:
+    """The base model a PEFT adapter directory names (`adapter_config.json`'s
+    `base_model_name_or_path`), or None when `path` is not a local adapter directory (it holds a
+    full model's config.json, or no adapter_config.json). An adapter that names no base model is
+    a ValueError."""
+    directory = Path(path).expanduser()
+    config_file = directory / "adapter_config.json"
+    if not config_file.is_file() or (directory / "config.json").exists():
+        return None
+    try:
+        base = json.loads(config_file.read_text()).get("base_model_name_or_path")
+    except ValueError as err:
+        raise ValueError(f"{config_file} is not valid JSON ({err}).") from err
+    if not base:
+        raise ValueError(
+            f"{directory} is a PEFT adapter whose {config_file.name} names no base model "
+            "(base_model_name_or_path is empty): set it to the base model's directory or Hub id, "
+            "or load them yourself: lora.load_peft_adapter(models.from_pretrained(BASE), "
+            f"{str(directory)!r})."
+        )
+    return str(base)
+
+
 class MissingWeightError(KeyError, ValueError):
     """A weight the config needs is not in the checkpoint (a ValueError too: bad user input)."""
 
@@ -355,6 +378,16 @@ def from_pretrained(
     mesh = None if mesh is None else parallel.normalize_mesh(mesh, rules)
     directory = resolve_checkpoint_dir(path_or_hub_id)
     config_file = directory / "config.json"
+    base = adapter_base_model(directory)
+    if base is not None:
+        raise ValueError(
+            f"{directory} is a PEFT adapter (adapter_config.json) for the base model {base!r}, "
+            "not a full model. The trainers built on Trainer (SFT, reward, DPO, GRPO, RLOO) load "
+            "such a directory as PEFT's AutoPeftModel classes do, the base and then the adapter; "
+            "here do the same: lora.load_peft_adapter(models.from_pretrained("
+            f"{base!r}), {str(directory)!r}), or merge the adapter into its base first "
+            "(PeftModel.merge_and_unload) and pass the merged directory."
+        )
     if not config_file.exists():
         raise FileNotFoundError(f"{directory} has no config.json; is it an HF model directory?")
     model_type = json.loads(config_file.read_text()).get("model_type")
