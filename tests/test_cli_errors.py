@@ -9,6 +9,7 @@ a kill before the first checkpoint followed by a resume.
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -416,3 +417,53 @@ def test_an_adapter_directory_where_a_full_model_is_needed_says_so(tmp_path):
     (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
     with pytest.raises(ValueError, match="names no base model"):
         models.from_pretrained(adapter)
+
+
+# Config ranges: refused when the config is built, before any model or data is loaded.
+RANGE_CASES = [
+    ("dpo", "beta", "inf", "`beta` must be a finite number > 0 and <= 1000; got inf"),
+    ("dpo", "beta", "nan", "`beta` must be a finite number > 0 and <= 1000; got nan"),
+    ("dpo", "beta", "-0.1", "got -0.1"),
+    ("dpo", "beta", "1e9", "got 1000000000.0. beta scales the implicit reward"),
+    ("grpo", "beta", "inf", "`beta` must be a finite number >= 0 and <= 1000; got inf"),
+    ("grpo", "beta", "nan", "got nan. beta weighs the KL"),
+    ("rloo", "beta", "-1", "`beta` must be a finite number >= 0 and <= 1000; got -1"),
+    ("rloo", "beta", "1e9", "got 1000000000.0"),
+    ("grpo", "epsilon", "-0.2", "`epsilon` must be a finite number >= 0; got -0.2"),
+    ("grpo", "temperature", "0", "`temperature` must be a finite number > 0 and <= 100; got 0"),
+    ("rloo", "temperature", "-1", "got -1"),
+    ("grpo", "temperature", "1e9", "got 1000000000.0. Logits are divided by it"),
+    ("ppo", "temperature", "1e9", "`temperature` must be a finite number > 0 and <= 100"),
+]
+
+
+@pytest.mark.parametrize("algo,field,value,words", RANGE_CASES, ids=[f"{c[0]} {c[1]}={c[2]}" for c in RANGE_CASES])  # fmt: skip
+def test_config_values_out_of_range_are_refused(tmp_path, capsys, algo, field, value, words):
+    argv = ["--algo", algo, f"--{field}", value, "--output_dir", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    message = _error_lines(err)
+    assert len(message) == 1 and "Traceback" not in err, err[-3000:]
+    assert words in message[0], message[0]
+
+
+def test_completions_must_fit_the_models_positions(tmp_path, capsys):
+    """The shipped model has 64 positions (the character tokenizer adds no special tokens)."""
+    out = ["--output_dir", str(tmp_path / "out")]
+    assert main(["--algo", "grpo", *ONLINE, *out, "--max_completion_length", "100"]) == 2
+    message = _error_lines(capsys.readouterr().err)
+    assert len(message) == 1, message
+    assert "max_completion_length=100 plus the longest prompt of the train dataset" in message[0]
+    assert "beyond the model's 64 positions" in message[0]
+    longest = int(re.search(r"\((\d+) tokens, row", message[0]).group(1))
+    assert f"is {longest + 100} tokens" in message[0]
+    assert f"Lower max_completion_length to at most {64 - longest}" in message[0]
+
+    rows = [{"prompt": "1+1="}, {"prompt": "12+" * 40 + "1="}]
+    data = ["--dataset_name", _jsonl(tmp_path / "long.jsonl", rows)]
+    argv = ["--algo", "rloo", *ONLINE, *out, *data, "--reward_funcs", "arith_correct"]
+    assert main(argv) == 2
+    message = _error_lines(capsys.readouterr().err)
+    assert len(message) == 1, message
+    assert "Prompt 1 of the train dataset is 122 tokens long" in message[0]
+    assert "only 64 positions" in message[0]
