@@ -423,7 +423,7 @@ def test_an_adapter_directory_where_a_full_model_is_needed_says_so(tmp_path):
 RANGE_CASES = [
     ("dpo", "beta", "inf", "`beta` must be a finite number > 0 and <= 1000; got inf"),
     ("dpo", "beta", "nan", "`beta` must be a finite number > 0 and <= 1000; got nan"),
-    ("dpo", "beta", "-0.1", "got -0.1"),
+    ("dpo", "beta", "-0.1", "`beta` must be a finite number > 0 and <= 1000; got -0.1"),
     ("dpo", "beta", "1e9", "got 1000000000.0. beta scales the implicit reward"),
     ("grpo", "beta", "inf", "`beta` must be a finite number >= 0 and <= 1000; got inf"),
     ("grpo", "beta", "nan", "got nan. beta weighs the KL"),
@@ -431,7 +431,7 @@ RANGE_CASES = [
     ("rloo", "beta", "1e9", "got 1000000000.0"),
     ("grpo", "epsilon", "-0.2", "`epsilon` must be a finite number >= 0; got -0.2"),
     ("grpo", "temperature", "0", "`temperature` must be a finite number > 0 and <= 100; got 0"),
-    ("rloo", "temperature", "-1", "got -1"),
+    ("rloo", "temperature", "-1", "`temperature` must be a finite number > 0 and <= 100; got -1"),
     ("grpo", "temperature", "1e9", "got 1000000000.0. Logits are divided by it"),
     ("ppo", "temperature", "1e9", "`temperature` must be a finite number > 0 and <= 100"),
 ]
