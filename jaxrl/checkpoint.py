@@ -12,8 +12,10 @@ filled up, or a copy that was cut short) is named in a warning, moved aside to
 """
 
 import dataclasses
+import errno
 import logging
 import re
+import shutil
 import signal
 import threading
 import time
@@ -35,6 +37,47 @@ class CheckpointMismatchError(ValueError):
 
 class CheckpointCorruptError(ValueError):
     """A checkpoint's files are missing or unreadable (and no intact older step was usable)."""
+
+
+class CheckpointDiskFullError(OSError):
+    """The disk filled up while a checkpoint was written; the message names the directory, the
+    space one checkpoint needs and the fix. Committed checkpoints are intact (orbax writes into
+    a temporary directory, removed at the next start)."""
+
+
+def _is_disk_full(err: BaseException | None) -> bool:
+    """ENOSPC anywhere in `err`'s cause chain (tensorstore raises bare exceptions carrying the
+    OS message, so the text counts too)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+class _DropDiskFullTracebacks(logging.Filter):
+    """Orbax logs each failed background write of a save with its traceback (dozens of lines
+    per disk-full save) before the error reaches us; `Checkpointer` raises one paragraph
+    instead, so those records are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        err = record.exc_info[1] if record.exc_info else None
+        return not (_is_disk_full(err) or "No space left on device" in record.getMessage())
+
+
+_DISK_FULL_FILTER = _DropDiskFullTracebacks()
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 def _path_names(path: tuple) -> tuple[str, ...]:
@@ -180,6 +223,7 @@ class Checkpointer:
             raise ValueError(f"save_total_limit must be None or >= 1; got {save_total_limit}.")
         self.directory = Path(directory).absolute()
         self.save_total_limit = save_total_limit
+        logging.getLogger("absl").addFilter(_DISK_FULL_FILTER)  # idempotent
         self.protected_step: int | None = None
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -214,14 +258,50 @@ class Checkpointer:
         # Rotate once the previous save is committed, keeping `save_total_limit` steps while
         # this one is written: a crash mid-save still leaves that many intact steps.
         self.wait_until_finished()
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state_pytree),
-                metadata=ocp.args.JsonSave(metadata),
-            ),
-            force=True,
+        self._saving = (step, sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(state_pytree)))
+        try:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state_pytree),
+                    metadata=ocp.args.JsonSave(metadata),
+                ),
+                force=True,
+            )
+        except Exception as err:
+            self._raise_if_disk_full(err)
+            raise
+
+    def _raise_if_disk_full(self, err: Exception) -> None:
+        """Turn a save that ran out of disk into one CheckpointDiskFullError paragraph."""
+        if not _is_disk_full(err):
+            return
+        step, needed = getattr(self, "_saving", (None, 0))
+        # Orbax leaves the failed save's metadata writer running; joined here, it ends (its error
+        # filtered) before the process exits instead of failing noisily during shutdown.
+        for thread in threading.enumerate():
+            if thread.name == "write_metadata_after_commits":
+                thread.join(timeout=30)
+        try:
+            free = _human_bytes(shutil.disk_usage(self.directory).free)
+        except OSError:
+            free = "an unknown amount"
+        newest = self._manager.latest_step()
+        kept = (
+            f"Earlier checkpoints are intact (newest: {self.step_dir(newest)})"
+            if newest is not None
+            else "No earlier checkpoint was saved"
         )
+        full = CheckpointDiskFullError(
+            f"The disk is full: saving checkpoint {step} to {self.directory} failed (No space "
+            f"left on device). One checkpoint of this run needs about {_human_bytes(needed)} "
+            f"(weights, optimizer state and metadata); {free} is free there now. {kept}; the "
+            "partial one is removed at the next start. Free at least that much space (or point "
+            "--output_dir at a larger disk, or save fewer with --save_total_limit), then "
+            "continue with --resume_from_checkpoint true."
+        )
+        full.errno = errno.ENOSPC
+        raise full from err
 
     def step_dir(self, step: int) -> Path:
         """The directory of checkpoint `step`."""
@@ -371,7 +451,11 @@ class Checkpointer:
 
     def wait_until_finished(self) -> None:
         """Block until any in-flight asynchronous save is committed, then rotate old steps."""
-        self._manager.wait_until_finished()
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:
+            self._raise_if_disk_full(err)
+            raise
         self._rotate()
 
     def close(self) -> None:

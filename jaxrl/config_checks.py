@@ -8,6 +8,7 @@ The bottom of the config stack: `config.py` (`TrainingConfig`), `trainers/*_conf
 JAX, models/, core/ or trainers/, and never touches arrays or devices.
 """
 
+import math
 import typing
 from typing import Any
 
@@ -127,6 +128,39 @@ def check_choice(name: str, value: Any, choices: typing.Iterable[Any]) -> None:
     """Raise a `ConfigError` naming the valid choices unless `value` is one of them."""
     choices = tuple(choices)
     check(value in choices, f"`{name}={value!r}` is not valid; choose one of {list(choices)}.")
+
+
+# Upper bounds where TRL has none but a larger value is a typo, not a setting (issue 44): beta
+# scales log-ratios of order 1 (TRL's defaults 0.0-0.1, published runs 0.01-1), a temperature
+# divides logits (above 100 sampling is uniform over the vocabulary).
+BETA_MAX = 1000.0
+TEMPERATURE_MAX = 100.0
+
+
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive_minimum: bool = False,
+    why: str = "",
+) -> None:
+    """Raise a `ConfigError` unless `value` is a finite real number in `[minimum, maximum]`
+    (`(minimum, maximum]` with `exclusive_minimum`); `why` says what the range protects."""
+    low = "" if minimum is None else f"{'>' if exclusive_minimum else '>='} {minimum:g}"
+    high = "" if maximum is None else f"<= {maximum:g}"
+    bounds = " and ".join(b for b in (low, high) if b)
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and minimum is not None:
+        ok = value > minimum if exclusive_minimum else value >= minimum
+    if ok and maximum is not None:
+        ok = value <= maximum
+    check(
+        ok,
+        f"`{name}` must be a finite number{' ' + bounds if bounds else ''}; got {value!r}."
+        + (f" {why}" if why else ""),
+    )
 
 
 def check_steps(name: str, value: float) -> float | int:

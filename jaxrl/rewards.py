@@ -15,7 +15,10 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import math
 import re
+import reprlib
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -118,15 +121,105 @@ def _is_async(func: Callable) -> bool:
     return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
 
 
-def _to_column(output: Sequence[float | None], name: str, n: int) -> np.ndarray:
-    values = [np.nan if r is None else r for r in output]
-    if len(values) != n:
-        raise ValueError(
-            f"The reward function '{name}' returned {len(values)} rewards, but {n} were expected "
-            "(one per prompt-completion pair). Make sure it returns exactly one reward per "
-            "completion."
+class RewardFunctionError(ValueError):
+    """A reward function raised, or returned something that is not one number (or None) per
+    completion. The message names the function, the step and the fix; `user_traceback` is the
+    traceback of the user's code alone (from the reward function's frame on), for a command line
+    to show above the message (empty when the function returned a bad value)."""
+
+    def __init__(self, message: str, user_traceback: str = ""):
+        super().__init__(message)
+        self.user_traceback = user_traceback
+
+
+def _shown(value: Any) -> str:
+    return f"{reprlib.repr(value)} ({type(value).__name__})"
+
+
+def _where(extra_kwargs: Mapping[str, Any]) -> str:
+    """` at global step N` from the trainer's `trainer_state` (TRL passes it), else ``."""
+    step = getattr(extra_kwargs.get("trainer_state"), "global_step", None)
+    return "" if step is None else f" at global step {step}"
+
+
+_CALL_FRAMES: set = set()  # code objects of the callers, cut from user tracebacks
+
+
+def _user_traceback(err: BaseException) -> str:
+    """`err`'s traceback from the first frame that is neither `compute_rewards` nor asyncio's
+    machinery: the user's reward function and what it called."""
+    tb = err.__traceback__
+    asyncio_dir = str(asyncio.__file__).rsplit("/", 1)[0]
+    while tb is not None and (
+        tb.tb_frame.f_code in _CALL_FRAMES or tb.tb_frame.f_code.co_filename.startswith(asyncio_dir)
+    ):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(err), err, tb))
+
+
+def _raised(name: str, err: Exception, columns: Sequence[str], where: str) -> RewardFunctionError:
+    hint = ""
+    if isinstance(err, KeyError):
+        given = f"the dataset columns {sorted(columns)}" if columns else "no other dataset column"
+        hint = (
+            " A KeyError often means the function reads a dataset column the dataset lacks; "
+            f"reward functions get prompts, completions, completion_ids and {given} as keyword "
+            "arguments."
         )
-    return np.asarray(values, np.float32)
+    return RewardFunctionError(
+        f"Reward function {name!r} raised {type(err).__name__}: {err}{where} (its traceback is "
+        f"above).{hint} Fix the function or the dataset and rerun; checkpoints already saved are "
+        "kept (continue with --resume_from_checkpoint true).",
+        _user_traceback(err),
+    )
+
+
+def _to_column(output: Any, name: str, n: int, where: str = "", prompts: list = ()) -> np.ndarray:
+    """One reward function's output -> `[n]` float32 (None -> NaN, as TRL), or a
+    RewardFunctionError naming the function and what it returned."""
+    expected = (
+        f"return a list of {n} rewards, one per completion: a number, or None for a completion "
+        "it cannot score (TRL's NaN)"
+    )
+    if output is None or isinstance(output, (str, bytes, Mapping)):
+        raise RewardFunctionError(
+            f"Reward function {name!r} returned {_shown(output)}{where}, not a list; {expected}."
+        )
+    try:
+        values = list(output)
+    except TypeError:  # a bare number (or a 0-d array)
+        raise RewardFunctionError(
+            f"Reward function {name!r} returned {_shown(output)}{where}, not a list; {expected}."
+        ) from None
+    if len(values) != n:
+        raise RewardFunctionError(
+            f"Reward function {name!r} returned {len(values)} rewards{where}, but {n} were "
+            f"expected (one per prompt-completion pair): {reprlib.repr(values)}. Make sure it "
+            "returns exactly one reward per completion."
+        )
+    out = np.empty(n, np.float32)
+    for i, r in enumerate(values):
+        bad = isinstance(r, (str, bytes))
+        if not bad:
+            try:
+                out[i] = np.nan if r is None else float(r)
+            except (TypeError, ValueError):
+                bad = True
+        if bad:
+            raise RewardFunctionError(
+                f"Reward function {name!r} returned {_shown(r)} for completion {i}{where}; "
+                "rewards must be numbers or None (TRL refuses anything else). Convert them with "
+                "float(...) in the function."
+            )
+        if math.isinf(out[i]):
+            prompt = f" (prompt {reprlib.repr(prompts[i])})" if i < len(prompts) else ""
+            raise RewardFunctionError(
+                f"Reward function {name!r} returned {float(out[i])} for completion {i}{prompt}"
+                f"{where}; rewards must be finite: one infinite reward makes its group's "
+                "advantages, and so the loss, NaN. Clip it to a finite value, or return None "
+                "for a completion the function cannot score (TRL's NaN)."
+            )
+    return out
 
 
 def compute_rewards(
@@ -142,27 +235,43 @@ def compute_rewards(
 
     Every function gets `prompts=`, `completions=`, `completion_ids=`, the dataset `columns`
     (each a list of N values; not `prompt`/`completion`/`completion_ids`) and `extra_kwargs`.
+    A function that raises, or returns anything but one finite number or None per completion,
+    raises RewardFunctionError naming it (and the step, from `trainer_state`).
     """
     n = len(prompts)
     if len(completions) != n:
         raise ValueError(f"Got {n} prompts but {len(completions)} completions.")
     kwargs = {k: v for k, v in (columns or {}).items() if k not in _RESERVED_COLUMNS}
+    column_names = list(kwargs)
     kwargs.update(extra_kwargs)
     call = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+    where = _where(extra_kwargs)
     rewards_NK = np.zeros((n, len(reward_funcs)), np.float32)
     pending = []
     for i, func in enumerate(reward_funcs):
         if _is_async(func):
             pending.append(i)
-        else:
-            rewards_NK[:, i] = _to_column(func(**call), reward_func_name(func), n)
+            continue
+        name = reward_func_name(func)
+        try:
+            output = func(**call)
+        except Exception as err:
+            raise _raised(name, err, column_names, where) from err
+        rewards_NK[:, i] = _to_column(output, name, n, where, prompts)
     if pending:
 
         async def run_all():
-            return await asyncio.gather(*(reward_funcs[i](**call) for i in pending))
+            return await asyncio.gather(
+                *(reward_funcs[i](**call) for i in pending), return_exceptions=True
+            )
 
         for i, output in zip(pending, asyncio.run(run_all()), strict=True):
-            rewards_NK[:, i] = _to_column(output, reward_func_name(reward_funcs[i]), n)
+            name = reward_func_name(reward_funcs[i])
+            if isinstance(output, Exception):
+                raise _raised(name, output, column_names, where) from output
+            if isinstance(output, BaseException):  # KeyboardInterrupt, SystemExit: as they are
+                raise output
+            rewards_NK[:, i] = _to_column(output, name, n, where, prompts)
     unscorable = np.isnan(rewards_NK).all(axis=1)
     if reward_funcs and unscorable.any():
         row = int(np.flatnonzero(unscorable)[0])
@@ -173,6 +282,9 @@ def compute_rewards(
             completions[row],
         )
     return rewards_NK
+
+
+_CALL_FRAMES.add(compute_rewards.__code__)
 
 
 def group_reward_metrics(

@@ -53,6 +53,13 @@ def check_output_dir(
             f"output_dir {str(path)!r} is an existing file, not a directory; pass a directory "
             "path (it is created if missing), e.g. --output_dir outputs/my_run."
         )
+    blocker = next((p for p in path.absolute().parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise OutputDirError(
+            f"output_dir {str(path)!r} cannot be created: {str(blocker)!r} is an existing file, "
+            "not a directory. Pass a --output_dir outside it, e.g. --output_dir outputs/my_run."
+        )
+    _check_resume_path(resume_from_checkpoint, path)
     if overwrite_output_dir is None or overwrite_output_dir:
         return
     found = [f for f in previous_run(path) if not (own_metrics and f == "metrics.jsonl")]
@@ -83,6 +90,27 @@ def previous_run(output_dir: str | os.PathLike) -> list[str]:
 
 def _wants_resume(resume: Any) -> bool:
     return resume not in (None, False, "", "false", "False")
+
+
+# `resume_from_checkpoint` values that mean "this run's newest checkpoint", not a path.
+_RESUME_LATEST = ("true", "latest")
+
+
+def _check_resume_path(resume: Any, output_dir: Path) -> None:
+    """A `resume_from_checkpoint` path that does not exist is named as given (before anything
+    is loaded), with the two values that do resume."""
+    if not _wants_resume(resume) or resume is True or str(resume).lower() in _RESUME_LATEST:
+        return
+    path = Path(str(resume)).expanduser()
+    if path.exists():
+        return
+    missing = next((p for p in [path, *path.parents] if p.parent.exists()), path)
+    raise OutputDirError(
+        f"resume_from_checkpoint {str(resume)!r} does not exist ({str(missing.absolute())!r} is "
+        "missing). Pass true to continue this run from its newest checkpoint (in "
+        f"{str(output_dir / 'checkpoints')!r}), or an existing checkpoint-N directory, a "
+        "checkpoints directory or a run's output_dir."
+    )
 
 
 class RunLock:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl import config_docs, parallel, run_dir, scripting
+from jaxrl.checkpoint import CheckpointDiskFullError
 from jaxrl.config import ConfigError
 from jaxrl.config_cli import MissingExtraError, PeftArguments, parse_config
 from jaxrl.data import task
@@ -339,17 +340,38 @@ def main_ddpo(argv: list[str]) -> int:
             lambda: (str(np.random.choice(TINY_PROMPTS)), {}),
             config.pretrained_model or None,
         )
-    except (ValueError, MissingExtraError) as e:
-        print(f"jaxrl.train: error: {e}", file=sys.stderr)
-        return 2
-    try:
         trainer.train()
+        out = trainer.save_model()
     except TrainingInterrupted as e:
         print(f"jaxrl.train: {e}", file=sys.stderr)
         return EXIT_SIGTERM
-    out = trainer.save_model()
+    except USER_ERRORS as e:
+        return report_error(e)
     print(f"jaxrl.train: done; metrics in {config.output_dir}/metrics.jsonl, model in {out}")
     return 0
+
+
+# What bad input raises: each carries a message naming the problem and the fix.
+USER_ERRORS = (
+    ConfigError,
+    ValueError,
+    FileNotFoundError,
+    NotADirectoryError,
+    TypeError,
+    FloatingPointError,
+    CheckpointDiskFullError,
+    MissingExtraError,
+)
+
+
+def report_error(err: BaseException) -> int:
+    """Print a user error as one paragraph (after the traceback of the user's own code, when
+    the error carries one: a reward function that raised) and return exit status 2."""
+    user_traceback = getattr(err, "user_traceback", "")
+    if user_traceback:
+        print(user_traceback.rstrip(), file=sys.stderr)
+    print(f"jaxrl.train: error: {err}", file=sys.stderr)
+    return 2
 
 
 def usage(algo: str) -> str:
@@ -379,16 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingInterrupted as e:
         print(f"jaxrl.train: {e}", file=sys.stderr)
         return EXIT_SIGTERM
-    except (
-        ConfigError,
-        ValueError,
-        FileNotFoundError,
-        TypeError,
-        FloatingPointError,
-        MissingExtraError,
-    ) as e:
-        print(f"jaxrl.train: error: {e}", file=sys.stderr)
-        return 2
+    except USER_ERRORS as e:
+        return report_error(e)
     print(
         f"jaxrl.train: done; metrics in {os.path.join(trainer.args.output_dir, 'metrics.jsonl')},"
         f" model in {out}"

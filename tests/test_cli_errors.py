@@ -9,12 +9,14 @@ a kill before the first checkpoint followed by a resume.
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 from jaxrl.data import task
@@ -120,6 +122,8 @@ CASES = [
     ("truncated safetensors", truncated_weights, 2, ["model.safetensors", "truncated"]),
     ("corrupt safetensors", corrupt_weights, 2, ["model.safetensors", "corrupt"]),
     ("output_dir is a file", output_dir_is_a_file, 2, ["is an existing file", "--output_dir"]),
+    ("output_dir under a file", lambda t: [*output_dir_is_a_file(t), "--output_dir", str(t / "out" / "run")], 2, ["cannot be created", f"{os.sep}out' is an existing file"]),
+    ("resume from a checkpoint that does not exist", lambda t: [*_data(t), "--resume_from_checkpoint", str(t / "runs/nowhere/checkpoints/checkpoint-5")], 2, ["runs/nowhere/checkpoints/checkpoint-5' does not exist", "runs' is missing"]),
     ("output_dir holds a previous run", previous_run, 2, ["--overwrite_output_dir", "--resume_from_checkpoint", "checkpoints/", "metrics.jsonl"]),
     ("output_dir in use by a live run", live_lock, 2, ["in use by another run", "jaxrl.lock"]),
     ("malformed YAML config", lambda t: [*_data(t), "--config", _text(t / "bad.yaml", "learning_rate: [1e-4\nmax_steps: 2\n")], 2, ["bad.yaml", "line"]),
@@ -236,3 +240,232 @@ def test_overwrite_resume_kill_and_damaged_checkpoint_continue_one_run(tmp_path,
     capsys.readouterr()
     assert _run(out, *data, *save, "--resume_from_checkpoint", "true") == 2
     assert f"No intact checkpoint in {out / 'checkpoints'}" in capsys.readouterr().err
+
+
+# A tiny GRPO/RLOO run on the embedded prompts: 2 prompts x 4 completions, scored by the user's
+# reward function, failing at the first scoring (before any train step is compiled).
+ONLINE = ["--max_steps", "1", "--per_device_train_batch_size", "8", "--num_generations", "4"]
+ONLINE += ["--eval_strategy", "no", "--eval_on_start", "false", "--save_strategy", "no"]
+ONLINE += ["--disable_tqdm", "true", "--mesh_data", "1", "--mesh_fsdp", "1"]
+
+USER_REWARDS = """
+def reads_answer(prompts, completions, **kwargs):
+    return [float(c == a) for c, a in zip(completions, kwargs["answer"])]
+
+
+def infinite(prompts, completions, **kwargs):
+    return [float("inf")] * len(prompts)
+"""
+
+
+@pytest.fixture
+def user_rewards(tmp_path, monkeypatch, request):
+    """A module of the user's reward functions, importable by its dotted name."""
+    name = f"user_rewards_{request.node.name.replace('[', '_').replace(']', '')}"
+    (tmp_path / f"{name}.py").write_text(USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def _error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("jaxrl.train: error:")]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rloo"])
+def test_a_raising_reward_function_exits_2_with_its_own_traceback(
+    tmp_path, capsys, user_rewards, algo
+):
+    flags = ["--algo", algo, *ONLINE, "--reward_funcs", f"{user_rewards}.reads_answer"]
+    assert main([*flags, "--output_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    message = _error_lines(err)
+    assert len(message) == 1, err[-3000:]
+    for word in ["'reads_answer' raised KeyError: 'answer'", "at global step 0", "dataset lacks"]:
+        assert word in message[0], message[0]
+    # The user's code stays visible above the paragraph; jaxrl's plumbing does not.
+    assert f"{user_rewards}.py" in err and 'kwargs["answer"]' in err
+    assert "jaxrl/trainers" not in err and "jaxrl/rewards.py" not in err
+
+
+def test_an_infinite_reward_names_its_function_not_the_learning_rate(
+    tmp_path, capsys, user_rewards
+):
+    flags = ["--algo", "grpo", *ONLINE, "--reward_funcs", f"{user_rewards}.infinite"]
+    assert main([*flags, "--output_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    message = _error_lines(err)
+    assert len(message) == 1 and "Traceback" not in err, err[-3000:]
+    assert "'infinite' returned inf for completion 0" in message[0]
+    assert "learning_rate" not in message[0]
+
+
+def test_disk_full_during_a_save_is_one_paragraph_and_keeps_earlier_checkpoints(
+    tmp_path, capsys, monkeypatch
+):
+    """ENOSPC from the checkpoint writer (the second save's metadata file): one paragraph naming
+    the directory and the space needed, no orbax tracebacks, checkpoint-1 intact and resumable."""
+    import errno
+
+    import orbax.checkpoint as ocp
+
+    write = ocp.JsonCheckpointHandler._save_fn
+    calls = []
+
+    async def full_disk(self, item, directory):
+        calls.append(directory)
+        if len(calls) >= 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+        return await write(self, item, directory)
+
+    monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", full_disk)
+    out = tmp_path / "out"
+    save = ["--save_strategy", "steps", "--save_steps", "1", "--max_steps", "3"]
+    assert main([*BASE, *_data(tmp_path), *save, "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    message = _error_lines(err)
+    assert len(message) == 1 and "Traceback" not in err, err[-3000:]
+    for word in ["disk is full", "checkpoint 2", str(out / "checkpoints"), "needs about"]:
+        assert word in message[0], message[0]
+    assert "MB" in message[0] and str(out / "checkpoints" / "checkpoint-1") in message[0]
+    assert "--resume_from_checkpoint true" in message[0]
+    monkeypatch.undo()
+    assert main([*BASE, *_data(tmp_path), *save, "--output_dir", str(out), "--logging_steps", "1", "--resume_from_checkpoint", "true"]) == 0  # fmt: skip
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "checkpoint-1",
+        "checkpoint-2",
+        "checkpoint-3",
+    ]
+
+
+def _ddpo_causal_lm(tmp: Path) -> list[str]:
+    return ["--pretrained_model", str(task.asset_path("sft_model"))]
+
+
+# `--algo ddpo` has a CLI of its own (no BASE flags); each case fails before any model is built.
+DDPO_CASES = [
+    ("missing pipeline directory", lambda t: ["--pretrained_model", str(t / "nowhere")], ["nowhere' does not exist", "StableDiffusionPipeline.save_pretrained"]),
+    ("causal LM as a pipeline", _ddpo_causal_lm, ["not a diffusers Stable Diffusion directory", "unet/", "scheduler/"]),
+    ("num_epochs not a number", lambda t: ["--num_epochs", "abc"], ["--num_epochs expects int", "'abc'"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("setup,words", [c[1:] for c in DDPO_CASES], ids=[c[0] for c in DDPO_CASES])
+def test_ddpo_bad_input_is_one_clear_paragraph(tmp_path, capsys, setup, words):
+    argv = ["--algo", "ddpo", "--output_dir", str(tmp_path / "out"), *setup(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    message = _error_lines(err)
+    assert len(message) == 1 and "Traceback" not in err, err[-3000:]
+    for word in words:
+        assert word in message[0], message[0]
+
+
+def test_ppo_refuses_a_causal_lm_as_reward_model(tmp_path, capsys):
+    """A causal LM has no trained score head: PPO would train on random scores (was a warning)."""
+    sft = str(task.asset_path("sft_model"))
+    argv = ["--algo", "ppo", "--max_steps", "1", "--disable_tqdm", "true", "--save_strategy", "no"]
+    argv += ["--reward_model", sft, "--output_dir", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    message = _error_lines(err)
+    assert len(message) == 1 and "Traceback" not in err, err[-3000:]
+    for word in [
+        f"{sft} has no trained score head",
+        "causal LM, not a reward model",
+        "--algo reward",
+    ]:
+        assert word in message[0], message[0]
+    assert not (tmp_path / "out" / "final").exists()
+
+
+def test_an_adapter_directory_as_the_model_loads_its_base_and_the_adapter(tmp_path, capsys):
+    """As PEFT's AutoPeftModel classes (and transformers with peft installed) do: the base named
+    in adapter_config.json, then the adapter, whose weights continue training (lora_B saved
+    nonzero comes back, not PEFT's zero init); the tokenizer is the base's."""
+    import numpy as np
+    from flax import nnx
+
+    from jaxrl import lora, models
+    from jaxrl.models.weights_io import SafetensorsFile
+
+    base = str(task.asset_path("sft_model"))
+    model = models.from_pretrained(base)
+    lora.apply_lora(model, lora.LoraConfig(r=2, target_modules=["q_proj"]), nnx.Rngs(0))
+    state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda x: x + 0.01, state))  # lora_B no longer zero
+    adapter = tmp_path / "adapter"
+    lora.save_peft_adapter(model, adapter, base_model_name_or_path=base)
+    saved = SafetensorsFile(adapter / "adapter_model.safetensors")
+    key = next(k for k in saved.keys() if k.endswith("lora_B.weight"))
+
+    out = tmp_path / "out"
+    argv = [*BASE, *_data(tmp_path), "--learning_rate", "1e-9", "--output_dir", str(out)]
+    assert main([*argv, "--model_name_or_path", str(adapter)]) == 0, capsys.readouterr().err[-3000:]
+    trained = SafetensorsFile(out / "final" / "adapter_model.safetensors")
+    np.testing.assert_allclose(trained.get(key), saved.get(key), atol=1e-5)
+    assert np.abs(saved.get(key)).min() > 0.005
+
+
+def test_an_adapter_directory_where_a_full_model_is_needed_says_so(tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"base_model_name_or_path": "org/base"})
+    )
+    from jaxrl import models
+
+    with pytest.raises(ValueError, match="is a PEFT adapter .* for the base model 'org/base'"):
+        models.from_pretrained(adapter)
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+    with pytest.raises(ValueError, match="names no base model"):
+        models.from_pretrained(adapter)
+
+
+# Config ranges: refused when the config is built, before any model or data is loaded.
+RANGE_CASES = [
+    ("dpo", "beta", "inf", "`beta` must be a finite number > 0 and <= 1000; got inf"),
+    ("dpo", "beta", "nan", "`beta` must be a finite number > 0 and <= 1000; got nan"),
+    ("dpo", "beta", "-0.1", "`beta` must be a finite number > 0 and <= 1000; got -0.1"),
+    ("dpo", "beta", "1e9", "got 1000000000.0. beta scales the implicit reward"),
+    ("grpo", "beta", "inf", "`beta` must be a finite number >= 0 and <= 1000; got inf"),
+    ("grpo", "beta", "nan", "got nan. beta weighs the KL"),
+    ("rloo", "beta", "-1", "`beta` must be a finite number >= 0 and <= 1000; got -1"),
+    ("rloo", "beta", "1e9", "got 1000000000.0"),
+    ("grpo", "epsilon", "-0.2", "`epsilon` must be a finite number >= 0; got -0.2"),
+    ("grpo", "temperature", "0", "`temperature` must be a finite number > 0 and <= 100; got 0"),
+    ("rloo", "temperature", "-1", "`temperature` must be a finite number > 0 and <= 100; got -1"),
+    ("grpo", "temperature", "1e9", "got 1000000000.0. Logits are divided by it"),
+    ("ppo", "temperature", "1e9", "`temperature` must be a finite number > 0 and <= 100"),
+]
+
+
+@pytest.mark.parametrize("algo,field,value,words", RANGE_CASES, ids=[f"{c[0]} {c[1]}={c[2]}" for c in RANGE_CASES])  # fmt: skip
+def test_config_values_out_of_range_are_refused(tmp_path, capsys, algo, field, value, words):
+    argv = ["--algo", algo, f"--{field}", value, "--output_dir", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    message = _error_lines(err)
+    assert len(message) == 1 and "Traceback" not in err, err[-3000:]
+    assert words in message[0], message[0]
+
+
+def test_completions_must_fit_the_models_positions(tmp_path, capsys):
+    """The shipped model has 64 positions (the character tokenizer adds no special tokens)."""
+    out = ["--output_dir", str(tmp_path / "out")]
+    assert main(["--algo", "grpo", *ONLINE, *out, "--max_completion_length", "100"]) == 2
+    message = _error_lines(capsys.readouterr().err)
+    assert len(message) == 1, message
+    assert "max_completion_length=100 plus the longest prompt of the train dataset" in message[0]
+    assert "beyond the model's 64 positions" in message[0]
+    longest = int(re.search(r"\((\d+) tokens, row", message[0]).group(1))
+    assert f"is {longest + 100} tokens" in message[0]
+    assert f"Lower max_completion_length to at most {64 - longest}" in message[0]
+
+    rows = [{"prompt": "1+1="}, {"prompt": "12+" * 40 + "1="}]
+    data = ["--dataset_name", _jsonl(tmp_path / "long.jsonl", rows)]
+    argv = ["--algo", "rloo", *ONLINE, *out, *data, "--reward_funcs", "arith_correct"]
+    assert main(argv) == 2
+    message = _error_lines(capsys.readouterr().err)
+    assert len(message) == 1, message
+    assert "Prompt 1 of the train dataset is 122 tokens long" in message[0]
+    assert "only 64 positions" in message[0]

@@ -15,6 +15,7 @@ from trl.trainer.utils import nanstd as trl_nanstd
 from jaxrl.data.char_tokenizer import build_char_tokenizer
 from jaxrl.losses.grpo import grpo_advantages
 from jaxrl.rewards import (
+    RewardFunctionError,
     RewardModelFunc,
     arith_correct,
     completions_from_texts,
@@ -146,6 +147,82 @@ def test_wrong_length_and_weights_are_rejected():
     with pytest.raises(ValueError, match="Number of reward weights"):
         resolve_reward_weights([1.0], 2)
     np.testing.assert_array_equal(resolve_reward_weights(None, 3), [1, 1, 1])
+
+
+def _returning(value):
+    def bad_reward(prompts, completions, **kwargs):
+        return value
+
+    return bad_reward
+
+
+@pytest.mark.parametrize(
+    "value,words",
+    [
+        (None, ["returned None (NoneType)", "not a list", "4 rewards"]),
+        (0.5, ["returned 0.5 (float)", "not a list"]),
+        ("1.0", ["returned '1.0' (str)", "not a list"]),
+        (["1.0", 1.0, 1.0, 1.0], ["returned '1.0' (str) for completion 0", "numbers or None"]),
+        ([1.0, [2.0], 1.0, 1.0], ["returned [2.0] (list) for completion 1"]),
+        ([1.0, 2.0], ["returned 2 rewards", "4 were expected", "[1.0, 2.0]"]),
+        ([1.0, float("inf"), 1.0, 1.0], ["returned inf for completion 1", "'12+35='", "finite"]),
+        ([1.0, 1.0, -np.inf, 1.0], ["returned -inf for completion 2", "'40+2='"]),
+    ],
+    ids=["None", "float", "string", "string element", "list element", "short", "inf", "-inf"],
+)
+def test_bad_reward_outputs_name_the_function_and_the_value(value, words):
+    state = types.SimpleNamespace(global_step=7)
+    with pytest.raises(RewardFunctionError) as err:
+        compute_rewards([_returning(value)], PROMPTS, COMPLETIONS, trainer_state=state)
+    message = str(err.value)
+    for word in ["'bad_reward'", "at global step 7", *words]:
+        assert word in message, message
+    assert err.value.user_traceback == ""
+
+
+def test_numbers_of_any_kind_and_nan_are_accepted_like_trl():
+    out = [np.float64(0.5), True, torch.tensor(2.0), float("nan")]
+    rewards = compute_rewards([_returning(out)], PROMPTS, COMPLETIONS)
+    np.testing.assert_array_equal(rewards[:, 0], [0.5, 1.0, 2.0, np.nan])
+    np.testing.assert_array_equal(
+        compute_rewards([_returning(np.arange(4))], PROMPTS, COMPLETIONS)[:, 0], [0, 1, 2, 3]
+    )
+
+
+def wants_answer(prompts, completions, answer, **kwargs):
+    return [float(c == a) for c, a in zip(completions, answer, strict=True)]
+
+
+async def async_boom(prompts, completions, **kwargs):
+    raise RuntimeError("scorer offline")
+
+
+def test_a_raising_reward_function_is_named_with_its_traceback():
+    state = types.SimpleNamespace(global_step=3)
+    columns = {"difficulty": [1, 2, 3, 4]}
+    with pytest.raises(RewardFunctionError) as err:
+        compute_rewards([wants_answer], PROMPTS, COMPLETIONS, columns=columns, trainer_state=state)
+    message = str(err.value)
+    assert "'wants_answer' raised TypeError" in message and "at global step 3" in message
+    assert "answer" in message  # Python's own words: the missing keyword argument
+    assert isinstance(err.value.__cause__, TypeError)
+
+    def reads_column(prompts, completions, **kwargs):
+        return kwargs["answer"]
+
+    with pytest.raises(RewardFunctionError) as err:
+        compute_rewards([reads_column], PROMPTS, COMPLETIONS, columns=columns, trainer_state=state)
+    assert "raised KeyError: 'answer'" in str(err.value)
+    assert "dataset columns ['difficulty']" in str(err.value)  # the columns it does get
+    # The user's frames only: the function's own line, not the caller's plumbing.
+    tb = err.value.user_traceback
+    assert tb.startswith("Traceback") and 'return kwargs["answer"]' in tb
+    assert "in reads_column" in tb and "compute_rewards" not in tb
+
+    with pytest.raises(RewardFunctionError) as err:
+        compute_rewards([async_boom], PROMPTS, COMPLETIONS, trainer_state=state)
+    assert "'async_boom' raised RuntimeError: scorer offline at global step 3" in str(err.value)
+    assert "in async_boom" in err.value.user_traceback
 
 
 def test_all_none_row_warns(caplog):

@@ -157,6 +157,7 @@ def from_config(
     value_head_kwargs: dict[str, Any] | None = None,
     vision: bool = False,
     activation_offloading: bool = False,
+    require_trained_head: bool = False,
 ) -> Model:
     """Randomly initialised model (normal(0, initializer_range) weights, as HF), created sharded.
     The weights depend on `seed` only, not on `scan_layers`: an unrolled stack is the scanned one
@@ -276,6 +277,29 @@ def resolve_checkpoint_dir(path_or_hub_id: str | Path) -> Path:
         ) from err
 
 
+def adapter_base_model(path: str | Path) -> str | None:
+    """The base model a PEFT adapter directory names (`adapter_config.json`'s
+    `base_model_name_or_path`), or None when `path` is not a local adapter directory (it holds a
+    full model's config.json, or no adapter_config.json). An adapter that names no base model is
+    a ValueError."""
+    directory = Path(path).expanduser()
+    config_file = directory / "adapter_config.json"
+    if not config_file.is_file() or (directory / "config.json").exists():
+        return None
+    try:
+        base = json.loads(config_file.read_text()).get("base_model_name_or_path")
+    except ValueError as err:
+        raise ValueError(f"{config_file} is not valid JSON ({err}).") from err
+    if not base:
+        raise ValueError(
+            f"{directory} is a PEFT adapter whose {config_file.name} names no base model "
+            "(base_model_name_or_path is empty): set it to the base model's directory or Hub id, "
+            "or load them yourself: lora.load_peft_adapter(models.from_pretrained(BASE), "
+            f"{str(directory)!r})."
+        )
+    return str(base)
+
+
 class MissingWeightError(KeyError, ValueError):
     """A weight the config needs is not in the checkpoint (a ValueError too: bad user input)."""
 
@@ -329,6 +353,7 @@ def from_pretrained(
     value_head_kwargs: dict[str, Any] | None = None,
     vision: bool = False,
     activation_offloading: bool = False,
+    require_trained_head: bool = False,
 ) -> Model:
     """Load an HF checkpoint directory (or Hub id) into a sharded jaxrl model.
 
@@ -341,7 +366,8 @@ def from_pretrained(
     `residual_dtype` overrides the residual dtype (see `config_from_hf`).
 
     For `task="sequence_classification"` from a causal-LM checkpoint the score head is freshly
-    initialised (as transformers does), with `num_labels` (default 1). For
+    initialised (as transformers does), with `num_labels` (default 1); with
+    `require_trained_head=True` (a reward model used to score) that is a ValueError instead. For
     `task="causal_lm_with_value_head"` the value head is read from TRL's `v_head.summary.*` keys
     when the checkpoint has them, else initialised as TRL does (`value_head_kwargs`, plus an
     optional `seed` for that init).
@@ -351,6 +377,16 @@ def from_pretrained(
     _check_task(task)
     directory = resolve_checkpoint_dir(path_or_hub_id)
     config_file = directory / "config.json"
+    base = adapter_base_model(directory)
+    if base is not None:
+        raise ValueError(
+            f"{directory} is a PEFT adapter (adapter_config.json) for the base model {base!r}, "
+            "not a full model. The trainers built on Trainer (SFT, reward, DPO, GRPO, RLOO) load "
+            "such a directory as PEFT's AutoPeftModel classes do, the base and then the adapter; "
+            "here do the same: lora.load_peft_adapter(models.from_pretrained("
+            f"{base!r}), {str(directory)!r}), or merge the adapter into its base first "
+            "(PeftModel.merge_and_unload) and pass the merged directory."
+        )
     if not config_file.exists():
         raise FileNotFoundError(f"{directory} has no config.json; is it an HF model directory?")
     model_type = json.loads(config_file.read_text()).get("model_type")
@@ -379,6 +415,7 @@ def from_pretrained(
         value_head_kwargs=value_head_kwargs,
         vision=vision,
         activation_offloading=activation_offloading,
+        require_trained_head=require_trained_head,
     )
 
 
@@ -401,6 +438,7 @@ def from_state(
     value_head_kwargs: dict[str, Any] | None = None,
     vision: bool = False,
     activation_offloading: bool = False,
+    require_trained_head: bool = False,
 ) -> Model:
     """`from_pretrained` from an HF config and a `key -> np.ndarray` reader of HF-named weights
     (`keys()`, `in`, `get`: a checkpoint directory's, or a transformers model's state dict held
@@ -438,6 +476,14 @@ def from_state(
     shardings = _shardings(abstract_state, mesh, rules)
     flat_shardings = dict(nnx.to_flat_state(shardings))
     fresh_head = task == "sequence_classification" and "score.weight" not in reader
+    if fresh_head and require_trained_head:
+        raise ValueError(
+            f"{source} has no trained score head ('score.weight' is not in its weights: it "
+            f"is a {type(hf_config).__name__.removesuffix('Config')} causal LM, not a reward "
+            "model), so its scores would be random numbers. Train a reward model from it first "
+            f"(python -m jaxrl.train --algo reward --model_name_or_path {passthrough_dir or 'MODEL'} "
+            "--dataset_name PREFERENCE_DATA) and pass that run's final/ directory."
+        )
     fresh_v_head = task == "causal_lm_with_value_head" and not all(k in reader for k in V_HEAD_KEYS)
     if fresh_v_head:
         v_kernel, v_bias = value_head_init(

@@ -293,7 +293,11 @@ def parse_ddpo_cli(argv: list[str]) -> tuple[DDPOConfig, str]:
         f = fields[k]
         default = f.default if f.default is not dataclasses.MISSING else None
         # A list field takes YAML/JSON, e.g. --logical_axis_rules '[["embed", null]]'.
-        kwargs[k] = (
-            yaml.safe_load(v) if k == "logical_axis_rules" else _coerce(v, base.get(k, default))
-        )
+        try:
+            kwargs[k] = (
+                yaml.safe_load(v) if k == "logical_axis_rules" else _coerce(v, base.get(k, default))
+            )
+        except (ValueError, yaml.YAMLError) as e:
+            kind = type(base.get(k, default)).__name__
+            raise ValueError(f"--{k} expects {kind}; got {v!r} ({e}).") from None
     return DDPOConfig(**kwargs), reward

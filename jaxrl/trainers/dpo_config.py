@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from jaxrl import config_fields
 from jaxrl.config import with_foreign
 from jaxrl.config_checks import (
+    BETA_MAX,
     DPO_F_DIVERGENCE_LOSS_TYPES,
     DPO_F_DIVERGENCE_TYPES,
     DPO_LOSS_TYPES,
@@ -19,6 +20,7 @@ from jaxrl.config_checks import (
     TRUNCATION_MODES,
     check,
     check_choice,
+    check_number,
     resolve_length_buckets,
 )
 from jaxrl.config_fields import Foreign
@@ -117,7 +119,15 @@ class DPOConfig(with_foreign("_DPOForeign", config_fields.DPO)):
             f"`loss_weights` must have the same length as `loss_type`; got "
             f"{len(self.loss_weights or [])} weights for {len(self.loss_type)} loss types.",
         )
-        check(self.beta > 0, f"`beta` must be > 0; got {self.beta}.")
+        check_number(
+            "beta",
+            self.beta,
+            minimum=0,
+            exclusive_minimum=True,
+            maximum=BETA_MAX,
+            why="beta scales the implicit reward beta x log(policy / reference); TRL's default "
+            "is 0.1 and published runs use 0.01 to 1 (larger saturates the loss).",
+        )
         check(
             0.0 <= self.label_smoothing < 0.5,
             f"`label_smoothing` must be in [0, 0.5); got {self.label_smoothing}.",

@@ -23,6 +23,7 @@ from flax import nnx
 
 from jaxrl import lora, models, parallel
 from jaxrl.models import hf_objects
+from jaxrl.models.hf import adapter_base_model
 
 logger = logging.getLogger("jaxrl")
 
@@ -63,6 +64,10 @@ class ModelSetupMixin:
         )
         kw.update(self._model_load_kwargs())
         if isinstance(model, str):
+            base = adapter_base_model(model)
+            if base is not None:  # a PEFT adapter: its base, then the adapter (AutoPeftModel)
+                logger.info("%s is a PEFT adapter: loading its base model %s.", model, base)
+                return lora.load_peft_adapter(models.from_pretrained(base, task=task, **kw), model)
             return models.from_pretrained(model, task=task, **kw)
         # TRL's `model=AutoModelForCausalLM.from_pretrained(...)` (or a PeftModel over one): its
         # config and weights are read in memory as from its directory; training is in JAX.

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxrl.config import ConfigError, TrainingConfig
+from jaxrl.config_checks import BETA_MAX, TEMPERATURE_MAX, check_number
 
 # Field -> value at which it is inactive; any other value is rejected (see `_reject_unsupported`).
 _UNSUPPORTED = {
@@ -173,8 +174,31 @@ class OnPolicyConfig(TrainingConfig):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"`{name}` must be None or >= 1; got {value}.")
-        if not self.temperature > 0:
-            raise ConfigError(f"`temperature` must be > 0; got {self.temperature}.")
+        check_number(
+            "temperature",
+            self.temperature,
+            minimum=0,
+            exclusive_minimum=True,
+            maximum=TEMPERATURE_MAX,
+            why="Logits are divided by it: 1.0 (TRL's default) samples the model as trained, "
+            "near 0 is greedy, and far above 1 sampling is uniform over the vocabulary.",
+        )
+        check_number(
+            "beta",
+            self.beta,
+            minimum=0,
+            maximum=BETA_MAX,
+            why="beta weighs the KL to the reference model (0 loads none); TRL's defaults are "
+            "0.0 (GRPO) and 0.05 (RLOO), published runs use up to about 0.1.",
+        )
+        check_number(
+            "epsilon",
+            self.epsilon,
+            minimum=0,
+            why="The ratio is clipped to [1 - epsilon, 1 + epsilon_high] (TRL's default 0.2).",
+        )
+        if self.epsilon_high is not None:
+            check_number("epsilon_high", self.epsilon_high, minimum=0, why="See epsilon.")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"`top_p` must be in (0, 1]; got {self.top_p}.")
         if self.top_k < 0:

@@ -128,7 +128,7 @@ class OnPolicyPromptsMixin:
                 "'prompt' column (a string, or a list of chat messages)."
             )
         if self.vision:
-            return self._prepare_image_prompts(dataset, split)
+            return self._check_prompt_lengths(self._prepare_image_prompts(dataset, split), split)
         if vision.image_column(dataset.column_names) is not None:
             raise ValueError(
                 f"The {split} dataset has images (an 'image' or 'images' column) but the train "
@@ -147,7 +147,33 @@ class OnPolicyPromptsMixin:
                 ids = tok(text=prompt)["input_ids"]
             return {PROMPT_IDS: ids}
 
-        return dataset.map(tokenize)
+        return self._check_prompt_lengths(dataset.map(tokenize), split)
+
+    def _check_prompt_lengths(self, dataset: datasets.Dataset, split: str) -> datasets.Dataset:
+        """Every prompt plus `max_completion_length` must fit the model's positions
+        (`max_position_embeddings`, the ceiling TRL's rollouts stop at): beyond it learned
+        positions do not exist and RoPE ones were never trained."""
+        positions = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        lengths = self._example_lengths(dataset)
+        if not positions or not lengths:
+            return dataset
+        row = max(range(len(lengths)), key=lengths.__getitem__)
+        longest, budget = lengths[row], self.args.max_completion_length
+        if longest >= positions:
+            raise ConfigError(
+                f"Prompt {row} of the {split} dataset is {longest} tokens long, but the model has "
+                f"only {positions} positions (max_position_embeddings), leaving no room for a "
+                "completion. Drop or shorten the long prompts (e.g. dataset.filter on the "
+                "prompt's token count), or use a model with a longer context."
+            )
+        if longest + budget > positions:
+            raise ConfigError(
+                f"max_completion_length={budget} plus the longest prompt of the {split} dataset "
+                f"({longest} tokens, row {row}) is {longest + budget} tokens, beyond the model's "
+                f"{positions} positions (max_position_embeddings). Lower max_completion_length "
+                f"to at most {positions - longest}, or shorten the long prompts."
+            )
+        return dataset
 
     def _prepare_image_prompts(self, dataset: datasets.Dataset, split: str) -> datasets.Dataset:
         """`PROMPT_IDS` of image-text prompts (`jaxrl.data.vision_prompts`), read without

@@ -19,6 +19,7 @@ import sys
 import warnings
 from typing import Any
 
+from jaxrl.config_checks import TEMPERATURE_MAX, check_number
 from jaxrl.loop_options import parse_resume_from_checkpoint
 
 KL_PENALTIES = ("kl", "abs", "mse", "full")
@@ -185,6 +186,15 @@ class PPOConfig:
                 "Need 1 <= response_length and 0 <= min_response_length <= response_length, got "
                 f"{self.response_length} and {self.min_response_length}."
             )
+        check_number(
+            "temperature",
+            self.temperature,
+            minimum=0,
+            exclusive_minimum=True,
+            maximum=TEMPERATURE_MAX,
+            why="Logits are divided by it: 1.0 (TRL's examples) samples the model as trained, "
+            "and far above 1 sampling is uniform over the vocabulary.",
+        )
         if not self.temperature > 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
             raise ValueError(
                 f"Need temperature > 0, top_k >= 0 (0 = off) and 0 < top_p <= 1; got "

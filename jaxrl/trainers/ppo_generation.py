@@ -118,7 +118,8 @@ def reward_model_scorer(path: str, tokenizer: Any) -> Callable:
     of 16."""
     from transformers import AutoTokenizer
 
-    rm = from_pretrained(path, task="sequence_classification")
+    # A causal LM would score with a random new head: refused (`require_trained_head`).
+    rm = from_pretrained(path, task="sequence_classification", require_trained_head=True)
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):

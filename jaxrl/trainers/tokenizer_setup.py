@@ -10,9 +10,11 @@ dataset tokenization here (`jaxrl.data`), no model loading (`jaxrl.trainers.mode
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from jaxrl.data.formats import is_template_file_path, read_chat_template
+from jaxrl.models.hf import adapter_base_model
 from jaxrl.models.resize import clone_chat_template
 
 logger = logging.getLogger("jaxrl")
@@ -23,10 +25,15 @@ class TokenizerSetupMixin:
     `_default_processing_class`, `_load_tokenizer`, `_apply_eos_token`, `_clone_chat_template`)."""
 
     def _default_processing_class(self) -> Any:
-        """The processing class loaded from the model directory when none is given."""
+        """The processing class loaded from the model directory when none is given (a PEFT
+        adapter directory saved without its tokenizer: its base model's)."""
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.model_path)
+        path = self.model_path
+        base = adapter_base_model(path)
+        if base is not None and not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+            path = base
+        return AutoTokenizer.from_pretrained(path)
 
     @property
     def tokenizer(self) -> Any:

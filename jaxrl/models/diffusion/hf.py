@@ -296,6 +296,19 @@ def load_pipeline(
     import transformers
 
     path = Path(path)
+    fix = (
+        "Pass a Stable Diffusion 1.x/2.x pipeline saved by diffusers "
+        "(StableDiffusionPipeline.save_pretrained: unet/, vae/, text_encoder/, tokenizer/, "
+        "scheduler/), or leave --pretrained_model unset for the tiny random pipeline."
+    )
+    if not path.is_dir():
+        what = (
+            "is a file, not a directory"
+            if path.exists()
+            else "does not exist (a Hub pipeline is read from a local copy: `hf download ID "
+            "--local-dir DIR`)"
+        )
+        raise FileNotFoundError(f"pretrained_model {str(path)!r} {what}. {fix}")
     missing = [
         d
         for d in ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
@@ -303,7 +316,8 @@ def load_pipeline(
     ]
     if missing:
         raise FileNotFoundError(
-            f"{path} is not a diffusers Stable Diffusion directory: missing {', '.join(missing)}/."
+            f"{path} is not a diffusers Stable Diffusion directory: missing "
+            f"{', '.join(d + '/' for d in missing)}. {fix}"
         )
     kw = dict(dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules)
     scheduler_file = path / "scheduler" / "scheduler_config.json"
