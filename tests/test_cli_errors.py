@@ -124,6 +124,7 @@ CASES = [
     ("malformed YAML config", lambda t: [*_data(t), "--config", _text(t / "bad.yaml", "learning_rate: [1e-4\nmax_steps: 2\n")], 2, ["bad.yaml", "line"]),
     ("learning_rate is nan", lambda t: [*_data(t), "--learning_rate", "nan"], 2, ["learning_rate"]),
     ("eval without an eval dataset", lambda t: [*_data(t), "--eval_strategy", "steps"], 2, ["eval_strategy", "eval_dataset"]),
+    ("KTO data without a label column", lambda t: ["--algo", "kto", "--per_device_train_batch_size", "2", "--dataset_name", _jsonl(t / "k.jsonl", [{"prompt": "1+1=", "completion": "2"}] * 4)], 2, ["KTO", "'label'", "completion"]),
 ]  # fmt: skip
 
 
