@@ -1,7 +1,7 @@
-"""jaxrl: TRL for JAX. SFT, reward modelling, DPO, PPO, GRPO, RLOO and DDPO as pure-functional JAX.
+"""jaxrl: TRL for JAX. SFT, reward modelling, DPO, KTO, PPO, GRPO, RLOO and DDPO as pure-functional JAX.
 
 The public API mirrors TRL's names: `SFTTrainer`/`SFTConfig`, `RewardTrainer`/`RewardConfig`,
-`DPOTrainer`/`DPOConfig`, `GRPOTrainer`/`GRPOConfig`, `RLOOTrainer`/`RLOOConfig`,
+`DPOTrainer`/`DPOConfig`, `KTOTrainer`/`KTOConfig`, `GRPOTrainer`/`GRPOConfig`, `RLOOTrainer`/`RLOOConfig`,
 `PPOTrainer`/`PPOConfig` (TRL v0.7.2's API), HF-style callbacks, `set_seed`, and TRL's scripting
 surface (`TrlParser`, `ScriptArguments`, `ModelConfig`, `get_dataset`, ...), so TRL's example
 scripts run with their imports changed from `trl` to `jaxrl`.
@@ -52,6 +52,8 @@ from jaxrl.trainers import (
     EvalPrediction,
     GRPOConfig,
     GRPOTrainer,
+    KTOConfig,
+    KTOTrainer,
     RewardConfig,
     RewardTrainer,
     RLOOConfig,
@@ -78,6 +80,8 @@ __all__ = [
     "EvalPrediction",
     "GRPOConfig",
     "GRPOTrainer",
+    "KTOConfig",
+    "KTOTrainer",
     "LogCompletionsCallback",
     "PPOConfig",
     "PPOTrainer",

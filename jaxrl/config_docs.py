@@ -43,7 +43,7 @@ MAPPED = {
     "do_eval": "accepted; HF's Trainer does not read it either",
     "do_predict": "accepted; HF's Trainer does not read it either",
     "trust_remote_code": "only false: jaxrl runs its own model code",
-    "pad_to_multiple_of": "rounds padded row lengths up (SFT/reward/DPO: the static length and "
+    "pad_to_multiple_of": "rounds padded row lengths up (SFT/reward/DPO/KTO: the static length and "
     "its `length_buckets`; GRPO/RLOO: the prompt buckets); 'auto' (TRL's default) is None, as "
     "TRL off AWS Neuron",
     "push_to_hub": "`trainer.push_to_hub()` uploads the final model (TRL scripts); each save "
@@ -55,7 +55,7 @@ MAPPED = {
     "the extra columns to reward functions",
     "truncation_mode": "SFT: only keep_start; DPO: which end of the prompt `max_prompt_length` "
     "keeps (keep_end needs max_prompt_length)",
-    "loss_type": "SFT: only nll; DPO and GRPO: every TRL loss type",
+    "loss_type": "SFT: only nll; DPO, KTO and GRPO: every TRL loss type",
     "log_multimodal": "image prompts: the completion logs hold the prompts without their "
     "images (TRL's parquet files); with wandb completion tables it is refused (set False)",
     "eval_accumulation_steps": "accepted; each eval batch's predictions reach the host as soon "
@@ -91,7 +91,7 @@ NOTES = {
 }
 
 # The algorithms whose config the installed TRL still has (PPO and DDPO follow TRL v0.7.2's).
-TRL_ALGOS = ("sft", "reward", "dpo", "grpo", "rloo")
+TRL_ALGOS = ("sft", "reward", "dpo", "kto", "grpo", "rloo")
 
 SECTIONS = (
     ("TrainingArguments (transformers)", "TrainingArguments", TrainingConfig),

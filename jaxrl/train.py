@@ -1,8 +1,9 @@
-"""`python -m jaxrl.train --algo {sft,reward,dpo,ppo,grpo,rloo,ddpo} [--config NAME|FILE.yaml] [--field ...]`.
+"""`python -m jaxrl.train --algo {sft,reward,dpo,kto,ppo,grpo,rloo,ddpo} [--config NAME|FILE.yaml] [--field ...]`.
 
 A thin entry point over the library. With no model and no dataset flag it runs offline on the
 embedded arithmetic task and its recipe (`jaxrl/recipes/ALGO.yaml`): SFT trains the shipped tiny
-model config from scratch; reward and DPO start from the shipped SFT-trained model. With a model
+model config from scratch; reward, DPO and KTO start from the shipped SFT-trained model (KTO on
+the DPO pairs unpaired: correct answers desirable, wrong ones undesirable). With a model
 or a dataset given, every field the user leaves unset keeps the config class default (TRL's), and a
 recipe applies only when named with `--config NAME_OR_PATH`. Exit status 0 on success; on bad
 input one paragraph on stderr and status 2.
@@ -75,6 +76,47 @@ def chosen_task_compute_metrics(pred) -> dict[str, float]:
     """`task_compute_metrics` of a DPO eval: on the chosen rows (the first half)."""
     n = len(pred.label_ids) // 2
     return task_compute_metrics(type(pred)(pred.predictions[:n], pred.label_ids[:n]))
+
+
+def kto_task_dataset(split: str) -> Any:
+    """The embedded KTO data: the task's preference pairs of `split` unpaired, each correct sum
+    a desirable row and each wrong one an undesirable row, in a fixed shuffled order (TRL's
+    unpairing would give batches of one label only, and KTO's KL estimate pairs each row with
+    its neighbour's completion, which must answer another prompt)."""
+    import datasets  # ~1 s to import: only the runs that need it
+
+    pairs = load_dataset_any(str(task.asset_path(f"dpo_{split}.jsonl")), split="train")
+    rows = [
+        {"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
+        for p in pairs
+        for side in ("chosen", "rejected")
+    ]
+    order = np.random.default_rng(0).permutation(len(rows))
+    return datasets.Dataset.from_list([rows[i] for i in order])
+
+
+def kto_task_compute_metrics(tokenizer: Any):
+    """`compute_metrics` of a KTO eval on the embedded task: held-out accuracy over its
+    desirable rows (TRL's KTO predictions are labelled with the rows' input ids: a row is right
+    when the teacher-forced argmax gives every answer token and the EOS after `=`)."""
+    eq, eos = tokenizer.convert_tokens_to_ids("="), tokenizer.eos_token_id
+
+    def compute(pred) -> dict[str, float]:
+        hits = []
+        preds, label_ids = np.asarray(pred.predictions), np.asarray(pred.label_ids)
+        for pred_row, ids in zip(preds, label_ids, strict=True):
+            tokens = [int(t) for t in ids if t >= 0]
+            if eq not in tokens or eos not in tokens[tokens.index(eq) :]:
+                continue
+            e = tokens.index(eq)
+            end = tokens.index(eos, e)
+            text = "".join(tokenizer.convert_ids_to_tokens(tokens[:end]))
+            prompt, answer = text[: text.index("=") + 1], text[text.index("=") + 1 :]
+            if task.is_correct(prompt.lstrip(tokenizer.bos_token or ""), answer):
+                hits.append(all(pred_row[t] == tokens[t + 1] for t in range(e, end)))
+        return {"task_accuracy": float(np.mean(hits)) if hits else 0.0}
+
+    return compute
 
 
 # `python -m jaxrl.train`'s TRL `ModelConfig` PEFT / bitsandbytes flags.
@@ -181,7 +223,10 @@ def build_trainer(argv: list[str]) -> Any:
 
     compute_metrics = None
     tokenizer = None
-    if script.dataset_name is None:
+    if script.dataset_name is None and algo == "kto":
+        train_ds, eval_ds = kto_task_dataset("train"), kto_task_dataset("test")
+        compute_metrics = kto_task_compute_metrics(task.load_tokenizer())
+    elif script.dataset_name is None:
         name = {"sft": "sft", "reward": "dpo", "dpo": "dpo"}[algo]
         train_ds = str(task.asset_path(f"{name}_train.jsonl"))
         eval_ds = str(task.asset_path(f"{name}_test.jsonl"))

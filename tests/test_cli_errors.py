@@ -130,6 +130,7 @@ CASES = [
     ("learning_rate is nan", lambda t: [*_data(t), "--learning_rate", "nan"], 2, ["learning_rate"]),
     ("eval without an eval dataset", lambda t: [*_data(t), "--eval_strategy", "steps"], 2, ["eval_strategy", "eval_dataset"]),
     ("unknown --algo", lambda t: ["--algo", "bogus"], 2, ["'bogus'", *ALGORITHMS]),
+    ("KTO data without a label column", lambda t: ["--algo", "kto", "--per_device_train_batch_size", "2", "--dataset_name", _jsonl(t / "k.jsonl", [{"prompt": "1+1=", "completion": "2"}] * 4)], 2, ["KTO", "'label'", "completion"]),
 ]  # fmt: skip
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl import DPOConfig, RewardConfig, SFTConfig, TrainingConfig, config_docs
+from jaxrl import DPOConfig, KTOConfig, RewardConfig, SFTConfig, TrainingConfig, config_docs
 from jaxrl.config import ConfigError
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config_fields.md"
@@ -27,7 +27,7 @@ def test_table_is_generated_from_the_installed_trl():
     assert "| missing |" not in DOC.read_text()
 
 
-@pytest.mark.parametrize("cls", [TrainingConfig, SFTConfig, RewardConfig, DPOConfig])
+@pytest.mark.parametrize("cls", [TrainingConfig, SFTConfig, RewardConfig, DPOConfig, KTOConfig])
 def test_rejected_fields_keep_trl_defaults_and_are_rejected_when_set(cls):
     refs = config_docs.reference_classes()
     ref = refs["TrainingArguments" if cls is TrainingConfig else cls.__name__]

@@ -1,8 +1,8 @@
 """TRL's own example scripts run on jaxrl with only their imports changed from `trl` to `jaxrl`.
 
-The scripts are read from the installed trl (`trl/scripts/sft.py`, `dpo.py`, `reward.py`), their
-`from trl import ...` lines rewritten to `from jaxrl import ...`, and each trains a tiny model for
-two steps and exports an HF directory that transformers loads. TRL flags with no JAX meaning are
+The scripts are read from the installed trl (`trl/scripts/sft.py`, `dpo.py`, `reward.py`,
+`kto.py`), their `from trl import ...` lines rewritten to `from jaxrl import ...`, and each trains
+a tiny model for two steps and exports an HF directory that transformers loads. TRL flags with no JAX meaning are
 mapped (`--dtype`, `--attn_implementation`) or rejected with exit status 2 and a message.
 """
 
@@ -48,12 +48,12 @@ def _run_here(script: Path, flags: list[str], monkeypatch) -> None:
     runpy.run_path(str(script), run_name="__main__")
 
 
-NAMES = ["sft", "dpo", "reward"]
+NAMES = ["sft", "dpo", "reward", "kto"]
 
 
 @pytest.mark.slow
 def test_trl_script_trains_and_exports(tmp_path, monkeypatch, capsys):
-    """The three scripts, one after another in this process (it has imported jaxrl and
+    """The scripts, one after another in this process (it has imported jaxrl and
     transformers already; one test, as they once shared one subprocess)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification

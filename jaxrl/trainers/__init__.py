@@ -9,6 +9,8 @@ from jaxrl.trainers.dpo_config import DPOConfig
 from jaxrl.trainers.evaluation import EvalPrediction, PredictionOutput
 from jaxrl.trainers.grpo import GRPOTrainer
 from jaxrl.trainers.grpo_config import GRPOConfig
+from jaxrl.trainers.kto import KTOTrainer
+from jaxrl.trainers.kto_config import KTOConfig
 from jaxrl.trainers.loop import TrainingInterrupted, TrainLoop, TrainOutput
 from jaxrl.trainers.onpolicy import OnPolicyTrainer
 from jaxrl.trainers.reward import RewardTrainer
@@ -26,6 +28,8 @@ __all__ = [
     "EvalPrediction",
     "GRPOConfig",
     "GRPOTrainer",
+    "KTOConfig",
+    "KTOTrainer",
     "OnPolicyTrainer",
     "PredictionOutput",
     "RLOOConfig",

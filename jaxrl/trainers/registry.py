@@ -17,6 +17,8 @@ from jaxrl.trainers.dpo import DPOTrainer
 from jaxrl.trainers.dpo_config import DPOConfig
 from jaxrl.trainers.grpo import GRPOTrainer
 from jaxrl.trainers.grpo_config import GRPOConfig
+from jaxrl.trainers.kto import KTOTrainer
+from jaxrl.trainers.kto_config import KTOConfig
 from jaxrl.trainers.ppo import PPOTrainer
 from jaxrl.trainers.ppo_config import PPOConfig
 from jaxrl.trainers.reward import RewardTrainer
@@ -55,6 +57,7 @@ ALGORITHMS: dict[str, Algorithm] = {
         Algorithm("sft", SFTConfig, SFTTrainer, "sft", ScriptArguments),
         Algorithm("reward", RewardConfig, RewardTrainer, "reward", ScriptArguments),
         Algorithm("dpo", DPOConfig, DPOTrainer, "dpo", ScriptArguments),
+        Algorithm("kto", KTOConfig, KTOTrainer, "kto", ScriptArguments),
         Algorithm("ppo", PPOConfig, PPOTrainer, "ppo", ScriptArguments),
         Algorithm("grpo", GRPOConfig, GRPOTrainer, "grpo", OnlineScriptArguments),
         Algorithm("rloo", RLOOConfig, RLOOTrainer, "rloo", OnlineScriptArguments),

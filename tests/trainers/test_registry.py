@@ -11,7 +11,7 @@ from jaxrl.trainers.registry import ALGORITHMS
 
 
 def test_every_algorithm_has_one_entry_under_its_name():
-    assert list(ALGORITHMS) == ["sft", "reward", "dpo", "ppo", "grpo", "rloo", "ddpo"]
+    assert list(ALGORITHMS) == ["sft", "reward", "dpo", "kto", "ppo", "grpo", "rloo", "ddpo"]
     assert all(spec.name == name for name, spec in ALGORITHMS.items())
     online = [name for name, spec in ALGORITHMS.items() if spec.takes_reward_funcs]
     assert online == ["grpo", "rloo"]
