@@ -18,6 +18,7 @@ previous turn's KV cache is left to the engine). `OnPolicyAgenticMixin` is one o
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -79,6 +80,20 @@ class OnPolicyAgenticMixin:
             check_tool_tokenizer(self.tokenizer)
         max_iterations = getattr(self.args, "max_tool_calling_iterations", None)
         self.max_tool_calling_iterations = 2**62 if max_iterations is None else max_iterations
+
+    def train(self, *args, **kwargs):
+        """`Trainer.train`, then the tool executor closed (its event loop stopped; a hung sync
+        tool is left on its daemon thread), also when training fails."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.close_tools()
+
+    def close_tools(self) -> None:
+        """Close the tool executor (a later generation, e.g. `evaluate()`, opens a new one)."""
+        if self._tool_executor is not None:
+            self._tool_executor.close()
+            self._tool_executor = None
 
     @property
     def _agentic(self) -> bool:
@@ -143,10 +158,19 @@ class OnPolicyAgenticMixin:
         extra: dict[str, Any] = {}
         tool_mask = None
         if self.rollout_func is not None:
-            output = self.rollout_func(prompts, self)
+            # TRL: a copy of each rollout's prompt (environment observations applied; a group's
+            # rollouts do not share one).
+            output = self.rollout_func([copy.deepcopy(p) for p in prompts], self)
             missing = sorted(set(_ROLLOUT_KEYS) - set(output))
             if missing:
                 raise ValueError(f"rollout_func must return keys {missing} in its output dict.")
+            for key in ("prompt_ids", "completion_ids"):
+                if len(output[key]) != len(prompts):
+                    raise ValueError(
+                        f"rollout_func returned {len(output[key])} {key} for {len(prompts)} "
+                        "prompts; it gets one prompt per rollout (each prompt repeated "
+                        "num_generations times) and must return one row per prompt."
+                    )
             extra = {k: v for k, v in output.items() if k not in _ROLLOUT_KEYS}
             prompt_ids = [list(p) for p in output["prompt_ids"]]
             completion_ids = [list(c) for c in output["completion_ids"]]

@@ -205,23 +205,40 @@ def tool_suffix_ids(tokenizer: Any, tool_messages: list[dict], **chat_template_k
 
 
 # ----------------------------------------------------------------- running calls
-def _call(tool: Callable, args: Any) -> Any:
-    # `tool(**args)` here, not in `submit`'s arguments: arguments that are not a mapping fail
-    # with the same error text as TRL's call.
-    return tool(**args)
+def _run_sync(tool: Callable, args: Any) -> concurrent.futures.Future:
+    """`tool(**args)` on its own daemon thread (not a pool's: the interpreter joins a pool's
+    threads at exit, so one hung tool would hang the exit); its outcome on the future. Calling
+    `tool(**args)` there, not here, gives arguments that are not a mapping the error text of
+    TRL's call."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(tool(**args))
+        except BaseException as e:
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="jaxrl-tool", daemon=True).start()
+    return future
 
 
 class ToolExecutor:
-    """Runs a turn's tool calls: async tools concurrently on one event loop (a daemon thread),
-    sync tools on a thread pool, each under `timeout_s`. Results keep TRL's order: the sync
-    calls' results (and errors) in call order, then the async calls' in call order."""
+    """Runs a turn's tool calls: async tools concurrently on one event loop, sync tools each on
+    a thread, all daemon threads, each call under `timeout_s` (a call past it fails and is left
+    behind: nothing waits for it, not even the interpreter's exit). Results keep TRL's order:
+    the sync calls' results (and errors) in call order, then the async calls' in call order.
+    `close()` (the trainer's, when `train()` ends) stops the event loop."""
 
-    def __init__(self, timeout_s: float = DEFAULT_TOOL_TIMEOUT_S, max_workers: int = 8):
+    def __init__(self, timeout_s: float = DEFAULT_TOOL_TIMEOUT_S):
         self.timeout_s = timeout_s
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, "jaxrl-tool")
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.closed = False
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
+        if self.closed:
+            raise RuntimeError("This ToolExecutor is closed.")
         if self._loop is None:
             loop = asyncio.new_event_loop()
             threading.Thread(target=loop.run_forever, name="jaxrl-tool-loop", daemon=True).start()
@@ -234,6 +251,8 @@ class ToolExecutor:
         """`rows`: each rollout's tool calls with its tools by name. Returns each row's
         `(name, result)` list (a failure's result is TRL's `{"error": text}`), the number of
         calls and of failures. All rows' calls run concurrently."""
+        if self.closed:
+            raise RuntimeError("This ToolExecutor is closed.")
         n_calls = n_failures = 0
         pending: list[list[tuple[str, Any, str]]] = []  # (name, future | result, kind)
         for calls, tools in rows:
@@ -264,7 +283,7 @@ class ToolExecutor:
                     )
                     row.append((name, future, "async"))
                 else:
-                    row.append((name, self._pool.submit(_call, tool, args), "future"))
+                    row.append((name, _run_sync(tool, args), "future"))
             pending.append(row)
         results = []
         for row in pending:
@@ -287,7 +306,9 @@ class ToolExecutor:
         return results, n_calls, n_failures
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the event loop (pending async calls are dropped); sync calls still running
+        are left to their daemon threads."""
+        self.closed = True
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
