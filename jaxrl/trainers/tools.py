@@ -5,7 +5,7 @@ docstring; transformers turns it into the JSON schema the chat template renders
 (`apply_chat_template(..., tools=[fn, ...])`). After each turn the model's tool calls are parsed
 from its completion with the tokenizer's response parser (`tokenizer.response_template` or the
 legacy `response_schema`, TRL's `parse_response` semantics: a malformed call falls back to plain
-text), each call runs (async tools on one event loop thread, sync tools on a thread pool, every
+text), each call runs (async tools on one event loop thread, sync tools each on a daemon thread, every
 call under a timeout so that a hanging tool fails instead of hanging the run), its result
 (`str(result)`, or TRL's `{"error": ...}` text) is appended as a `tool` message, and the model
 continues from `prompt + completion + tool suffix` until no call is left,
