@@ -77,6 +77,10 @@ class OnlineScriptArguments(ScriptArguments):
 
     reward_model_name_or_path: str | None = None
     reward_funcs: list[str] | None = None
+    # TRL's `tools=` / `environment_factory=` as import paths (`module:function`, `module:Class`);
+    # `--tools` takes several paths and may be repeated.
+    tools: list[str] | None = None
+    environment_factory: str | None = None
 
 
 _TRUE = ("true", "1", "yes", "on")
@@ -178,6 +182,10 @@ def _coerce_one(value: Any, target: Any) -> Any:
     raise TypeError(f"unsupported annotation {target}")
 
 
+# List flags whose occurrences add up (`--tools a:f --tools b:g`) instead of the last winning.
+_REPEATABLE = frozenset({"tools"})
+
+
 def _fail(message: str) -> typing.NoReturn:
     raise ValueError(message)
 
@@ -205,7 +213,12 @@ def split_cli(
             values.append(cli_args[i + 1 + len(values)])
             if key not in list_keys:
                 break
-        if eq:
+        if key in _REPEATABLE and key in list_keys and (eq or values):
+            # A repeatable list flag: each occurrence adds its values.
+            previous = parsed.get(key, [])
+            parsed[key] = [*previous, *([raw] if eq else values)]
+            i += 1 if eq else 1 + len(values)
+        elif eq:
             parsed[key] = raw
             i += 1
         elif values:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib
 import logging
 import os
 import sys
@@ -138,6 +139,34 @@ def peft_options(script: Any) -> tuple[Any, str | None]:
         )
     model = scripting.ModelConfig(**values)  # validates (DoRA, fp4, ... are rejected)
     return scripting.get_peft_config(model), scripting.get_quantization_config(model)
+
+
+def import_path(flag: str, path: str, what: str) -> Any:
+    """The object `module:name` (`name` may be dotted) names, for `--tools` and
+    `--environment_factory`; a ConfigError naming the flag and the fix when it cannot be had."""
+    usage = (
+        f"Give {flag} as `module:{what}` with the module importable from the working directory "
+        f"or PYTHONPATH (e.g. `{flag} my_tools:{'calculator' if what == 'function' else 'Game'}` "
+        "for my_tools.py in the directory you run from)."
+    )
+    module_name, colon, attr = path.partition(":")
+    if not colon or not module_name or not attr:
+        raise ConfigError(f"{flag} {path!r} is not an import path `module:{what}`. {usage}")
+    try:
+        obj = importlib.import_module(module_name)
+    except (ImportError, SyntaxError) as e:
+        raise ConfigError(
+            f"{flag} {path!r}: cannot import module {module_name!r} ({e}). {usage}"
+        ) from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(
+                f"{flag} {path!r}: module {module_name!r} has no {what} {attr!r}. {usage}"
+            )
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{flag} {path!r} is a {type(obj).__name__}, not a {what}. {usage}")
+    return obj
 
 
 def _split_algo(argv: list[str]) -> tuple[str, list[str]]:
@@ -329,7 +358,16 @@ def build_online_trainer(algo: str, rest: list[str]) -> Any:
         script_class=spec.script_class,
     )
     reward_funcs = script_reward_funcs(script.reward_funcs, script.reward_model_name_or_path)
-    if not reward_funcs:
+    # TRL's `tools=` and `environment_factory=`, resolved before any data or model is loaded.
+    tools = [import_path("--tools", path, "function") for path in script.tools or ()]
+    environment_factory = None
+    if script.environment_factory is not None:
+        environment_factory = import_path(
+            "--environment_factory", script.environment_factory, "class"
+        )
+    if not reward_funcs and environment_factory is not None:
+        reward_funcs = None  # TRL: the environment's `get_reward` may be the reward
+    elif not reward_funcs:
         if script.dataset_name is not None:
             raise ConfigError(
                 f"--algo {algo} with --dataset_name needs a reward, as TRL's script: "
@@ -369,6 +407,8 @@ def build_online_trainer(algo: str, rest: list[str]) -> Any:
         processing_class=tokenizer,
         quantization_config=quantization_config,
         peft_config=peft_config,
+        tools=tools or None,
+        environment_factory=environment_factory,
     )
 
 

@@ -42,6 +42,7 @@ from jaxrl.algos import router_aux
 from jaxrl.algos.rollout import (
     completion_logprobs,
     completion_logprobs_and_entropy,
+    loss_mask,
     rollout_token_weights,
 )
 from jaxrl.losses.grpo import (
@@ -96,13 +97,13 @@ def make_loss_units(config: Any, steps_per_generation: int) -> Callable[[dict], 
 
     def micro_batch_count(mb: dict) -> jax.Array:
         return grpo_count(
-            mb["completion_mask"],
+            loss_mask(mb),
             loss_type=loss_type,
             token_count=token_count(config, mb, steps_per_generation),
         )
 
     def units(batch_A: dict) -> jax.Array:
-        keys = ("completion_mask", "num_items_in_batch")
+        keys = ("completion_mask", "tool_mask", "num_items_in_batch")
         return jnp.sum(jax.vmap(micro_batch_count)({k: batch_A[k] for k in keys if k in batch_A}))
 
     return units
@@ -170,7 +171,7 @@ def make_loss(
                     model, mb, temperature=a.temperature, chunk_size=chunk, with_stats=True
                 )
                 entropies_BC = stats["entropy"]
-        mask_BC = mb["completion_mask"]
+        mask_BC = loss_mask(mb)
         entropy_mask = (
             high_entropy_mask(stats["entropy"], mask_BC, a.top_entropy_quantile)
             if a.top_entropy_quantile < 1.0

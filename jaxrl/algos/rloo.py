@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.algos import router_aux
-from jaxrl.algos.rollout import completion_logprobs, rollout_token_weights
+from jaxrl.algos.rollout import completion_logprobs, loss_mask, rollout_token_weights
 from jaxrl.losses.rloo import rloo_loss
 
 
@@ -54,7 +54,7 @@ def make_loss(
             logps_BC, stats = completion_logprobs(
                 model, mb, temperature=a.temperature, chunk_size=chunk, with_stats=True
             )
-        mask_BC = mb["completion_mask"]
+        mask_BC = loss_mask(mb)
         # An eval batch carries none: TRL's eval takes its old log-probs from the policy being
         # evaluated, so the ratio is 1.
         old_B = jnp.sum(mb["old_logps"] * mask_BC, axis=-1) if "old_logps" in mb else None

@@ -2,7 +2,8 @@
 scoring pass computes from `prompt + completion` rows.
 
 A rollout batch holds `input_ids`/`attention_mask` `[B, P + C]` (left-padded prompt, then the
-completion) and the loss mask `completion_mask` `[B, C]`; image prompts add `pixel_values`. Only
+completion) and the mask `completion_mask` `[B, C]` (the loss's, times `tool_mask` `[B, C]` when
+a rollout called tools: `loss_mask`); image prompts add `pixel_values`. Only
 the C positions that predict completion tokens go through the unembedding (`jaxrl.core.logprobs`,
 chunked: never a full f32 `[B, T, V]`), divided by `temperature` as TRL.
 
@@ -53,6 +54,16 @@ def completion_hidden(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Arra
     else:
         h_BTD = model.hidden_states(ids_BT, batch["attention_mask"])
     return h_BTD[:, n_prompt - 1 : n_prompt + n_completion - 1], ids_BT[:, n_prompt:]
+
+
+def loss_mask(batch: dict[str, jax.Array]) -> jax.Array:
+    """`[B, C]`: the completion tokens in the loss, `completion_mask` times `tool_mask` when the
+    rollout called tools (TRL: tool-result tokens are in the completion, attended to, and out
+    of every loss term, KL, entropy and importance ratio)."""
+    mask_BC = batch["completion_mask"]
+    if "tool_mask" in batch:
+        return mask_BC * batch["tool_mask"].astype(mask_BC.dtype)
+    return mask_BC
 
 
 def rollout_token_weights(batch: dict[str, jax.Array]) -> jax.Array:

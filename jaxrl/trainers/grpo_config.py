@@ -1,8 +1,9 @@
 """`GRPOConfig`: TRL 1.16's `GRPOConfig` fields and defaults for `GRPOTrainer`.
 
 The shared generation/batching fields live in `OnPolicyConfig`; this file adds the GRPO loss
-fields. Fields for features jaxrl does not implement (tool calling, vLLM importance-sampling
-correction) are accepted at their defaults and rejected otherwise.
+fields (`max_tool_calling_iterations`: `jaxrl.trainers.onpolicy_agentic`). Fields for features
+jaxrl does not implement (vLLM importance-sampling correction) are accepted at their defaults
+and rejected otherwise.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from jaxrl.trainers.onpolicy_config import OnPolicyConfig
 
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 _UNSUPPORTED_GRPO = {
-    "max_tool_calling_iterations": (None, "tool calling is not implemented"),
     # The vLLM importance-sampling correction only acts when generating with vLLM.
     "vllm_importance_sampling_correction": (True, "vLLM is not used"),
     "vllm_importance_sampling_mode": ("sequence_mask", "vLLM is not used"),

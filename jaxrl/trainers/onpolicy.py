@@ -75,6 +75,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrl import parallel
 from jaxrl.algos import reference
 from jaxrl.algos.rollout import (
+    loss_mask,
     make_buffer_step,
     make_policy_logps,
     make_reference_logps,
@@ -96,6 +97,7 @@ from jaxrl.rewards import (
 from jaxrl.trainers.base import Trainer
 from jaxrl.trainers.image_text import ImageTextMixin
 from jaxrl.trainers.online import OnlineLoop
+from jaxrl.trainers.onpolicy_agentic import OnPolicyAgenticMixin
 from jaxrl.trainers.onpolicy_batches import OnPolicyBatchesMixin, StepPlan
 from jaxrl.trainers.onpolicy_config import OnPolicyConfig
 from jaxrl.trainers.onpolicy_evaluation import OnPolicyEvaluationMixin
@@ -112,6 +114,7 @@ class OnPolicyTrainer(
     OnPolicyBatchesMixin,
     CompletionLogsMixin,
     OnPolicyEvaluationMixin,
+    OnPolicyAgenticMixin,
     ImageTextMixin,
     OnlineLoop,
     Trainer,
@@ -140,6 +143,9 @@ class OnPolicyTrainer(
         optimizers: tuple[optax.GradientTransformation | None, Callable | None] = (None, None),
         quantization_config: Any = None,
         peft_config: Any = None,
+        tools: Sequence[Callable] | None = None,
+        rollout_func: Callable | None = None,
+        environment_factory: Callable | dict[str, Callable] | None = None,
     ):
         args = args if args is not None else self.config_class(output_dir="trainer_output")
         if not isinstance(args, self.config_class):
@@ -167,6 +173,8 @@ class OnPolicyTrainer(
         # reference; a fresh adapter (peft_config) uses the base with the adapter disabled.
         self._ref_is_initial_adapter = getattr(model, "lora_config", None) is not None
         callbacks = list(callbacks or [])
+        # Before `Trainer.__init__`: the prompts are tokenized with the tools.
+        self._init_agentic(tools, rollout_func, environment_factory)
         if args.sync_ref_model:
             if peft_config is not None or self._ref_is_initial_adapter:
                 raise ValueError(
@@ -187,9 +195,18 @@ class OnPolicyTrainer(
             quantization_config=quantization_config,
         )
         a = self.args
-        self.reward_funcs = self._load_reward_funcs(reward_funcs, reward_processing_classes)
+        self._check_agentic()
+        env_rewards = self.environment_pool.reward_funcs if self.environment_pool else []
+        if env_rewards and not reward_funcs:  # TRL: the environment owns the reward
+            self.reward_funcs = []
+        else:
+            self.reward_funcs = self._load_reward_funcs(reward_funcs, reward_processing_classes)
+        weights = resolve_reward_weights(a.reward_weights, len(self.reward_funcs))
+        # TRL: an environment's `get_reward` is one more reward function (weight 1), named after
+        # its class.
+        self.reward_funcs += env_rewards
+        self.reward_weights = np.concatenate([weights, np.ones(len(env_rewards), np.float32)])
         self.reward_func_names = [reward_func_name(f) for f in self.reward_funcs]
-        self.reward_weights = resolve_reward_weights(a.reward_weights, len(self.reward_funcs))
         self.generation_batch_size, self.steps_per_generation = a.resolve_generation_batch(self.dp)
         self.generate_every = self.steps_per_generation * a.num_iterations
         if self.generate_every % a.gradient_accumulation_steps:
@@ -334,31 +351,45 @@ class OnPolicyTrainer(
         Image prompts: the prompts' `pixel_values` [B, I, C, H, W] go to the sampler (and are
         returned for the rollout rows); the reward functions get TRL's multimodal prompts (the
         images in their messages) and the `image` / `images` column."""
-        prompt_ids = [ex[PROMPT_IDS] for ex in examples]
-        pixel_values = None
-        has_images = self.vision and any(vision.example_images(ex) for ex in examples)
-        if self.vision and self.max_images:
-            pixel_values = self._prompt_images.pixel_values(examples, prompt_ids, self.max_images)
-        g = self._generate(
-            prompt_ids, config, seed, group_size=group_size, params=params,
-            pixel_values=pixel_values,
-        )  # fmt: skip
-        out, lengths_N, ids_list = g.out, g.lengths, g.ids
-        truncated_N = self._truncated(ids_list, config)
         rows = [ex for ex in examples for _ in range(group_size)]
-        prompts = [ex["prompt"] for ex in rows]
-        if has_images:  # TRL: `prepare_multimodal_messages(prompt, images)` once a batch has any
-            prompts = [
-                vision_prompts.prompt_messages(ex["prompt"], vision.example_images(ex))
-                for ex in rows
-            ]
-        completions = completions_from_texts(prompts, g.texts)
+        pixel_values = None
+        agentic: dict = {}
+        if self._agentic:  # tools, environments or the user's rollout (`onpolicy_agentic`)
+            agentic = self._agentic_generate(params, examples, group_size, config, seed)
+            out, lengths_N, ids_list = agentic["out"], agentic["lengths_N"], agentic["ids"]
+            prompts, completions = agentic["prompts"], agentic["completions"]
+        else:
+            prompt_ids = [ex[PROMPT_IDS] for ex in examples]
+            has_images = self.vision and any(vision.example_images(ex) for ex in examples)
+            if self.vision and self.max_images:
+                pixel_values = self._prompt_images.pixel_values(
+                    examples, prompt_ids, self.max_images
+                )
+            g = self._generate(
+                prompt_ids, config, seed, group_size=group_size, params=params,
+                pixel_values=pixel_values,
+            )  # fmt: skip
+            out, lengths_N, ids_list = g.out, g.lengths, g.ids
+            prompts = [ex["prompt"] for ex in rows]
+            if has_images:  # TRL: `prepare_multimodal_messages(prompt, images)` once any
+                prompts = [
+                    vision_prompts.prompt_messages(ex["prompt"], vision.example_images(ex))
+                    for ex in rows
+                ]
+            completions = completions_from_texts(prompts, g.texts)
+        truncated_N = self._truncated(ids_list, config)
         columns = {}
         if not self.args.remove_unused_columns:
             skip = ("prompt", PROMPT_IDS)
             columns = {k: [ex[k] for ex in rows] for k in examples[0] if k not in skip}
         elif self.vision:  # TRL's signature columns keep the images
             columns = {k: [ex[k] for ex in rows] for k in vision.IMAGE_COLUMNS if k in examples[0]}
+        # TRL: rollout_func's other fields (one value per rollout, or one for all) and each
+        # rollout's environment reach the reward functions.
+        for key, values in agentic.get("extra", {}).items():
+            columns[key] = list(values) if isinstance(values, list) else [values] * len(rows)
+        if agentic.get("environments") is not None:
+            columns["environments"] = agentic["environments"]
         self._pending_metrics.clear()
         self._pending_extras.clear()
         rewards_NK = compute_rewards(
@@ -389,6 +420,9 @@ class OnPolicyTrainer(
             prompts=prompts,
             completions=completions,
             user_metrics=user_metrics,
+            completion_ids=ids_list,
+            tool_mask_NC=agentic.get("tool_mask_NC"),
+            tool_metrics=agentic.get("tool_metrics", {}),
         )
 
     def _truncated(self, ids_list: list[list[int]], config: GenerationConfig) -> np.ndarray:
@@ -411,6 +445,8 @@ class OnPolicyTrainer(
             "attention_mask": jnp.concatenate([out.prompt_mask_BP, out.completion_mask_BN], axis=1),
             "completion_mask": completion_mask_NC,
         }
+        if s.get("tool_mask_NC") is not None:  # tool results: in the completion, out of the loss
+            rows["tool_mask"] = jnp.asarray(s["tool_mask_NC"], completion_mask_NC.dtype)
         if s.get("pixel_values") is not None:  # each completion row carries its prompt's images
             pixels = s["pixel_values"]
             group_size = completion_mask_NC.shape[0] // len(pixels)
@@ -427,18 +463,21 @@ class OnPolicyTrainer(
         s = self._sample(policy, plan.examples, G, self.rollout_generation_config, seed)
         out = s["out"]
         rollout = self._rollout_rows(s)
-        completion_mask_NC = rollout["completion_mask"]
-        N = completion_mask_NC.shape[0]
+        loss_mask_NC = loss_mask(rollout)
+        N = loss_mask_NC.shape[0]
         # TRL's `num_items_in_batch`: the generation batch's loss tokens (one copy per row, so
         # it travels with any slice of the buffer).
         rollout["num_items_in_batch"] = jnp.full(
-            (N,), jnp.sum(completion_mask_NC, dtype=jnp.float32), jnp.float32
+            (N,), jnp.sum(loss_mask_NC, dtype=jnp.float32), jnp.float32
         )
         sampling_metrics = {}
         if self._needs_old_logps() or self._kl_in_reward():
-            if a.num_iterations > 1:
+            # Agentic rollouts: a forward, as TRL (a later turn's sampler log-probs do not
+            # cover the tool tokens before it).
+            if a.num_iterations > 1 or self._agentic:
                 old = self._jit_logps(policy, rollout)
-                sampling_metrics = rollout_sampling_metrics(a, old, out.logprobs_BN, rollout)
+                if not self._agentic:  # the sampler's log-probs cover the whole completion
+                    sampling_metrics = rollout_sampling_metrics(a, old, out.logprobs_BN, rollout)
             else:  # the sampler's log-probs are the sampling policy's (same temperature)
                 old = out.logprobs_BN
             rollout["old_logps"] = old
@@ -452,6 +491,7 @@ class OnPolicyTrainer(
         metrics.update(self._completion_metrics(s["lengths_N"], s["truncated_N"]))
         metrics.update(s["user_metrics"])
         metrics.update(sampling_metrics)
+        metrics.update(s["tool_metrics"])
         # TRL shuffles the generation batch once before splitting it into micro-step slices.
         order = np.random.default_rng([a.seed, plan.generation]).permutation(len(advantages_N))
         sharding = self._rollout_sharding()

@@ -78,6 +78,7 @@ class OnPolicyEvaluationMixin:
             loss, values = self._eval_batch(policy, s, G)
             batch_losses.append(loss)
             values.update(self._completion_metrics(s["lengths_N"], s["truncated_N"]))
+            values.update(s["tool_metrics"])  # TRL's `tools/*` of the eval batch
             for name, value in values.items():
                 batch_metrics[name].append(value)
             g = self._sample(policy, examples, 1, greedy, seed)

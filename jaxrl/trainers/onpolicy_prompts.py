@@ -122,6 +122,10 @@ class OnPolicyPromptsMixin:
         dataset = self._load_data(dataset, split)
         if isinstance(dataset, list):
             dataset = datasets.Dataset.from_list(dataset)
+        if "prompt" not in dataset.column_names and getattr(self, "environment_pool", None):
+            # TRL: an environment may own the data; each rollout's `reset()` gives the prompt
+            # (an empty user message before it), tokenized per batch.
+            return dataset.add_column(PROMPT_IDS, [[] for _ in range(len(dataset))])
         if "prompt" not in dataset.column_names:
             raise ValueError(
                 f"The {split} dataset has columns {dataset.column_names} but GRPO/RLOO need a "
@@ -136,13 +140,16 @@ class OnPolicyPromptsMixin:
             )
         tok = self.processing_class
         kwargs = dict(self.args.chat_template_kwargs or {})
+        tools = getattr(self, "tools", None) or None
 
         def tokenize(example):
             prompt = example["prompt"]
             if is_conversational({"prompt": prompt}):
+                # The tools' schemas as transformers renders them (TRL: `tools or None`).
                 ids = tok.apply_chat_template(
-                    prompt, add_generation_prompt=True, tokenize=True, return_dict=True, **kwargs
-                )["input_ids"]
+                    prompt, tools=tools, add_generation_prompt=True, tokenize=True,
+                    return_dict=True, **kwargs,
+                )["input_ids"]  # fmt: skip
             else:
                 ids = tok(text=prompt)["input_ids"]
             return {PROMPT_IDS: ids}

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.algos import rloo
+from jaxrl.algos.rollout import loss_mask
 from jaxrl.losses.rloo import rloo_advantages, rloo_sequence_kl
 from jaxrl.rewards import group_reward_metrics
 from jaxrl.trainers.onpolicy import OnPolicyTrainer
@@ -44,8 +45,9 @@ class RLOOTrainer(OnPolicyTrainer):
         metrics: dict[str, float] = {}
         kl_N = None
         if a.beta != 0.0:
+            # Tool-result tokens (`tool_mask`) are out of the KL as out of the loss.
             kl_N, kl_aux = rloo_sequence_kl(
-                rollout["old_logps"], rollout["ref_logps"], rollout["completion_mask"]
+                rollout["old_logps"], rollout["ref_logps"], loss_mask(rollout)
             )
             metrics["kl"] = float(kl_aux["sum"]["kl"] / jnp.maximum(kl_aux["count"]["kl"], 1.0))
         advantages_N, is_std_zero_P = rloo_advantages(
