@@ -136,12 +136,13 @@ def test_every_algorithm_has_a_page_linked_from_the_index():
 
 @pytest.mark.parametrize("algo", list(ALGORITHMS))
 def test_config_table_names_real_fields_with_their_defaults(algo):
-    fields = _fields(ALGORITHMS[algo].config_class)
+    cls = ALGORITHMS[algo].config_class
+    fields = _fields(cls)
     rows = _table_rows(_section(_page(algo), "Config fields that matter"))
     assert rows, "the config section has no table"
     for row in rows:
         name, default = _code(row[0]), _code(row[1])
-        assert name in fields, f"{algo}.md lists `{name}`, not a field of {fields and algo} config"
+        assert name in fields, f"{algo}.md lists `{name}`, not a field of {cls.__name__}"
         assert default == repr(_default(fields[name])), (
             f"{algo}.md says `{name}` defaults to {default}; the config class has "
             f"{_default(fields[name])!r}"
