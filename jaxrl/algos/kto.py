@@ -25,10 +25,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxrl.algos import router_aux
 from jaxrl.algos.masks import weighted_token_count
-from jaxrl.algos.sft import lm_forward
+from jaxrl.algos.sft import full_logits, lm_forward
+from jaxrl.models.adapters import adapter_off
 
 LOSS_TYPES = ("kto", "apo_zero_unpaired")
 ROW_KEYS = ("input_ids", "targets", "attention_mask", "positions", "loss_mask")
@@ -61,6 +63,43 @@ def reference_logps(model, mb: dict, chunk: int | None, with_kl: bool):
     if not with_kl:
         return ref_B, None
     return ref_B, jax.lax.stop_gradient(completion_logps(model, rows(mb, KL_PREFIX), chunk))
+
+
+def make_reference_logps(
+    config: Any, bind_reference: Callable[[Any], Any], *, lora_base: bool, with_kl: bool
+) -> Callable[[Any, dict], tuple[jax.Array, jax.Array | None]]:
+    """`ref_logps(state, mb) -> (main, KL or None)` (`make_loss`'s `ref_logps`).
+    `bind_reference(state)` is the reference model of the train state; with `lora_base` it is
+    the LoRA policy's base, traced with every adapter off."""
+
+    def ref_logps(state, mb):
+        with adapter_off(lora_base):  # read when traced: the call must be inside
+            return reference_logps(bind_reference(state), mb, config.logprob_chunk_size, with_kl)
+
+    return ref_logps
+
+
+def make_precompute_logps(
+    graphdef: Any, config: Any, *, with_kl: bool, lora_base: bool
+) -> Callable[[Any, dict], jax.Array]:
+    """`logps(params, batch) -> [B, 2]` (main, KL; main twice without the KL term): one
+    reference pass over a batch for `precompute_ref_log_probs`, the model `graphdef` bound to
+    `params` (with `lora_base`, a LoRA policy's base without its adapter)."""
+
+    def logps(params, batch):
+        with adapter_off(lora_base):
+            main, kl = reference_logps(
+                nnx.merge(graphdef, params), batch, config.logprob_chunk_size, with_kl
+            )
+        return jnp.stack([main, main if kl is None else kl], axis=1)
+
+    return logps
+
+
+def predict(model, mb: dict) -> tuple[jax.Array, jax.Array]:
+    """TRL's `prediction_step`: the logits of the `prompt + completion` rows, labelled with their
+    input ids."""
+    return full_logits(model, rows(mb)), mb["input_ids"]
 
 
 def kl_estimate(kl_logps_B: jax.Array, ref_kl_logps_B: jax.Array, w_B: jax.Array) -> jax.Array:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl import lora, parallel
+from jaxrl import lora
 from jaxrl.algos import dpo as dpo_algo
 from jaxrl.algos import reference
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
@@ -44,12 +44,13 @@ from jaxrl.losses.dpo import LABEL_SMOOTHING_TYPES
 from jaxrl.trainers.base import Trainer
 from jaxrl.trainers.dpo_config import DPOConfig
 from jaxrl.trainers.image_text import ImageTextMixin
+from jaxrl.trainers.reference_model import ReferenceModelMixin
 from jaxrl.trainers.sft import check_score_span, choose_score_span
 
 logger = logging.getLogger("jaxrl")
 
 
-class DPOTrainer(ImageTextMixin, Trainer):
+class DPOTrainer(ImageTextMixin, ReferenceModelMixin, Trainer):
     """Direct preference optimisation (TRL `DPOTrainer` API; `args` is a `DPOConfig`). A train
     dataset with images (TRL's vision-preference format) trains an image-text model on them
     (`jaxrl.data.vision_preference`)."""
@@ -368,20 +369,6 @@ class DPOTrainer(ImageTextMixin, Trainer):
             ref = quant.quantize_params(ref)
         return {"ref": ref}
 
-    def ref_model_apply(self, ref_params: Any):
-        # int8 leaves stay quantized here: the model dequantizes each weight where it is used
-        # (per layer inside a scanned stack), so no full-precision copy of the reference exists.
-        graphdef = self._ref_graphdef if self._ref_graphdef is not None else self.graphdef
-        return nnx.merge(graphdef, ref_params)
-
-    def _bind_reference(self, state) -> Any:
-        """The reference model of `state` (inside jit): the LoRA policy's base (run with the
-        adapter off by `dpo_algo.make_reference_logps`), or the reference params."""
-        if self._ref_is_base:
-            adapter = reference.lora_base_adapter(state.params, state.frozen)
-            return nnx.merge(self.graphdef, adapter, state.frozen["base"])
-        return self.ref_model_apply(state.ref_params)
-
     @property
     def _ref_pair_logps(self):
         """`(state, mb) -> (chosen, rejected)`: the reference's log-probs of a pair batch."""
@@ -545,18 +532,3 @@ class DPOTrainer(ImageTextMixin, Trainer):
                     os.replace(path + ".tmp.npy", path)
             ds = ds.add_column("ref_chosen_logps", out[:, 0].tolist())
             setattr(self, name, ds.add_column("ref_rejected_logps", out[:, 1].tolist()))
-
-    def _run_precompute(self, ds, bs, params, fn) -> np.ndarray:
-        n = len(ds)
-        out = []
-        per_host = bs // jax.process_count()
-        for start in range(0, n, bs):
-            idx = [min(start + i, n - 1) for i in range(bs)]
-            lo = jax.process_index() * per_host
-            seq_len = self._batch_seq_len(ds, idx, "train")
-            host = self._collate([ds[i] for i in idx[lo : lo + per_host]], seq_len)
-            batch = {k: v[None] for k, v in host.items()}
-            dev = {k: v[0] for k, v in self._to_device(batch).items()}
-            res = parallel.to_host(fn(params, dev))
-            out.append(res[: min(bs, n - start)])
-        return np.concatenate(out).astype(np.float32)

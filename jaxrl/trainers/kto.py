@@ -11,28 +11,26 @@ the reference lives, precomputation and the predictions. Metrics use TRL's names
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any
 
 import datasets
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl import lora, parallel
 from jaxrl.algos import kto as kto_algo
-from jaxrl.algos.sft import full_logits
+from jaxrl.algos import reference
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.data.kto import collate_unpaired, prepare_unpaired_dataset, weight_advice
 from jaxrl.trainers.base import Trainer
 from jaxrl.trainers.kto_config import KTOConfig
+from jaxrl.trainers.reference_model import ReferenceModelMixin
 
 logger = logging.getLogger("jaxrl")
 
 
-class KTOTrainer(Trainer):
+class KTOTrainer(ReferenceModelMixin, Trainer):
     """Kahneman-Tversky optimisation (TRL `KTOTrainer` API; `args` is a `KTOConfig`)."""
 
     config_class = KTOConfig
@@ -139,32 +137,19 @@ class KTOTrainer(Trainer):
             return {}
         if self._ref_is_base:
             # No second copy of the weights: the reference runs the frozen base with the
-            # adapter disabled; only modules_to_save params need their initial values kept.
-            saved = nnx.filter_state(params, lora.SavedParam)
-            has_saved = bool(jax.tree.leaves(saved))
-            return {"ref_saved": jax.tree.map(jnp.copy, saved)} if has_saved else {}
+            # adapter disabled (`jaxrl.algos.reference`).
+            return reference.lora_base_frozen(params)
         if self._explicit_ref is not None:
             self._ref_graphdef = nnx.graphdef(self._explicit_ref)
-            return {"ref": nnx.state(self._explicit_ref)}
-        return {"ref": self._frozen_copy(params)}
+            return {reference.REF: nnx.state(self._explicit_ref)}
+        return {reference.REF: self._frozen_copy(params)}
 
-    def ref_model_apply(self, ref_params: Any):
-        graphdef = self._ref_graphdef if self._ref_graphdef is not None else self.graphdef
-        return nnx.merge(graphdef, ref_params)
-
-    def _ref_logps(self, state, mb) -> tuple[jax.Array, jax.Array | None]:
-        """The reference's `(main, KL)` log-probs of a micro-batch (`make_loss`'s `ref_logps`):
-        the LoRA base with the adapter off, or the reference params."""
-        chunk = self.args.logprob_chunk_size
-        if self._ref_is_base:
-            adapter = state.params
-            if "ref_saved" in state.frozen:
-                adapter = nnx.merge_state(adapter, state.frozen["ref_saved"])
-            with lora.disable_adapter():  # read when traced: the call must be inside
-                model = nnx.merge(self.graphdef, adapter, state.frozen["base"])
-                return kto_algo.reference_logps(model, mb, chunk, self.with_kl)
-        model = self.ref_model_apply(state.ref_params)
-        return kto_algo.reference_logps(model, mb, chunk, self.with_kl)
+    @property
+    def _ref_logps(self):
+        """`(state, mb) -> (main, KL)`: the reference's log-probs of a micro-batch."""
+        return kto_algo.make_reference_logps(
+            self.args, self._bind_reference, lora_base=self._ref_is_base, with_kl=self.with_kl
+        )
 
     # ----------------------------------------------------------------- loss
     def _loss_fn(self):
@@ -185,12 +170,7 @@ class KTOTrainer(Trainer):
         return kto_algo.with_absent_as_nan(super()._train_iteration(item))
 
     def _prediction_fn(self):
-        # TRL's prediction_step: the logits of the `prompt + completion` rows, labelled with
-        # their input ids.
-        def predict(model, mb):
-            return full_logits(model, kto_algo.rows(mb)), mb["input_ids"]
-
-        return predict
+        return kto_algo.predict
 
     # ----------------------------------------------------------------- precompute
     def _precompute_all(self) -> None:
@@ -199,18 +179,13 @@ class KTOTrainer(Trainer):
         ref = self._ref_model_arg
         ref_model = self._load_model(ref, task="causal_lm") if ref is not None else self.model
         graphdef, params = nnx.split(ref_model)
-        chunk, with_kl = self.args.logprob_chunk_size, self.with_kl
+        with_kl = self.with_kl
         # LoRA without a ref_model: the reference is the base with the adapter disabled.
-        adapter_off = lora.disable_adapter if self._ref_is_base else contextlib.nullcontext
-
-        @jax.jit
-        def ref_logps(params, batch):
-            with adapter_off():
-                main, kl = kto_algo.reference_logps(
-                    nnx.merge(graphdef, params), batch, chunk, with_kl
-                )
-            return jnp.stack([main, main if kl is None else kl], axis=1)
-
+        ref_logps = jax.jit(
+            kto_algo.make_precompute_logps(
+                graphdef, self.args, with_kl=with_kl, lora_base=self._ref_is_base
+            )
+        )
         a = self.args
         for name, per_device in (
             ("train_dataset", a.per_device_train_batch_size),
@@ -225,19 +200,3 @@ class KTOTrainer(Trainer):
             if with_kl:
                 ds = ds.add_column("ref_KL_logps", out[:, 1].tolist())
             setattr(self, name, ds)
-
-    def _run_precompute(self, ds, bs, params, fn) -> np.ndarray:
-        n = len(ds)
-        out = []
-        per_host = bs // jax.process_count()
-        for start in range(0, n, bs):
-            idx = [min(start + i, n - 1) for i in range(bs)]
-            lo = jax.process_index() * per_host
-            seq_len = self._batch_seq_len(ds, idx, "train")
-            host = self._collate([ds[i] for i in idx[lo : lo + per_host]], seq_len)
-            dev = {
-                k: v[0] for k, v in self._to_device({k: v[None] for k, v in host.items()}).items()
-            }
-            res = parallel.to_host(fn(params, dev))
-            out.append(res[: min(bs, n - start)])
-        return np.concatenate(out).astype(np.float32)
