@@ -145,6 +145,8 @@ def test_online_script_reward_flags_as_trls_grpo_script(tmp_path, capsys):
 
     base = ["--model_name_or_path", MODEL, "--dataset_name", _prompts(tmp_path)]
     base += ["--output_dir", str(tmp_path / "o"), "--num_generations", "2"]
+    # Prompt + completion within the tiny model's 64 positions (TRL's 512 is refused there).
+    base += ["--max_completion_length", "16"]
     trainer = build_trainer(
         ["--algo", "rloo", *base, "--reward_funcs", "think_format_reward",
          "get_soft_overlong_punishment", "jaxrl.rewards.arith_correct"]
