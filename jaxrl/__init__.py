@@ -2,7 +2,7 @@
 
 The public API mirrors TRL's names: `SFTTrainer`/`SFTConfig`, `RewardTrainer`/`RewardConfig`,
 `DPOTrainer`/`DPOConfig`, `GRPOTrainer`/`GRPOConfig`, `RLOOTrainer`/`RLOOConfig`,
-`PPOTrainer`/`PPOConfig` (TRL v0.7.2's API), HF-style callbacks, `set_seed`, and TRL's scripting
+`DistillationTrainer`/`DistillationConfig`, `PPOTrainer`/`PPOConfig` (TRL v0.7.2's API), HF-style callbacks, `set_seed`, and TRL's scripting
 surface (`TrlParser`, `ScriptArguments`, `ModelConfig`, `get_dataset`, ...), so TRL's example
 scripts run with their imports changed from `trl` to `jaxrl`.
 """
@@ -37,6 +37,8 @@ from jaxrl.seeding import set_seed
 from jaxrl.trainers import (
     DDPOConfig,
     DDPOTrainer,
+    DistillationConfig,
+    DistillationTrainer,
     DPOConfig,
     DPOTrainer,
     EvalPrediction,
@@ -64,6 +66,8 @@ __all__ = [
     "BEMACallback",
     "DPOConfig",
     "DatasetMixtureConfig",
+    "DistillationConfig",
+    "DistillationTrainer",
     "DPOTrainer",
     "EvalPrediction",
     "GRPOConfig",

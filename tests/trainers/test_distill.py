@@ -1,0 +1,175 @@
+"""DistillationTrainer against TRL 1.16's DistillationTrainer on tiny models with scripted
+(fixed) completions on both sides: the same divergence (`loss`) and student entropy at beta 0,
+0.5 and 1 at the first step, and the same loss after one optimizer update (f32, 1e-5); and bad
+input refused with a clear message (a teacher with another vocabulary, a teacher that is not a
+causal LM, no teacher, a dataset without prompts)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from transformers import Qwen2Config
+
+from jaxrl import DistillationConfig, DistillationTrainer
+from jaxrl.config import ConfigError
+from jaxrl.data import task
+from jaxrl.trainers.online import Generation
+from tests.trainers.trainer_utils import tiny_config
+
+PROMPTS = ["12+34=", "5+6=", "70+8=", "9+99="]
+COMPLETIONS = ["46", "11", "78", "108"]  # fixed, some with EOS, one cut (no EOS)
+
+
+def _save(cfg: Qwen2Config, path: Path, seed: int) -> str:
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg).float()
+    model.save_pretrained(path)
+    task.load_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distill_models")
+    teacher_cfg = tiny_config().to_dict()
+    teacher_cfg.update(hidden_size=48, num_hidden_layers=3, intermediate_size=96)
+    teacher_cfg.pop("layer_types", None)
+    teacher_cfg = Qwen2Config(**teacher_cfg)
+    return _save(tiny_config(), root / "student", 0), _save(teacher_cfg, root / "teacher", 1)
+
+
+def _scripted_ids(tok) -> dict[tuple, list[int]]:
+    out = {}
+    for i, (p, c) in enumerate(zip(PROMPTS, COMPLETIONS, strict=True)):
+        ids = tok(text=c)["input_ids"]
+        out[tuple(tok(text=p)["input_ids"])] = ids if i == 3 else ids + [tok.eos_token_id]
+    return out
+
+
+def _trl_metrics(student, teacher, tmp_path, beta):
+    import datasets
+    import trl
+
+    tok = task.load_tokenizer()
+    scripted = _scripted_ids(tok)
+    args = trl.DistillationConfig(
+        output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, max_steps=2,
+        logging_steps=1, learning_rate=1e-2, bf16=False, beta=beta, temperature=0.9,
+        report_to="none", save_strategy="no", max_completion_length=4, seed=0,
+        disable_tqdm=True,
+    )  # fmt: skip
+    trainer = trl.DistillationTrainer(
+        model=student, teacher_model=teacher, args=args,
+        train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok,
+    )  # fmt: skip
+    trainer._generate_single_turn = lambda prompt_ids, *a, **k: [
+        scripted[tuple(p)] for p in prompt_ids
+    ]
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def _jaxrl_metrics(student, teacher, tmp_path, beta):
+    tok = task.load_tokenizer()
+    scripted = _scripted_ids(tok)
+    args = DistillationConfig(
+        output_dir=str(tmp_path / "jaxrl"), per_device_train_batch_size=4, max_steps=2,
+        logging_steps=1, learning_rate=1e-2, bf16=False, beta=beta, temperature=0.9,
+        report_to="none", save_strategy="no", max_completion_length=4, seed=0,
+        disable_tqdm=True, mesh_data=1, mesh_fsdp=1,
+    )  # fmt: skip
+    trainer = DistillationTrainer(
+        student, teacher, args=args, train_dataset=[{"prompt": p} for p in PROMPTS],
+        processing_class=tok,
+    )  # fmt: skip
+
+    def scripted_generate(prompt_ids, config, seed, **kw):
+        comps = [scripted[tuple(p)] for p in prompt_ids]
+        P, C = max(map(len, prompt_ids)), max(map(len, comps))
+        pad = tok.pad_token_id
+        pids = [[pad] * (P - len(p)) + list(p) for p in prompt_ids]
+        pmask = [[0] * (P - len(p)) + [1] * len(p) for p in prompt_ids]
+        cids = [c + [pad] * (C - len(c)) for c in comps]
+        cmask = [[1] * len(c) + [0] * (C - len(c)) for c in comps]
+        out = SimpleNamespace(
+            prompt_ids_BP=jnp.asarray(pids, jnp.int32), prompt_mask_BP=jnp.asarray(pmask, jnp.int32),
+            completion_ids_BN=jnp.asarray(cids, jnp.int32),
+            completion_mask_BN=jnp.asarray(cmask, jnp.int32),
+        )  # fmt: skip
+        lengths = np.array([len(c) for c in comps])
+        return Generation(out, comps, lengths, tok.batch_decode(comps, skip_special_tokens=True))
+
+    trainer._generate = scripted_generate
+    trainer.train()
+    lines = (tmp_path / "jaxrl" / "metrics.jsonl").read_text().splitlines()
+    return [m for m in map(json.loads, lines) if "loss" in m]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_per_step_parity_with_trl(models, tmp_path, beta):
+    student, teacher = models
+    theirs = _trl_metrics(student, teacher, tmp_path, beta)
+    ours = _jaxrl_metrics(student, teacher, tmp_path, beta)
+    assert len(theirs) == len(ours) == 2
+    for t, o in zip(theirs, ours, strict=True):
+        np.testing.assert_allclose(o["loss"], t["loss"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(o["entropy"], t["entropy"], rtol=1e-5, atol=1e-6)
+        for k in ("completions/mean_length", "completions/clipped_ratio"):
+            assert o[k] == pytest.approx(t[k]), k
+    assert ours[0]["loss"] != pytest.approx(ours[1]["loss"])  # the update changed the student
+
+
+def _args(tmp_path, **kw):
+    return DistillationConfig(
+        output_dir=str(tmp_path), bf16=False, mesh_data=1, mesh_fsdp=1, report_to="none",
+        max_completion_length=4, **kw,
+    )  # fmt: skip
+
+
+def test_teacher_with_another_vocabulary_is_refused(models, tmp_path):
+    student, _ = models
+    other = _save(tiny_config(vocab_size=24), tmp_path / "other", 2)
+    with pytest.raises(ValueError, match="vocab_size 16 but the teacher model has vocab_size 24"):
+        DistillationTrainer(
+            student, other, args=_args(tmp_path / "o"), train_dataset=[{"prompt": "1+1="}],
+            processing_class=task.load_tokenizer(),
+        )  # fmt: skip
+
+
+def test_teacher_that_is_not_a_causal_lm_is_refused(models, tmp_path):
+    student, _ = models
+    bad = tmp_path / "not_lm"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 16}))
+    with pytest.raises(ValueError, match="teacher"):
+        DistillationTrainer(
+            student, str(bad), args=_args(tmp_path / "o"), train_dataset=[{"prompt": "1+1="}],
+            processing_class=task.load_tokenizer(),
+        )  # fmt: skip
+
+
+def test_missing_teacher_prompt_column_and_bad_fields(models, tmp_path):
+    student, teacher = models
+    tok = task.load_tokenizer()
+    with pytest.raises(ValueError, match="teacher model is required"):
+        DistillationTrainer(student, args=_args(tmp_path / "a"), train_dataset=[{"prompt": "1="}])
+    with pytest.raises(ValueError, match="'prompt' column"):
+        DistillationTrainer(
+            student, teacher, args=_args(tmp_path / "b"), train_dataset=[{"text": "1+1="}],
+            processing_class=tok,
+        )  # fmt: skip
+    with pytest.raises(ConfigError, match="beta must be in"):
+        _args(tmp_path / "c", beta=1.5)
+    with pytest.raises(ConfigError, match="use_vllm"):
+        _args(tmp_path / "d", use_vllm=True)
+    assert DistillationConfig(output_dir="x").learning_rate == 1e-6  # TRL's default
+    assert DistillationConfig(output_dir="x").beta == 1.0
