@@ -46,6 +46,7 @@ from jaxrl import parallel
 from jaxrl.algos import distill
 from jaxrl.algos.rollout import make_buffer_step
 from jaxrl.callbacks.base import TrainerCallback
+from jaxrl.callbacks.completions import write_completions_log
 from jaxrl.core import quant
 from jaxrl.core.step import make_eval_step, make_train_step, reduce_aux
 from jaxrl.generation import GenerationConfig, Sampler
@@ -140,6 +141,9 @@ class DistillationTrainer(OnPolicyPromptsMixin, OnPolicyBatchesMixin, OnlineLoop
             "prompt": deque(maxlen=self.generation_batch_size),
             "completion": deque(maxlen=self.generation_batch_size),
         }
+        # The loop reads a step's metrics (and logs) one step late, after the next step has
+        # generated: each step keeps a copy of the completions its log must show.
+        self._completion_logs_at: dict[int, dict[str, list]] = {}
         if a.log_completions and self.is_world_process_zero():
             os.makedirs(os.path.join(a.output_dir, "completions"), exist_ok=True)
 
@@ -294,6 +298,8 @@ class DistillationTrainer(OnPolicyPromptsMixin, OnPolicyBatchesMixin, OnlineLoop
         self._buffer_tokens = s["tokens"]
 
     def _update(self, plan: StepPlan, generated: bool) -> dict:
+        if self.args.log_completions:  # this step logs the completions as they are now
+            self._completion_logs_at[self.state.global_step + 1] = self._completion_logs_copy()
         slices_A = jnp.asarray(plan.slices, jnp.int32)
         self.train_state, metrics = self._jit_train_step(self.train_state, self.rollout, slices_A)
         if generated:
@@ -336,6 +342,9 @@ class DistillationTrainer(OnPolicyPromptsMixin, OnPolicyBatchesMixin, OnlineLoop
             examples = rows[start : start + batch_size]
             seed = jax.random.fold_in(jax.random.key(a.seed + 1), b)
             s = self._sample_rows(examples, sampling, seed)
+            # TRL's evaluation generates through the same path, so its log shows these.
+            self.completion_logs["prompt"].extend(s["prompts"])
+            self.completion_logs["completion"].extend(s["texts"])
             batch_A = jax.tree.map(lambda x: x[None], s["rows"])
             aux = jax.device_get(self._jit_eval_step(self.train_state, batch_A))
             reduced = {k: float(v) for k, v in jax.device_get(reduce_aux(aux)).items()}
@@ -364,24 +373,36 @@ class DistillationTrainer(OnPolicyPromptsMixin, OnPolicyBatchesMixin, OnlineLoop
         return metrics
 
     # ----------------------------------------------------------------- logging
+    def _completion_logs_copy(self) -> dict[str, list]:
+        return {k: list(v) for k, v in self.completion_logs.items()}
+
     def log(self, logs: dict[str, float], step: int | None = None):
-        """HF's `log`, then TRL's `log_completions` on process 0: the latest generation batch's
-        prompts and completions written to `output_dir/completions/completions_<step>.parquet`
-        (TRL's table: step, prompt, completion)."""
+        """HF's `log`, then TRL's `log_completions` on process 0: the completions behind this
+        log (the latest generation batch; an evaluation's log: the evaluation's last
+        `generation_batch_size`) printed as a rich table of Prompt and Completion
+        (`num_completions_to_print` random rows; all when None), written to
+        `output_dir/completions/completions_<step>.parquet` (step, prompt, completion) and, when a
+        wandb run is active, logged as the wandb Table `completions` (the first row of each
+        prompt only with `log_unique_prompts`)."""
         super().log(logs, step)
         a = self.args
         if not (a.log_completions and self.is_world_process_zero()):
             return
-        if not self.completion_logs["prompt"]:
-            return
-        import pandas as pd  # only runs that log completions
-
         step = self.state.global_step if step is None else step
-        prompts = list(self.completion_logs["prompt"])
-        table = {
-            "step": [step] * len(prompts),
-            "prompt": prompts,
-            "completion": list(self.completion_logs["completion"]),
-        }
-        path = os.path.join(a.output_dir, "completions", f"completions_{step:05d}.parquet")
-        pd.DataFrame(table).to_parquet(path)
+        at = self._completion_logs_at
+        is_eval = any(k.startswith("eval_") for k in logs)
+        snapshot = None if is_eval else at.pop(step, None)
+        for old in [k for k in at if k <= step and not is_eval]:
+            del at[old]
+        if snapshot is None:
+            snapshot = self._completion_logs_copy()
+        if not snapshot["prompt"]:
+            return
+        write_completions_log(
+            {**snapshot, "rewards": {}, "advantages": None, "extra": {}},
+            step,
+            out_dir=os.path.join(a.output_dir, "completions"),
+            num_to_print=a.num_completions_to_print,
+            unique_prompts=a.log_unique_prompts,
+            to_wandb="wandb" in a.report_to,
+        )

@@ -77,22 +77,12 @@ def _trl_metrics(student, teacher, tmp_path, beta):
     return [h for h in trainer.state.log_history if "loss" in h]
 
 
-def _jaxrl_metrics(student, teacher, tmp_path, beta):
-    tok = task.load_tokenizer()
-    scripted = _scripted_ids(tok)
-    args = DistillationConfig(
-        output_dir=str(tmp_path / "jaxrl"), per_device_train_batch_size=4, max_steps=2,
-        logging_steps=1, learning_rate=1e-2, bf16=False, beta=beta, temperature=0.9,
-        report_to="none", save_strategy="no", max_completion_length=4, seed=0,
-        disable_tqdm=True, mesh_data=1, mesh_fsdp=1,
-    )  # fmt: skip
-    trainer = DistillationTrainer(
-        student, teacher, args=args, train_dataset=[{"prompt": p} for p in PROMPTS],
-        processing_class=tok,
-    )  # fmt: skip
+def _scripted_generate(tok, completion_ids):
+    """A stand-in for `trainer._generate` that returns `completion_ids(prompt_ids)` (EOS
+    included where it ends a completion) in the sampler's padded layout."""
 
-    def scripted_generate(prompt_ids, config, seed, **kw):
-        comps = [scripted[tuple(p)] for p in prompt_ids]
+    def generate(prompt_ids, config, seed, **kw):
+        comps = completion_ids(prompt_ids)
         P, C = max(map(len, prompt_ids)), max(map(len, comps))
         pad = tok.pad_token_id
         pids = [[pad] * (P - len(p)) + list(p) for p in prompt_ids]
@@ -107,7 +97,23 @@ def _jaxrl_metrics(student, teacher, tmp_path, beta):
         lengths = np.array([len(c) for c in comps])
         return Generation(out, comps, lengths, tok.batch_decode(comps, skip_special_tokens=True))
 
-    trainer._generate = scripted_generate
+    return generate
+
+
+def _jaxrl_metrics(student, teacher, tmp_path, beta):
+    tok = task.load_tokenizer()
+    scripted = _scripted_ids(tok)
+    args = DistillationConfig(
+        output_dir=str(tmp_path / "jaxrl"), per_device_train_batch_size=4, max_steps=2,
+        logging_steps=1, learning_rate=1e-2, bf16=False, beta=beta, temperature=0.9,
+        report_to="none", save_strategy="no", max_completion_length=4, seed=0,
+        disable_tqdm=True, mesh_data=1, mesh_fsdp=1,
+    )  # fmt: skip
+    trainer = DistillationTrainer(
+        student, teacher, args=args, train_dataset=[{"prompt": p} for p in PROMPTS],
+        processing_class=tok,
+    )  # fmt: skip
+    trainer._generate = _scripted_generate(tok, lambda ids: [scripted[tuple(p)] for p in ids])
     trainer.train()
     lines = (tmp_path / "jaxrl" / "metrics.jsonl").read_text().splitlines()
     return [m for m in map(json.loads, lines) if "loss" in m]
@@ -173,3 +179,59 @@ def test_missing_teacher_prompt_column_and_bad_fields(models, tmp_path):
         _args(tmp_path / "d", use_vllm=True)
     assert DistillationConfig(output_dir="x").learning_rate == 1e-6  # TRL's default
     assert DistillationConfig(output_dir="x").beta == 1.0
+
+
+def test_log_completions_table_file_and_wandb(models, tmp_path, capsys, monkeypatch):
+    """TRL's `log_completions`: each training log prints `num_completions_to_print` of its own
+    step's completions (Prompt and Completion only, no Advantage), writes all of them to
+    `completions/completions_<step>.parquet` (step, prompt, completion), and logs the wandb Table
+    `completions`, one row per prompt with `log_unique_prompts`; an evaluation's log shows the
+    evaluation's completions. Each generation call here answers with its own call number, so a
+    file holding another step's completions fails."""
+    import pandas as pd
+    import wandb
+
+    student, teacher = models
+    tok = task.load_tokenizer()
+    prompts = ["1+1=", "1+1=", "2+2=", "3+3="]  # a repeated prompt: log_unique_prompts drops it
+    args = _args(
+        tmp_path, per_device_train_batch_size=4, max_steps=3, logging_steps=1,
+        learning_rate=1e-2, save_strategy="no", disable_tqdm=True, log_completions=True,
+        num_completions_to_print=2, log_unique_prompts=True, shuffle_dataset=False,
+    )  # fmt: skip
+    trainer = DistillationTrainer(
+        student, teacher, args=args, train_dataset=[{"prompt": p} for p in prompts],
+        processing_class=tok,
+    )  # fmt: skip
+    calls = []
+
+    def answer(ids):  # call c: every completion is the digit c (then EOS)
+        calls.append(len(ids))
+        return [tok(text=str(len(calls)))["input_ids"] + [tok.eos_token_id] for _ in ids]
+
+    trainer._generate = _scripted_generate(tok, answer)
+    logged = []
+    monkeypatch.setattr(wandb, "run", object())
+    monkeypatch.setattr(wandb, "log", lambda data: logged.append(data))
+    trainer.args.report_to = ["wandb"]  # after construction: no wandb callback, only the table
+    trainer.train()
+    printed = capsys.readouterr().out
+    for step in (1, 2, 3):
+        frame = pd.read_parquet(tmp_path / "completions" / f"completions_{step:05d}.parquet")
+        assert list(frame.columns) == ["step", "prompt", "completion"]
+        assert sorted(frame["prompt"]) == sorted(prompts)
+        assert set(frame["completion"]) == {str(step)}, step  # its own step's completions
+        assert set(frame["step"]) == {step}
+        assert f"Step {step}" in printed
+    assert "Advantage" not in printed
+    rows = [line for line in printed.splitlines() if "=" in line and "│" in line]
+    tables = [d["completions"] for d in logged if "completions" in d]
+    assert len(tables) == 4  # the three step logs and the end-of-training summary log
+    assert len(rows) == 4 * 2  # num_completions_to_print rows per log
+    assert all(len(t.data) == 3 for t in tables)  # one row per prompt
+    assert tables[0].columns == ["step", "prompt", "completion"]
+
+    trainer._generate = _scripted_generate(tok, lambda ids: [[tok.eos_token_id] for _ in ids])
+    trainer.evaluate([{"prompt": "9+9="}, {"prompt": "8+8="}])
+    frame = pd.read_parquet(tmp_path / "completions" / "completions_00003.parquet")
+    assert set(frame["prompt"]) >= {"9+9=", "8+8="}
