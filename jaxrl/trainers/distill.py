@@ -135,7 +135,6 @@ class DistillationTrainer(OnPolicyPromptsMixin, OnPolicyBatchesMixin, OnlineLoop
         self._buffer_generation = -1
         self._buffer_metrics: dict[str, float] = {}
         self._buffer_tokens = 0.0
-        self._tokens_seen = 0.0
         # TRL's `_logs`: the prompts and completions of the latest generation batch.
         self.completion_logs = {
             "prompt": deque(maxlen=self.generation_batch_size),
@@ -302,17 +301,13 @@ class DistillationTrainer(OnPolicyPromptsMixin, OnPolicyBatchesMixin, OnlineLoop
             self._completion_logs_at[self.state.global_step + 1] = self._completion_logs_copy()
         slices_A = jnp.asarray(plan.slices, jnp.int32)
         self.train_state, metrics = self._jit_train_step(self.train_state, self.rollout, slices_A)
-        if generated:
-            self._tokens_seen += self._buffer_tokens
-        # TRL: `num_tokens` is the running count of prompt + completion tokens seen.
-        return {**metrics, **self._buffer_metrics, "num_tokens": self._tokens_seen}
-
-    def _host_state(self) -> dict:
-        return {**super()._host_state(), "tokens_seen": self._tokens_seen}
-
-    def _load_host_state(self, state: dict) -> None:
-        super()._load_host_state(state)
-        self._tokens_seen = float(state.get("tokens_seen", 0.0))
+        # The step's prompt + completion tokens; the loop keeps TRL's running `num_tokens` (and
+        # saves it with each checkpoint).
+        return {
+            **metrics,
+            **self._buffer_metrics,
+            "num_tokens": self._buffer_tokens if generated else 0.0,
+        }
 
     # ----------------------------------------------------------------- eval
     def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict:
@@ -362,7 +357,7 @@ class DistillationTrainer(OnPolicyPromptsMixin, OnPolicyBatchesMixin, OnlineLoop
         for k, v in values.items():
             v = [x for x in v if not math.isnan(x)]
             metrics[k] = float(np.mean(v)) if v else math.nan
-        metrics["num_tokens"] = self._tokens_seen
+        metrics["num_tokens"] = float(getattr(self, "_tokens_seen", 0))  # training's so far
         if matches:
             metrics["greedy/exact_match"] = float(np.mean(matches))
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}

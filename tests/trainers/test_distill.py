@@ -231,6 +231,12 @@ def test_log_completions_table_file_and_wandb(models, tmp_path, capsys, monkeypa
     assert all(len(t.data) == 3 for t in tables)  # one row per prompt
     assert tables[0].columns == ["step", "prompt", "completion"]
 
+    # TRL's `num_tokens`: the running count of prompt + completion tokens (here 2 per completion).
+    per_step = sum(len(tok(text=p)["input_ids"]) + 2 for p in prompts)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    counts = {m["step"]: m["num_tokens"] for m in map(json.loads, lines) if "loss" in m}
+    assert counts == {1: per_step, 2: 2 * per_step, 3: 3 * per_step}
+
     trainer._generate = _scripted_generate(tok, lambda ids: [[tok.eos_token_id] for _ in ids])
     trainer.evaluate([{"prompt": "9+9="}, {"prompt": "8+8="}])
     frame = pd.read_parquet(tmp_path / "completions" / "completions_00003.parquet")
