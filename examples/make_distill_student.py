@@ -2,9 +2,13 @@
 (`python -m jaxrl.train --algo distill`; the teacher is the shipped `sft_model/`).
 
 The student is a quarter of the teacher's width and half its depth (2 layers, hidden 64, ~0.1M
-parameters against the teacher's ~0.8M, same tokenizer and vocabulary), given a short SFT run on
-the task so that it starts weak but not random: on-policy distillation then raises its held-out
-accuracy toward the teacher's.
+parameters against the teacher's ~0.8M, same tokenizer and vocabulary), given a 500-step SFT
+run on the task so that it starts weak but not random: on-policy distillation then raises its
+held-out accuracy toward the teacher's. Held-out greedy exact match (the 250 rows of
+`sft_test.jsonl`, measured 2026-11-29 on this project's CPU): teacher 55.8%; the student after 150
+SFT steps 0.6% (too weak: 120 distillation steps took it only to 7.8%), after 300 steps 7.0%,
+after 500 steps 20.0% (the shipped one), after 1000 steps 90.8%: longer SFT makes the small
+student better than the shipped teacher, which leaves nothing to distil.
 
 Run from the repository root: `python examples/make_distill_student.py [--max_steps N]`.
 """
@@ -40,7 +44,7 @@ def student_config(vocab_size: int) -> Qwen2Config:
     )
 
 
-def main(max_steps: int = 150) -> None:
+def main(max_steps: int = 500) -> None:
     tok = task.load_tokenizer()
     args = SFTConfig(
         output_dir="/tmp/jaxrl_make_distill_student",
@@ -80,5 +84,5 @@ def main(max_steps: int = 150) -> None:
 
 
 if __name__ == "__main__":
-    steps = int(sys.argv[sys.argv.index("--max_steps") + 1]) if "--max_steps" in sys.argv else 150
+    steps = int(sys.argv[sys.argv.index("--max_steps") + 1]) if "--max_steps" in sys.argv else 500
     main(steps)
