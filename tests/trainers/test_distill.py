@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -100,19 +101,21 @@ def _scripted_generate(tok, completion_ids):
     return generate
 
 
-def _jaxrl_metrics(student, teacher, tmp_path, beta):
+def _jaxrl_metrics(student, teacher, tmp_path, beta, check=None, **kw):
     tok = task.load_tokenizer()
     scripted = _scripted_ids(tok)
     args = DistillationConfig(
         output_dir=str(tmp_path / "jaxrl"), per_device_train_batch_size=4, max_steps=2,
         logging_steps=1, learning_rate=1e-2, bf16=False, beta=beta, temperature=0.9,
         report_to="none", save_strategy="no", max_completion_length=4, seed=0,
-        disable_tqdm=True, mesh_data=1, mesh_fsdp=1,
+        disable_tqdm=True, mesh_data=1, mesh_fsdp=1, **kw,
     )  # fmt: skip
     trainer = DistillationTrainer(
         student, teacher, args=args, train_dataset=[{"prompt": p} for p in PROMPTS],
         processing_class=tok,
     )  # fmt: skip
+    if check is not None:
+        check(trainer)
     trainer._generate = _scripted_generate(tok, lambda ids: [scripted[tuple(p)] for p in ids])
     trainer.train()
     lines = (tmp_path / "jaxrl" / "metrics.jsonl").read_text().splitlines()
@@ -241,3 +244,47 @@ def test_log_completions_table_file_and_wandb(models, tmp_path, capsys, monkeypa
     trainer.evaluate([{"prompt": "9+9="}, {"prompt": "8+8="}])
     frame = pd.read_parquet(tmp_path / "completions" / "completions_00003.parquet")
     assert set(frame["prompt"]) >= {"9+9=", "8+8="}
+
+
+@pytest.mark.slow
+def test_int8_teacher_matches_trl_on_the_dequantized_teacher(models, tmp_path):
+    """`teacher_model_quantization="int8"`: the teacher is stored as int8 (one absmax / 127 scale
+    per output channel) in the train state, and the losses of the first step and of the step
+    after one update equal TRL's on a teacher whose weights are that round trip computed
+    directly in torch (every matrix, row-wise: the output channels of a Linear, the token rows
+    of the embedding; vectors kept; an all-zero row, the padding embedding, stays zero)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxrl.core.quant import QuantizedArray
+
+    student, teacher = models
+    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                absmax = p.abs().amax(dim=1, keepdim=True)
+                scale = torch.where(absmax > 0, absmax / 127.0, 1.0)  # an all-zero row stays 0
+                p.copy_(torch.clamp(torch.round(p / scale), -127, 127) * scale)
+    fake = tmp_path / "teacher_int8_roundtrip"
+    model.save_pretrained(fake)
+    task.load_tokenizer().save_pretrained(fake)
+
+    def stored_as_int8(trainer):
+        trainer._ensure_state()
+        leaves = jax.tree.leaves(
+            trainer.train_state.frozen["teacher"],
+            is_leaf=lambda x: isinstance(x, QuantizedArray),
+        )
+        assert any(isinstance(x, QuantizedArray) for x in leaves)
+
+    theirs = _trl_metrics(student, str(fake), tmp_path, 1.0)
+    ours = _jaxrl_metrics(
+        student, teacher, tmp_path, 1.0, check=stored_as_int8, teacher_model_quantization="int8"
+    )
+    assert len(theirs) == len(ours) == 2
+    for t, o in zip(theirs, ours, strict=True):
+        np.testing.assert_allclose(o["loss"], t["loss"], rtol=1e-5, atol=1e-6)
+    # ... and not the unquantized teacher's loss: the round trip moved it beyond that tolerance.
+    unquantized = _trl_metrics(student, teacher, tmp_path / "f32", 1.0)
+    assert abs(unquantized[0]["loss"] - ours[0]["loss"]) > 1e-5 * abs(ours[0]["loss"]) + 1e-6
