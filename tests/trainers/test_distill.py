@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from transformers import Qwen2Config
 
-from jaxrl import DistillationConfig, DistillationTrainer
+from jaxrl import DistillationConfig, DistillationTrainer, lora
 from jaxrl.config import ConfigError
 from jaxrl.data import task
 from jaxrl.trainers.online import Generation
@@ -101,7 +101,7 @@ def _scripted_generate(tok, completion_ids):
     return generate
 
 
-def _jaxrl_metrics(student, teacher, tmp_path, beta, check=None, **kw):
+def _jaxrl_metrics(student, teacher, tmp_path, beta, check=None, trainer_kw=None, **kw):
     tok = task.load_tokenizer()
     scripted = _scripted_ids(tok)
     args = DistillationConfig(
@@ -112,7 +112,7 @@ def _jaxrl_metrics(student, teacher, tmp_path, beta, check=None, **kw):
     )  # fmt: skip
     trainer = DistillationTrainer(
         student, teacher, args=args, train_dataset=[{"prompt": p} for p in PROMPTS],
-        processing_class=tok,
+        processing_class=tok, **(trainer_kw or {}),
     )  # fmt: skip
     if check is not None:
         check(trainer)
@@ -288,3 +288,31 @@ def test_int8_teacher_matches_trl_on_the_dequantized_teacher(models, tmp_path):
     # ... and not the unquantized teacher's loss: the round trip moved it beyond that tolerance.
     unquantized = _trl_metrics(student, teacher, tmp_path / "f32", 1.0)
     assert abs(unquantized[0]["loss"] - ours[0]["loss"]) > 1e-5 * abs(ours[0]["loss"]) + 1e-6
+
+
+@pytest.mark.slow
+def test_lora_student_first_step_is_the_merged_models(models, tmp_path):
+    """A LoRA student (random A and B, so the adapter changes the model from step 0): its first
+    loss equals that of a full student holding the merged weights `W + (alpha / r) B A` (computed
+    by `lora.merge_lora`) at 1e-5, and one update moves it (only the adapters train)."""
+    student, teacher = models
+    config = lora.LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False
+    )
+    merged = {}
+
+    def keep_merged(trainer):
+        n_trainable, _ = lora.trainable_parameters(trainer.model)
+        assert 0 < n_trainable
+        merged["model"] = lora.merge_lora(trainer.model)
+
+    ours = _jaxrl_metrics(
+        student, teacher, tmp_path / "lora", 1.0, check=keep_merged,
+        trainer_kw={"peft_config": config},
+    )  # fmt: skip
+    full = _jaxrl_metrics(merged["model"], teacher, tmp_path / "full", 1.0)
+    np.testing.assert_allclose(ours[0]["loss"], full[0]["loss"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ours[0]["entropy"], full[0]["entropy"], rtol=1e-5, atol=1e-6)
+    assert ours[1]["loss"] != pytest.approx(ours[0]["loss"])
+    base = _jaxrl_metrics(student, teacher, tmp_path / "base", 1.0)  # the adapter mattered
+    assert base[0]["loss"] != pytest.approx(ours[0]["loss"], rel=1e-4)
