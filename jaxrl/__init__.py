@@ -1,8 +1,10 @@
-"""jaxrl: TRL for JAX. SFT, reward modelling, DPO, KTO, PPO, GRPO, RLOO and DDPO as pure-functional JAX.
+"""jaxrl: TRL for JAX. SFT, reward modelling, DPO, KTO, PPO, GRPO, RLOO, distillation and DDPO as
+pure-functional JAX.
 
 The public API mirrors TRL's names: `SFTTrainer`/`SFTConfig`, `RewardTrainer`/`RewardConfig`,
-`DPOTrainer`/`DPOConfig`, `KTOTrainer`/`KTOConfig`, `GRPOTrainer`/`GRPOConfig`, `RLOOTrainer`/`RLOOConfig`,
-`PPOTrainer`/`PPOConfig` (TRL v0.7.2's API), HF-style callbacks, `set_seed`, and TRL's scripting
+`DPOTrainer`/`DPOConfig`, `KTOTrainer`/`KTOConfig`, `GRPOTrainer`/`GRPOConfig`,
+`RLOOTrainer`/`RLOOConfig`, `DistillationTrainer`/`DistillationConfig`, `PPOTrainer`/`PPOConfig`
+(TRL v0.7.2's API), HF-style callbacks, `set_seed`, and TRL's scripting
 surface (`TrlParser`, `ScriptArguments`, `ModelConfig`, `get_dataset`, ...), so TRL's example
 scripts run with their imports changed from `trl` to `jaxrl`.
 """
@@ -47,6 +49,8 @@ from jaxrl.seeding import set_seed
 from jaxrl.trainers import (
     DDPOConfig,
     DDPOTrainer,
+    DistillationConfig,
+    DistillationTrainer,
     DPOConfig,
     DPOTrainer,
     EvalPrediction,
@@ -76,6 +80,8 @@ __all__ = [
     "BEMACallback",
     "DPOConfig",
     "DatasetMixtureConfig",
+    "DistillationConfig",
+    "DistillationTrainer",
     "DPOTrainer",
     "EvalPrediction",
     "GRPOConfig",

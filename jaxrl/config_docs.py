@@ -91,7 +91,7 @@ NOTES = {
 }
 
 # The algorithms whose config the installed TRL still has (PPO and DDPO follow TRL v0.7.2's).
-TRL_ALGOS = ("sft", "reward", "dpo", "kto", "grpo", "rloo")
+TRL_ALGOS = ("sft", "reward", "dpo", "kto", "grpo", "rloo", "distill")
 
 SECTIONS = (
     ("TrainingArguments (transformers)", "TrainingArguments", TrainingConfig),

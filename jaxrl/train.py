@@ -1,4 +1,4 @@
-"""`python -m jaxrl.train --algo {sft,reward,dpo,kto,ppo,grpo,rloo,ddpo} [--config NAME|FILE.yaml] [--field ...]`.
+"""`python -m jaxrl.train --algo {sft,reward,dpo,kto,ppo,grpo,rloo,distill,ddpo} [--config NAME|FILE.yaml] [--field ...]`.
 
 A thin entry point over the library. With no model and no dataset flag it runs offline on the
 embedded arithmetic task and its recipe (`jaxrl/recipes/ALGO.yaml`): SFT trains the shipped tiny
@@ -239,6 +239,8 @@ def build_trainer(argv: list[str]) -> Any:
     spec = ALGORITHMS[algo]
     if algo == "ppo":
         return build_ppo_trainer(rest)
+    if algo == "distill":
+        return build_distill_trainer(rest)
     if spec.takes_reward_funcs:
         return build_online_trainer(algo, rest)
     args, script = parse_config(
@@ -341,6 +343,54 @@ def build_ppo_trainer(rest: list[str]) -> Any:
         reward=reward,
         peft_config=peft_config,
         quantization_config=quantization_config,
+    )
+
+
+def build_distill_trainer(rest: list[str]) -> Any:
+    """`--algo distill` (TRL's `distillation` script): the student is `--model_name_or_path`,
+    the teacher `--teacher_model_name_or_path`. The embedded default distils the shipped SFT
+    model (teacher) into the shipped smaller student on the arithmetic task's prompts
+    (held-out accuracy: `eval_greedy/exact_match`)."""
+    spec = ALGORITHMS["distill"]
+    args, script = parse_config(
+        spec.config_class, yaml_path=_recipe_yaml("distill", rest), cli_args=_without_config(rest)
+    )
+    peft_config, quantization_config = peft_options(script)
+    run_dir.check_output_dir(
+        args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir
+    )
+    embedded = script.model_name_or_path is None
+    if script.dataset_name is None:
+        train_ds = str(task.asset_path("sft_train.jsonl"))
+        eval_ds = str(task.asset_path("sft_test.jsonl"))
+    else:
+        train_ds = _load_split(script, script.dataset_train_split)
+        eval_ds = _load_split(script, script.dataset_test_split)
+    teacher = args.teacher_model_name_or_path
+    if teacher is None:
+        if not embedded:
+            raise ConfigError(
+                "--algo distill needs a teacher, as TRL's script: --teacher_model_name_or_path "
+                "DIR_OR_HUB_ID (a causal LM with the student's vocabulary)."
+            )
+        teacher = str(task.asset_path("sft_model"))
+    tokenizer = task.load_tokenizer() if embedded else None
+    model = str(task.asset_path("student_model")) if embedded else script.model_name_or_path
+    if script.tokenizer_name_or_path is not None:
+        from transformers import AutoTokenizer  # ~3 s to import: only the runs that need it
+
+        tokenizer = AutoTokenizer.from_pretrained(script.tokenizer_name_or_path)
+    if args.eval_strategy == "no" and not args.eval_on_start:
+        eval_ds = None
+    return spec.trainer_class(
+        model=model,
+        teacher_model=teacher,
+        args=args,
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        processing_class=tokenizer,
+        quantization_config=quantization_config,
+        peft_config=peft_config,
     )
 
 

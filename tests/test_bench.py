@@ -59,3 +59,16 @@ def test_last_line_is_the_json_contract(capsys, argv, tmp_path):
         # 8 pairs of 8 prompt + 8 + 8 completion tokens: TRL would count 8 * 32 tokens.
         assert result["computed_tokens_per_step"] == 8 * 24
         assert result["tokens_per_step"] == 8 * 32
+
+
+def test_distill_divergence_memory_stays_below_the_full_logits():
+    """`--algo distill`'s memory probe on jaxrl's side: the compiled forward+backward of the
+    chunked divergence plans far less temporary memory than one full f32 `[B, C, V]` logits
+    array (two such arrays, student and teacher, are what an unchunked divergence holds)."""
+    from jaxrl.bench.distill import memory_child
+
+    B, C, V = 2, 4096, 4000
+    out = memory_child("jaxrl", f"{B},{C},32,48,{V}")
+    full = B * C * V * 4
+    assert 0 < out["xla_temp_bytes"] < full / 4
+    assert out["peak_rss_delta_bytes"] >= 0

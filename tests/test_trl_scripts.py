@@ -1,8 +1,9 @@
 """TRL's own example scripts run on jaxrl with only their imports changed from `trl` to `jaxrl`.
 
 The scripts are read from the installed trl (`trl/scripts/sft.py`, `dpo.py`, `reward.py`,
-`kto.py`), their `from trl import ...` lines rewritten to `from jaxrl import ...`, and each trains
-a tiny model for two steps and exports an HF directory that transformers loads. TRL flags with no JAX meaning are
+`kto.py`, `distillation.py`), their `from trl import ...` lines rewritten to `from jaxrl import ...`,
+and each trains a tiny model for two steps and exports an HF directory that transformers loads.
+TRL flags with no JAX meaning are
 mapped (`--dtype`, `--attn_implementation`) or rejected with exit status 2 and a message.
 """
 
@@ -48,7 +49,17 @@ def _run_here(script: Path, flags: list[str], monkeypatch) -> None:
     runpy.run_path(str(script), run_name="__main__")
 
 
-NAMES = ["sft", "dpo", "reward", "kto"]
+NAMES = ["sft", "dpo", "reward", "kto", "distillation"]
+# What a script needs besides the shared flags: distillation trains the shipped student against
+# the shipped SFT model (its teacher) on the SFT rows' prompts.
+EXTRA_FLAGS = {
+    "distillation": [
+        "--model_name_or_path", str(task.asset_path("student_model")),
+        "--teacher_model_name_or_path", str(MODEL),
+        "--max_completion_length", "4",
+        "--per_device_eval_batch_size", "4",
+    ],
+}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -62,7 +73,8 @@ def test_trl_script_trains_and_exports(tmp_path, monkeypatch, capsys):
         (tmp_path / name).mkdir()
         flags = [
             "--model_name_or_path", str(MODEL),
-            "--dataset_name", str(_data(tmp_path / name, "sft" if name == "sft" else "dpo")),
+            "--dataset_name",
+            str(_data(tmp_path / name, "sft" if name in ("sft", "distillation") else "dpo")),
             "--output_dir", str(tmp_path / name / "out"),
             "--max_steps", "2",
             "--per_device_train_batch_size", "4",
@@ -77,6 +89,7 @@ def test_trl_script_trains_and_exports(tmp_path, monkeypatch, capsys):
             # One device of this process's 8, as `python script.py` with one CPU device trains
             # (jaxrl's default mesh, fsdp over every device, would spread the batch of 4 over 8).
             "--mesh_fsdp", "1",
+            *EXTRA_FLAGS.get(name, []),
         ]  # fmt: skip
         capsys.readouterr()
         _run_here(_port(tmp_path / name, name), flags, monkeypatch)

@@ -1,4 +1,4 @@
-"""`python -m jaxrl.bench --algo {forward,sft,reward,dpo,generate,ppo,grpo,ddpo} [flags]`.
+"""`python -m jaxrl.bench --algo {forward,sft,reward,dpo,generate,ppo,grpo,ddpo,distill} [flags]`.
 
 Runs the real jitted train step of the chosen algorithm: a few warm-up steps, then timed steps,
 and prints as its last line one JSON object with `algo, step_s, tokens_per_sec, compile_s,
@@ -47,9 +47,12 @@ then the same loop in jaxrl. Flags: --batch (32), --mini_batch (8), --ppo_epochs
 --prompt_len (16), --max_new_tokens (16), --steps (3), --torch_threads (TRL side; 0: PyTorch's
 default), --trl_python.
 
+`--algo distill` times jaxrl's DistillationTrainer against TRL 1.16's in one run (generation,
+teacher scoring, update) and the divergence's peak memory on both sides (`distill.py`).
+
 The package: `common.py` (flag splitting, peak memory, timing, MFU, synthetic rows), one module
 per runner (`step.py` sft/forward/reward/dpo, `lora.py`, `generate.py`, `grpo.py`, `ppo.py`,
-`ddpo.py`, `compare.py` for `--compare trl`), and `cli.py` (`main` and the `--algo` table).
+`ddpo.py`, `distill.py`, `compare.py` for `--compare trl`), and `cli.py` (`main` and the `--algo` table).
 Importing it runs nothing.
 """
 

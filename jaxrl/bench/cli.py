@@ -12,6 +12,7 @@ from collections.abc import Callable
 from jaxrl.bench import step
 from jaxrl.bench.compare import compare
 from jaxrl.bench.ddpo import run_ddpo
+from jaxrl.bench.distill import run as run_distill
 from jaxrl.bench.generate import run_generate
 from jaxrl.bench.grpo import run as run_grpo
 from jaxrl.bench.lora import run_lora
@@ -54,6 +55,7 @@ RUNNERS: dict[str, Callable[[list[str]], dict]] = {
     "generate": run_generate,
     "grpo": run_grpo,  # jaxrl vs TRL GRPOTrainer
     "ppo": run_ppo,
+    "distill": run_distill,  # jaxrl vs TRL DistillationTrainer
     "ddpo": lambda argv: run_ddpo(_without_algo(argv)),  # its flags are its own, no --algo
 }
 

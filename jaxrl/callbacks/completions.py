@@ -103,8 +103,9 @@ def _cell(entry: Any) -> Any:
 
 def print_completions(logs: dict[str, Any], step: int, num_samples: int | None) -> None:
     """TRL's console table of completions (`print_prompt_completions_sample`): columns Prompt,
-    Completion, one per reward function, Advantage, then the `log_extra` columns;
-    `num_samples` random rows (all when None or not fewer than the rows, none when <= 0)."""
+    Completion, one per reward function, Advantage (none when `advantages` is None, as
+    distillation), then the `log_extra` columns; `num_samples` random rows (all when None or not
+    fewer than the rows, none when <= 0)."""
     from rich.console import Console
     from rich.panel import Panel
     from rich.table import Table
@@ -120,7 +121,9 @@ def print_completions(logs: dict[str, Any], step: int, num_samples: int | None) 
     table.add_column("Completion", style="bright_green")
     for name in logs["rewards"]:
         table.add_column(name, style="bold cyan", justify="right")
-    table.add_column("Advantage", style="bold magenta", justify="right")
+    advantages = logs.get("advantages")
+    if advantages is not None:
+        table.add_column("Advantage", style="bold magenta", justify="right")
     for name in logs["extra"]:
         table.add_column(name, style="bright_white")
     for i in rows:
@@ -128,7 +131,7 @@ def print_completions(logs: dict[str, Any], step: int, num_samples: int | None) 
             _cell(logs["prompt"][i]),
             _cell(logs["completion"][i]),
             *(f"{values[i]:.2f}" for values in logs["rewards"].values()),
-            f"{logs['advantages'][i]:.2f}",
+            *([] if advantages is None else [f"{advantages[i]:.2f}"]),
             *(str(values[i]) for values in logs["extra"].values()),
         )
         table.add_section()
@@ -149,7 +152,7 @@ def write_completions_log(
     function, the `log_extra` columns, advantage) and, when a wandb run is active and
     `to_wandb`, log them as the wandb Table `completions` (first row per prompt only with
     `unique_prompts`). `logs`: `prompt`, `completion`, `advantages` lists and `rewards` /
-    `extra` dicts of lists, row-aligned."""
+    `extra` dicts of lists, row-aligned; `advantages` None drops that column (distillation)."""
     import pandas as pd
 
     print_completions(logs, step, num_to_print)
@@ -161,7 +164,7 @@ def write_completions_log(
             "completion": logs["completion"],
             **logs["rewards"],
             **logs["extra"],
-            "advantage": logs["advantages"],
+            **({} if logs.get("advantages") is None else {"advantage": logs["advantages"]}),
         }
     )
     os.makedirs(out_dir, exist_ok=True)

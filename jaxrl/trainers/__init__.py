@@ -4,6 +4,8 @@ per algorithm beside its config (`*_config.py`), and the table of algorithms in 
 from jaxrl.trainers.base import Trainer
 from jaxrl.trainers.ddpo import DDPOTrainer
 from jaxrl.trainers.ddpo_config import DDPOConfig
+from jaxrl.trainers.distill import DistillationTrainer
+from jaxrl.trainers.distill_config import DistillationConfig
 from jaxrl.trainers.dpo import DPOTrainer
 from jaxrl.trainers.dpo_config import DPOConfig
 from jaxrl.trainers.evaluation import EvalPrediction, PredictionOutput
@@ -24,6 +26,8 @@ __all__ = [
     "DDPOConfig",
     "DDPOTrainer",
     "DPOConfig",
+    "DistillationConfig",
+    "DistillationTrainer",
     "DPOTrainer",
     "EvalPrediction",
     "GRPOConfig",

@@ -13,6 +13,8 @@ import dataclasses
 from jaxrl.config_cli import OnlineScriptArguments, ScriptArguments
 from jaxrl.trainers.ddpo import DDPOTrainer
 from jaxrl.trainers.ddpo_config import DDPOConfig
+from jaxrl.trainers.distill import DistillationTrainer
+from jaxrl.trainers.distill_config import DistillationConfig
 from jaxrl.trainers.dpo import DPOTrainer
 from jaxrl.trainers.dpo_config import DPOConfig
 from jaxrl.trainers.grpo import GRPOTrainer
@@ -61,6 +63,7 @@ ALGORITHMS: dict[str, Algorithm] = {
         Algorithm("ppo", PPOConfig, PPOTrainer, "ppo", ScriptArguments),
         Algorithm("grpo", GRPOConfig, GRPOTrainer, "grpo", OnlineScriptArguments),
         Algorithm("rloo", RLOOConfig, RLOOTrainer, "rloo", OnlineScriptArguments),
+        Algorithm("distill", DistillationConfig, DistillationTrainer, "distill", ScriptArguments),
         Algorithm("ddpo", DDPOConfig, DDPOTrainer, None, None),
     )
 }
