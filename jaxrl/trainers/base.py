@@ -50,6 +50,7 @@ from jaxrl.trainers.lengths import LengthsMixin
 from jaxrl.trainers.loop import TrainLoop
 from jaxrl.trainers.model_setup import ModelSetupMixin, source_path
 from jaxrl.trainers.tokenizer_setup import TokenizerSetupMixin
+from jaxrl.trainers.unsupported import refuse as refuse_unsupported
 
 logger = logging.getLogger("jaxrl")
 
@@ -89,7 +90,9 @@ class Trainer(
         peft_config: Any = None,
         quantization_config: Any = None,
         preprocess_logits_for_metrics: Callable[[jax.Array, jax.Array], Any] | None = None,
+        **unsupported: Any,
     ):
+        refuse_unsupported(type(self).__name__, unsupported)
         self.args = args if args is not None else self.config_class(output_dir="trainer_output")
         if not isinstance(self.args, TrainingConfig):
             raise TypeError(f"args must be a {self.config_class.__name__}, got {type(args)}.")

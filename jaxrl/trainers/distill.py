@@ -57,6 +57,7 @@ from jaxrl.trainers.online import OnlineLoop
 from jaxrl.trainers.onpolicy_batches import OnPolicyBatchesMixin, StepPlan
 from jaxrl.trainers.onpolicy_logging import CompletionLogsMixin
 from jaxrl.trainers.onpolicy_prompts import PROMPT_IDS, OnPolicyPromptsMixin
+from jaxrl.trainers.unsupported import refuse as refuse_unsupported
 
 _completion_metrics = CompletionLogsMixin._completion_metrics
 
@@ -87,7 +88,9 @@ class DistillationTrainer(OnPolicyPromptsMixin, OnPolicyBatchesMixin, OnlineLoop
         quantization_config: Any = None,
         peft_config: Any = None,
         tools: list[Callable] | None = None,
+        **unsupported: Any,
     ):
+        refuse_unsupported(type(self).__name__, unsupported)
         args = args if args is not None else DistillationConfig(output_dir="trainer_output")
         if not isinstance(args, DistillationConfig):
             raise TypeError(f"args must be a DistillationConfig, got {type(args)}.")

@@ -104,6 +104,7 @@ from jaxrl.trainers.onpolicy_evaluation import OnPolicyEvaluationMixin
 from jaxrl.trainers.onpolicy_logging import CompletionLogsMixin
 from jaxrl.trainers.onpolicy_prompts import PROMPT_IDS, OnPolicyPromptsMixin
 from jaxrl.trainers.onpolicy_rewards import OnPolicyRewardsMixin
+from jaxrl.trainers.unsupported import refuse as refuse_unsupported
 
 logger = logging.getLogger("jaxrl")
 
@@ -146,7 +147,9 @@ class OnPolicyTrainer(
         tools: Sequence[Callable] | None = None,
         rollout_func: Callable | None = None,
         environment_factory: Callable | dict[str, Callable] | None = None,
+        **unsupported: Any,
     ):
+        refuse_unsupported(type(self).__name__, unsupported)
         args = args if args is not None else self.config_class(output_dir="trainer_output")
         if not isinstance(args, self.config_class):
             raise TypeError(f"args must be a {self.config_class.__name__}, got {type(args)}.")
