@@ -1,7 +1,9 @@
 """Console progress for process 0: a rich live panel on a terminal, plain lines elsewhere.
 
 On a TTY it shows a training progress bar and the latest metrics grouped by prefix
-(`rewards/...`, `logps/...`, eval metrics) like TRL's RichProgressCallback. Without a TTY (CI,
+(`rewards/...`, `logps/...`, eval metrics) like TRL's RichProgressCallback. Until the first step
+of a run (or of a resumed run) ends, the bar says it is compiling: XLA traces and compiles the
+jitted step then, which can take minutes while the bar would otherwise sit at its start. Without a TTY (CI,
 log files) or with `disable_tqdm=True` it prints one line per `on_log` instead.
 """
 
@@ -37,6 +39,10 @@ def group_metrics(logs: dict) -> dict[str, dict]:
     return groups
 
 
+COMPILING = "[yellow]Compiling the first step"
+TRAINING = "[blue]Training"
+
+
 class RichProgressCallback(TrainerCallback):
     """Live progress bar + metrics tables on world process zero; plain prints without a TTY."""
 
@@ -51,14 +57,14 @@ class RichProgressCallback(TrainerCallback):
         if not state.is_world_process_zero or args.disable_tqdm or not self.console.is_terminal:
             return
         self._bar = Progress(console=self.console)
-        self._task = self._bar.add_task("[blue]Training", total=state.max_steps)
+        self._task = self._bar.add_task(COMPILING, total=state.max_steps)
         self._bar.update(self._task, completed=state.global_step)
         self._live = Live(self._render(state), console=self.console, refresh_per_second=4)
         self._live.start()
 
     def on_step_end(self, args, state: TrainerState, control: TrainerControl, **kwargs):
         if self._live is not None:
-            self._bar.update(self._task, completed=state.global_step)
+            self._bar.update(self._task, completed=state.global_step, description=TRAINING)
 
     def on_log(self, args, state: TrainerState, control: TrainerControl, logs=None, **kwargs):
         if not state.is_world_process_zero:

@@ -51,3 +51,16 @@ def test_disable_tqdm_falls_back_and_other_processes_are_silent():
     assert out.startswith("step 10/100 loss=0.5")
     quiet = Console(file=io.StringIO(), force_terminal=True, width=200)
     assert _run(quiet, TrainingConfig(), TrainerState(is_world_process_zero=False)) == ""
+
+
+def test_the_bar_says_compiling_until_the_first_step_ends():
+    console = Console(file=io.StringIO(), force_terminal=True, width=160)
+    callback = RichProgressCallback(console=console)
+    args, state = TrainingConfig(), TrainerState(max_steps=100)
+    callback.on_train_begin(args, state, TrainerControl())
+    (task,) = callback._bar.tasks
+    assert "Compiling the first step" in task.description
+    state.global_step = 1
+    callback.on_step_end(args, state, TrainerControl())
+    assert "Training" in task.description and "Compiling" not in task.description
+    callback.on_train_end(args, state, TrainerControl())
