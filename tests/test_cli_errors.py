@@ -470,3 +470,18 @@ def test_completions_must_fit_the_models_positions(tmp_path, capsys):
     assert len(message) == 1, message
     assert "Prompt 1 of the train dataset is 122 tokens long" in message[0]
     assert "only 64 positions" in message[0]
+
+
+def test_ppo_rollouts_must_fit_the_models_positions(tmp_path, capsys):
+    """PPO's queries plus `response_length` beyond the shipped model's 64 positions: exit 2 at
+    the first rollout, naming the largest response_length that fits."""
+    argv = ["--algo", "ppo", "--max_steps", "1", "--disable_tqdm", "true", "--save_strategy", "no"]
+    argv += ["--response_length", "100", "--output_dir", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    message = _error_lines(err)
+    assert len(message) == 1 and "Traceback" not in err, err[-3000:]
+    assert "response_length=100 plus the longest query" in message[0]
+    assert "beyond the model's 64 positions" in message[0]
+    longest = int(re.search(r"\((\d+) tokens, row", message[0]).group(1))
+    assert f"Lower response_length to at most {64 - longest}" in message[0]

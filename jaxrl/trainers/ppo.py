@@ -170,6 +170,7 @@ class PPOTrainer(TokenizerSetupMixin, SaveModelMixin, OnlineLoop):
         )
         self.lr_scheduler = lr_scheduler
         self.lm_graphdef = nnx.graphdef(policy.pretrained_model)
+        self._positions = policy.config.max_position_embeddings
         if self.is_peft_model:
             # Trained: the adapter and the value head; frozen: the base.
             self.graphdef, params, base = nnx.split(
@@ -642,6 +643,7 @@ class PPOTrainer(TokenizerSetupMixin, SaveModelMixin, OnlineLoop):
         c = self.config
         t = time.time()
         queries, prompts = ppo_inputs.batch_queries(batch, self.tokenizer)
+        ppo_inputs.check_rollout_lengths(queries, c.response_length, self._positions)
         gen = ppo_generation.rollout_generation_config(c, self.tokenizer)
         key = jax.random.fold_in(jax.random.key(c.seed + 1), self.state.global_step)
         g = self._generate(queries, gen, key)

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl.config import ConfigError
 from jaxrl.data.batching import BatchIterator
 
 # Columns TRL keeps with remove_unused_columns: the value-head model's forward arguments
@@ -163,3 +164,25 @@ def batch_queries(batch: dict, tokenizer: Any) -> tuple[list[np.ndarray], list[s
     texts = list(batch[text_col])
     queries = [np.asarray(tokenizer(t)["input_ids"], np.int64) for t in texts]
     return queries, texts
+
+
+def check_rollout_lengths(queries: list[np.ndarray], response_length: int, positions: int | None):
+    """`train()`'s rollouts must fit the policy's positions (`max_position_embeddings`): the
+    longest query plus `response_length` new tokens (the same rule as GRPO/RLOO's prompts)."""
+    if not positions or not queries:
+        return
+    row = max(range(len(queries)), key=lambda i: len(queries[i]))
+    longest = len(queries[row])
+    if longest >= positions:
+        raise ConfigError(
+            f"Query {row} of this batch is {longest} tokens long, but the model has only "
+            f"{positions} positions (max_position_embeddings), leaving no room for a response. "
+            "Drop or shorten the long prompts, or use a model with a longer context."
+        )
+    if longest + response_length > positions:
+        raise ConfigError(
+            f"response_length={response_length} plus the longest query of this batch ({longest} "
+            f"tokens, row {row}) is {longest + response_length} tokens, beyond the model's "
+            f"{positions} positions (max_position_embeddings). Lower response_length to at most "
+            f"{positions - longest}, or shorten the long prompts."
+        )
