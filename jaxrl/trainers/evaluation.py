@@ -377,10 +377,12 @@ class EvaluationMixin:
         for step, host in enumerate(self._eval_batches(ds)):
             batch = self._to_device(host)
             aux = jax.device_get(self._jit_eval_step(self.train_state, batch))
-            values = {
-                k: float(np.sum(v)) / max(float(np.sum(aux["count"][k])), 1.0)
-                for k, v in aux.get("sum", {}).items()
-            }
+            values = {}
+            for k, v in aux.get("sum", {}).items():
+                count = float(np.sum(aux["count"][k]))
+                if count == 0 and k in self._nan_allowed_metrics:
+                    continue  # no row of this batch has it (KTO's per-label metrics): as TRL
+                values[k] = float(np.sum(v)) / max(count, 1.0)
             values.update({k: float(np.nanmin(v)) for k, v in aux.get("min", {}).items()})
             values.update({k: float(np.nanmax(v)) for k, v in aux.get("max", {}).items()})
             seen_totals.update(aux.get("total", {}))

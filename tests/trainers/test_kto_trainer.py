@@ -173,3 +173,28 @@ def test_missing_label_is_a_clear_error(tmp_path, tokenizer, hf_model_dir):
             train_dataset=bad,
             processing_class=tokenizer,
         )
+
+
+@pytest.mark.slow
+def test_eval_batches_without_a_label_add_nothing_to_its_metrics(
+    tmp_path, tokenizer, hf_model_dir, pref_data
+):
+    """TRL appends a label's metrics only for eval batches that have rows of that label: the
+    second batch (desirable rows only) must not pull `eval_rewards/rejected` toward 0."""
+    rows = unpaired(pref_data, 8).to_list()
+    first = [dict(r, label=i % 2 == 0) for i, r in enumerate(rows[:4])]
+    second = [dict(r, label=True) for r in rows[4:]]
+    trainer = KTOTrainer(
+        hf_model_dir,
+        args=KTOConfig(**base_args(tmp_path, max_steps=1, per_device_eval_batch_size=4)),
+        train_dataset=unpaired(pref_data, 8),
+        processing_class=tokenizer,
+    )
+    both = trainer.evaluate(datasets.Dataset.from_list(first + second))
+    alone = trainer.evaluate(datasets.Dataset.from_list(first))
+    # (Untrained: policy == reference, so every reward is 0; the log-probs tell the batches apart.)
+    assert alone["eval_logps/rejected"] < -1.0
+    for key in ("eval_rewards/rejected", "eval_logps/rejected", "eval_logits/rejected"):
+        np.testing.assert_allclose(both[key], alone[key], rtol=1e-6, err_msg=key)
+    # The desirable rows' metrics average over both batches.
+    assert abs(both["eval_logps/chosen"] - alone["eval_logps/chosen"]) > 1e-3
