@@ -339,11 +339,15 @@ def usage(algo: str, synopsis: str = "") -> str:
 # DDPO fields) or where ours differ from TRL's help text. Everything else: TRL's / HF's own words.
 OWN_HELP = {
     # script-level flags of `python -m jaxrl.train`
-    "algo": "The algorithm: sft, reward, dpo, grpo, rloo, ppo or ddpo.",
+    "algo": "The algorithm: sft, reward, dpo, kto, grpo, rloo, distill, ppo or ddpo.",
     "config": "A YAML file of field: value pairs; flags on the command line override it.",
     "tokenizer_name_or_path": "The tokenizer's directory or Hub id (default: the model's).",
     "reward_model_name_or_path": "A reward model directory, scored before the reward functions.",
     "reward_funcs": "Reward functions: names from jaxrl.rewards or dotted import paths.",
+    "tools": "Tool functions as module:function import paths (repeatable; TRL's tools=).",
+    "environment_factory": "An environment class as a module:Class import path (TRL's "
+    "environment_factory=): one instance per rollout, its public methods the tools.",
+    "teacher_model_quantization": "int8: the teacher's weights stored in int8 (jaxrl).",
     # jaxrl's own TrainingConfig fields
     "mesh_data": "Devices on the data-parallel mesh axis (-1: the remaining devices).",
     "mesh_fsdp": "Devices the params, grads and optimizer state are sharded over (-1: the rest).",

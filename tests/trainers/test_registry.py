@@ -1,6 +1,7 @@
 """The table of algorithms: every `--algo` has one entry whose config class, trainer class,
 recipe and script flags agree with the trainers and the CLI."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,9 @@ from jaxrl.trainers.registry import ALGORITHMS
 
 
 def test_every_algorithm_has_one_entry_under_its_name():
-    assert list(ALGORITHMS) == ["sft", "reward", "dpo", "kto", "ppo", "grpo", "rloo", "ddpo"]
+    assert list(ALGORITHMS) == [
+        "sft", "reward", "dpo", "kto", "ppo", "grpo", "rloo", "distill", "ddpo"
+    ]  # fmt: skip
     assert all(spec.name == name for name, spec in ALGORITHMS.items())
     online = [name for name, spec in ALGORITHMS.items() if spec.takes_reward_funcs]
     assert online == ["grpo", "rloo"]
@@ -35,6 +38,8 @@ def test_entry_agrees_with_its_trainer_and_recipe(name):
 def test_help_lists_the_registered_classes(name):
     spec = ALGORITHMS[name]
     text = usage(name)
-    assert f"[{spec.config_class.__name__}]" in text
-    if spec.script_class is not None:
-        assert f"[{spec.script_class.__name__}]" in text
+    assert f"{spec.config_class.__name__} (the algorithm's own):" in text
+    if spec.script_class is not None:  # the script's flags are listed too
+        for field in dataclasses.fields(spec.script_class):
+            if field.init and field.name != "algo":
+                assert f"  --{field.name} (" in text, field.name
