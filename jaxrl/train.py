@@ -233,6 +233,18 @@ def _recipe_yaml(algo: str, rest: list[str]) -> Path | None:
     return None
 
 
+def _script_tokenizer_and_eval(script: Any, args: Any, tokenizer: Any, eval_ds: Any):
+    """`--tokenizer_name_or_path` over the default tokenizer, and no eval dataset when the run
+    never evaluates (TRL's scripts load it only then)."""
+    if script.tokenizer_name_or_path is not None:
+        from transformers import AutoTokenizer  # ~3 s to import: only the runs that need it
+
+        tokenizer = AutoTokenizer.from_pretrained(script.tokenizer_name_or_path)
+    if args.eval_strategy == "no" and not args.eval_on_start:
+        eval_ds = None
+    return tokenizer, eval_ds
+
+
 def build_trainer(argv: list[str]) -> Any:
     """Parse the command line and build the trainer (shared by `jaxrl.train` and `jaxrl.bench`)."""
     algo, rest = _split_algo(argv)
@@ -282,12 +294,7 @@ def build_trainer(argv: list[str]) -> Any:
             model = str(task.asset_path("sft_model"))
     else:
         model = script.model_name_or_path
-    if script.tokenizer_name_or_path is not None:
-        from transformers import AutoTokenizer  # ~3 s to import: only the runs that need it
-
-        tokenizer = AutoTokenizer.from_pretrained(script.tokenizer_name_or_path)
-    if args.eval_strategy == "no" and not args.eval_on_start:
-        eval_ds = None
+    tokenizer, eval_ds = _script_tokenizer_and_eval(script, args, tokenizer, eval_ds)
     return spec.trainer_class(
         model=model,
         args=args,
@@ -376,12 +383,7 @@ def build_distill_trainer(rest: list[str]) -> Any:
         teacher = str(task.asset_path("sft_model"))
     tokenizer = task.load_tokenizer() if embedded else None
     model = str(task.asset_path("student_model")) if embedded else script.model_name_or_path
-    if script.tokenizer_name_or_path is not None:
-        from transformers import AutoTokenizer  # ~3 s to import: only the runs that need it
-
-        tokenizer = AutoTokenizer.from_pretrained(script.tokenizer_name_or_path)
-    if args.eval_strategy == "no" and not args.eval_on_start:
-        eval_ds = None
+    tokenizer, eval_ds = _script_tokenizer_and_eval(script, args, tokenizer, eval_ds)
     return spec.trainer_class(
         model=model,
         teacher_model=teacher,

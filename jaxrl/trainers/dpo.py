@@ -350,24 +350,15 @@ class DPOTrainer(ImageTextMixin, ReferenceModelMixin, Trainer):
 
     # ----------------------------------------------------------------- reference model
     def _frozen_params(self, params: Any) -> dict[str, Any]:
-        if not self.uses_ref_params:
-            return {}
-        if self._ref_is_base:
-            # No second copy of the weights: the reference runs the frozen base with the
-            # adapter disabled (`jaxrl.algos.reference`).
-            return reference.lora_base_frozen(params)
-        if self._explicit_ref is not None:
-            ref = nnx.state(self._explicit_ref)
-            self._ref_graphdef = nnx.graphdef(self._explicit_ref)
-        else:
-            self._ref_graphdef = None
-            if self.args.ref_model_quantization is not None:  # from the full-precision weights
-                ref = jax.tree.map(jnp.copy, params)  # frozen copy, sharded like the policy
-            else:
-                ref = self._frozen_copy(params)
-        if self.args.ref_model_quantization == "int8":
-            ref = quant.quantize_params(ref)
-        return {"ref": ref}
+        frozen = super()._frozen_params(params)
+        if self.args.ref_model_quantization == "int8" and reference.REF in frozen:
+            frozen[reference.REF] = quant.quantize_params(frozen[reference.REF])
+        return frozen
+
+    def _reference_copy(self, params: Any) -> Any:
+        if self.args.ref_model_quantization is not None:  # from the full-precision weights
+            return jax.tree.map(jnp.copy, params)  # frozen copy, sharded like the policy
+        return self._frozen_copy(params)
 
     @property
     def _ref_pair_logps(self):

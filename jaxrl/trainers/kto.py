@@ -20,7 +20,6 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.algos import kto as kto_algo
-from jaxrl.algos import reference
 from jaxrl.callbacks.sync_ref import SyncRefModelCallback
 from jaxrl.data.kto import collate_unpaired, prepare_unpaired_dataset, weight_advice
 from jaxrl.trainers.base import Trainer
@@ -132,18 +131,6 @@ class KTOTrainer(ReferenceModelMixin, Trainer):
         )
 
     # ----------------------------------------------------------------- reference model
-    def _frozen_params(self, params: Any) -> dict[str, Any]:
-        if not self.uses_ref_params:
-            return {}
-        if self._ref_is_base:
-            # No second copy of the weights: the reference runs the frozen base with the
-            # adapter disabled (`jaxrl.algos.reference`).
-            return reference.lora_base_frozen(params)
-        if self._explicit_ref is not None:
-            self._ref_graphdef = nnx.graphdef(self._explicit_ref)
-            return {reference.REF: nnx.state(self._explicit_ref)}
-        return {reference.REF: self._frozen_copy(params)}
-
     @property
     def _ref_logps(self):
         """`(state, mb) -> (main, KL)`: the reference's log-probs of a micro-batch."""

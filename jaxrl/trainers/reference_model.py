@@ -25,6 +25,26 @@ class ReferenceModelMixin:
     None: the policy's)."""
 
     _ref_graphdef: Any = None
+    _explicit_ref: Any = None
+
+    def _frozen_params(self, params: Any) -> dict[str, Any]:
+        """The reference's entries of the train state's frozen part (`jaxrl.algos.reference`):
+        none without a reference in memory; with LoRA and no reference model, the base with the
+        adapter off (no second copy of the weights); else the explicit reference model's params
+        or a frozen copy of the policy (`_reference_copy`)."""
+        if not self.uses_ref_params:
+            return {}
+        if self._ref_is_base:
+            return reference.lora_base_frozen(params)
+        if self._explicit_ref is not None:
+            self._ref_graphdef = nnx.graphdef(self._explicit_ref)
+            return {reference.REF: nnx.state(self._explicit_ref)}
+        self._ref_graphdef = None
+        return {reference.REF: self._reference_copy(params)}
+
+    def _reference_copy(self, params: Any) -> Any:
+        """The frozen copy of the initial policy that is the reference (DPO may quantize it)."""
+        return self._frozen_copy(params)
 
     def ref_model_apply(self, ref_params: Any):
         # int8 leaves stay quantized here: the model dequantizes each weight where it is used
