@@ -38,6 +38,10 @@ def sample_categorical(rng: jax.Array, logits_BV: jax.Array, block: int = 64) ->
     """One token per row from softmax(logits) by inverting the CDF with one uniform per row
     (Gumbel-max would draw B x V random numbers: on CPU the sampler's costliest op).
 
+    `rng`: one key (the rows' uniforms drawn together) or [B] keys, one per row (each row's
+    uniform from its own key: the draw then depends on the row's key only, not on its place in
+    the batch).
+
     The CDF is inverted in two levels, over blocks of `block` tokens and then within the chosen
     block, so no prefix sum runs over the whole vocabulary (XLA:CPU's cumsum over V was most of
     the sampling time)."""
@@ -47,7 +51,11 @@ def sample_categorical(rng: jax.Array, logits_BV: jax.Array, block: int = 64) ->
     probs_BNK = jnp.pad(probs_BV, ((0, 0), (0, n_blocks * block - vocab)))
     probs_BNK = probs_BNK.reshape(batch, n_blocks, block)
     cdf_BN = jnp.cumsum(jnp.sum(probs_BNK, axis=-1), axis=-1)
-    u_B1 = jax.random.uniform(rng, (batch, 1), jnp.float32) * cdf_BN[:, -1:]
+    if rng.shape == (batch,):
+        u_B1 = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(rng)[:, None]
+    else:
+        u_B1 = jax.random.uniform(rng, (batch, 1), jnp.float32)
+    u_B1 = u_B1 * cdf_BN[:, -1:]
     # The first block whose CDF exceeds u, then the first token of it whose CDF (from the
     # block's start) exceeds what is left of u; zero-probability tokens never are, and rounding
     # cannot push the pick past the block's last token of nonzero probability.
@@ -118,9 +126,9 @@ def process_logits(
         x_BV = x_BV / config.temperature
     if config.min_new_tokens > 0 and config.stop_ids:
         stop_ids = jnp.asarray(config.stop_ids, dtype=jnp.int32)
-        too_early = step < config.min_new_tokens
-        banned_V = jnp.zeros(x_BV.shape[-1], bool).at[stop_ids].set(True) & too_early
-        x_BV = jnp.where(banned_V, -jnp.inf, x_BV)
+        too_early = jnp.reshape(jnp.asarray(step) < config.min_new_tokens, (-1, 1))
+        banned_V = jnp.zeros(x_BV.shape[-1], bool).at[stop_ids].set(True)
+        x_BV = jnp.where(banned_V[None, :] & too_early, -jnp.inf, x_BV)
     if config.do_sample:
         x_BV = filter_top_k_top_p(x_BV, config.top_k, config.top_p)
         if config.min_p:  # None or 0.0: nothing is below the threshold
@@ -128,21 +136,32 @@ def process_logits(
     return x_BV
 
 
+def row_keys(rng: jax.Array, rows_B: jax.Array, steps_B: jax.Array) -> jax.Array:
+    """[B] keys: row r's completion token t is drawn with `fold_in(fold_in(rng, r), t)`, so a
+    row's tokens depend on the seed and the row's index in the generation batch only (not on
+    the decode slot it runs in, its neighbours, or the mesh)."""
+    steps_B = jnp.broadcast_to(steps_B, rows_B.shape)
+    return jax.vmap(lambda r, t: jax.random.fold_in(jax.random.fold_in(rng, r), t))(
+        rows_B, steps_B
+    )
+
+
 def choose_tokens(
     logits_BV: jax.Array,
-    rng: jax.Array,
+    keys_B: jax.Array,
     step: jax.Array,
     config: Any,
     seen_BV: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Completion token `step` of every row and its log-prob (see the module docstring)."""
+    """Completion token `step` (a scalar, or [B]: each row's own) of every row and its
+    log-prob, drawn with each row's key `keys_B` (`row_keys`; see the module docstring)."""
     scaled_BV = logits_BV.astype(jnp.float32)
     if config.do_sample:
         scaled_BV = scaled_BV / config.temperature
     logprobs_BV = jax.nn.log_softmax(scaled_BV, axis=-1)
     processed_BV = process_logits(logits_BV, step, config, seen_BV)
     if config.do_sample:
-        tokens_B = sample_categorical(jax.random.fold_in(rng, step), processed_BV)
+        tokens_B = sample_categorical(keys_B, processed_BV)
     else:
         tokens_B = jnp.argmax(processed_BV, axis=-1)
     tokens_B = tokens_B.astype(jnp.int32)

@@ -2,22 +2,28 @@
 
 Design (after Tunix's sampler):
 
-- `Sampler(graphdef_or_model, mesh=None, rules=None, prompt_buckets=None)` holds no params:
+- `Sampler(graphdef_or_model, mesh=None, rules=None, prompt_buckets=None, engine=...,
+  num_slots=None)` holds no params:
   `sampler(params, prompts, generation_config, seed=...)` takes the params of a train state as
   they are (sharded, never copied), so the same sampler serves every policy update.
 - Prompts (a list of token-id lists, or a [B, T] array with an optional padding mask, left or
   right padded) are left-padded on the host to a bucket length P: the next power of two (at least
   16) or the smallest of `prompt_buckets`. Only a few shapes ever reach the compiler.
-- Two jitted programs per (batch size, P, config): `prefill` runs the prompt through the model
-  with the training attention kernel, fills the KV cache (P + max_new_tokens - 1 slots, created
-  sharded by batch and kv heads on the mesh) and samples the first token; `decode` is one
-  `lax.while_loop` that feeds one token per step and stops as soon as every row has finished.
-  The sampling state, cache included, is donated to `decode`.
-- Randomness: the key for completion token t is `fold_in(rng, t)`, so a seed fixes the output.
+- Two engines share the model's cached forward and the token choice. `engine="continuous"` (the
+  default, `continuous.py`): `num_slots` decode slots and a queue of rows; a row that finishes
+  frees its slot for the next waiting row, so long-tailed batches cost their useful tokens and
+  the KV cache holds `num_slots` rows (default: `continuous.default_slots`). `engine="static"`
+  (`static.py`): one prefill of the batch and one `lax.while_loop` decoding every row in
+  lockstep until the last one is done. Each compiles a few programs per (slots or batch size,
+  P, config), the cache (P + max_new_tokens - 1 slots per row) created sharded by batch and kv
+  heads on the mesh and donated to the decode loop.
+- Randomness: row r's completion token t is drawn with `fold_in(fold_in(rng, r), t)`
+  (`jaxrl.core.sampling.row_keys`), so a seed fixes the output, and a row's completion does not
+  depend on the engine, the slot it ran in, its neighbours or the mesh.
 - Image prompts (an image-text Gemma 3, `pixel_values=`): the prefill merges the images'
   features into the prompt and lets each image's tokens attend within their image both ways
   (the training forward's mask, transformers' first `generate` forward); decoding is the
-  text-only loop. Without images both programs are the text-only ones.
+  text-only loop. Without images the prefills are the text-only ones.
 - Token choice follows transformers' `generate` (`jaxrl.core.sampling`): the repetition penalty (on
   the float32 logits, for every id in the row's prompt or generated so far), the
   `min_new_tokens` mask of EOS/stop ids while fewer tokens have been generated, the
@@ -37,33 +43,24 @@ This module does no tokenization and no scoring.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrl.core.logprobs import unembed_logits
-from jaxrl.core.sampling import (
-    advance_stop_strings,
-    choose_tokens,
-    mark_seen,
-    push_recent,
-    stop_sequence_hits,
-    token_presence,
-)
 from jaxrl.data import stop_strings as stop_strings_lib
+from jaxrl.generation import continuous, static
 from jaxrl.generation.config import GenerationConfig
+from jaxrl.generation.steps import NO_STOPS, SamplerSpec, SamplingState, StopTables
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.families import family
-from jaxrl.models.kv_cache import Cache, CacheView, cache_shardings, init_cache
-from jaxrl.models.masks import default_positions
 from jaxrl.parallel import Rules, batch_sharding, data_parallel_size, merge_rules
+
+ENGINES = ("continuous", "static")
 
 MIN_BUCKET = 16
 
@@ -76,59 +73,6 @@ class SampleOutput(NamedTuple):
     completion_ids_BN: jax.Array
     completion_mask_BN: jax.Array
     logprobs_BN: jax.Array
-
-
-@flax.struct.dataclass
-class SamplingState:
-    """The decode loop's carry; `step` completion tokens have been chosen so far."""
-
-    step: jax.Array
-    tokens_BN: jax.Array
-    logprobs_BN: jax.Array
-    done_B: jax.Array
-    lengths_B: jax.Array
-    positions_B: jax.Array
-    key_mask_BS: jax.Array
-    cache: Cache
-    rng: jax.Array
-    # [B]: each row's own max_new_tokens (<= the config's).
-    limits_B: jax.Array | None = None
-    # [B, V]: ids in each row's prompt or completion so far; None without a repetition penalty.
-    seen_BV: jax.Array | None = None
-    # [B, W]: each row's last W completion tokens (-2 before the first); None without
-    # stop_sequences.
-    recent_BW: jax.Array | None = None
-    # [B, K]: each stop string's automaton state per row; None without stop_strings.
-    stop_BK: jax.Array | None = None
-
-
-class StopTables(NamedTuple):
-    """Device arrays of a config's stop sequences and strings (None where it has none)."""
-
-    sequences_SW: jax.Array | None
-    strings_KVQ: jax.Array | None
-    string_lengths_K: jax.Array | None
-
-
-NO_STOPS = StopTables(None, None, None)
-
-
-def _stops_after(
-    s: SamplingState, tokens_B: jax.Array, stop_ids: jax.Array, tables: StopTables
-) -> tuple[jax.Array, Any, Any]:
-    """(whether each row's new token ends it, the new recent-token window, stop-string states):
-    an EOS/stop id, the end of a stop sequence or of a stop string, or the row's own limit."""
-    ends_B = jnp.isin(tokens_B, stop_ids) | (s.lengths_B >= s.limits_B)
-    recent_BW, stop_BK = s.recent_BW, s.stop_BK
-    if recent_BW is not None:
-        recent_BW = push_recent(recent_BW, tokens_B)
-        ends_B |= stop_sequence_hits(recent_BW, tables.sequences_SW)
-    if stop_BK is not None:
-        stop_BK, hit_B = advance_stop_strings(
-            stop_BK, tokens_B, tables.strings_KVQ, tables.string_lengths_K
-        )
-        ends_B |= hit_B
-    return ends_B, recent_BW, stop_BK
 
 
 def bucket_length(longest: int, buckets: Sequence[int] | None) -> int:
@@ -218,7 +162,17 @@ class Sampler:
         mesh: Mesh | None = None,
         rules: Rules | None = None,
         prompt_buckets: Sequence[int] | None = None,
+        engine: str = "continuous",
+        num_slots: int | None = None,
     ):
+        if engine not in ENGINES:
+            raise ValueError(
+                f"engine must be one of {ENGINES} (the continuous engine refills decode slots "
+                f"as rows finish; the static one decodes the batch in lockstep); got {engine!r}."
+            )
+        if num_slots is not None and num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1 (or None for the default); got {num_slots}.")
+        self.engine, self.num_slots = engine, num_slots
         if isinstance(graphdef_or_model, nnx.Module):
             self.graphdef, self.params = nnx.split(graphdef_or_model)
         else:
@@ -231,7 +185,7 @@ class Sampler:
         # What the traced programs depend on besides their arguments: samplers of the same model
         # structure, mesh and rules share the compiled prefill and decode programs.
         # (`merge_rules`: the rules as hashable tuples, over the defaults as every user reads them.)
-        self._spec = _SamplerSpec(self.graphdef, mesh, merge_rules(rules), self._trace_context)
+        self._spec = SamplerSpec(self.graphdef, mesh, merge_rules(rules), self._trace_context)
 
     def _prefill(
         self,
@@ -249,7 +203,7 @@ class Sampler:
         if limits_B is None:
             limits_B = jnp.full((len(prompt_ids_BP) * group_size,), config.max_new_tokens)
         tables = tables or NO_STOPS
-        return _prefill_program(
+        return static.prefill_program(
             self._spec,
             params,
             prompt_ids_BP,
@@ -264,7 +218,7 @@ class Sampler:
         )
 
     def _decode(self, params: Any, state: SamplingState, config: GenerationConfig, tables=None):
-        return _decode_program(self._spec, params, state, config, tables or NO_STOPS)
+        return static.decode_program(self._spec, params, state, config, tables or NO_STOPS)
 
     def __call__(
         self,
@@ -313,6 +267,19 @@ class Sampler:
         ids_BP, mask_BP = self._place(ids_BP), self._place(mask_BP)
         limits_B = self._place(limits_B)
         # (Text prompts pass pixel_values=None: no leaves, the text-only program.)
+        if self.engine == "continuous":
+            rows = len(ids_BP) * group_size
+            tokens_BN, logprobs_BN, completion_mask_BN = continuous.generate(
+                self._spec, params, ids_BP, mask_BP, rng, config, group_size, pixel_values,
+                limits_B, stop_BK, tables, self.slots_for(rows, model_config, ids_BP.shape[1], config),
+            )  # fmt: skip
+            if group_size > 1:
+                ids_BP, mask_BP = (jnp.repeat(x, group_size, axis=0) for x in (ids_BP, mask_BP))
+            if self.mesh is not None:
+                tokens_BN, logprobs_BN, completion_mask_BN = (
+                    self._place(x) for x in (tokens_BN, logprobs_BN, completion_mask_BN)
+                )
+            return SampleOutput(ids_BP, mask_BP, tokens_BN, completion_mask_BN, logprobs_BN)
         state = self._prefill(
             params,
             ids_BP,
@@ -329,6 +296,19 @@ class Sampler:
         if group_size > 1:
             ids_BP, mask_BP = (jnp.repeat(x, group_size, axis=0) for x in (ids_BP, mask_BP))
         return SampleOutput(ids_BP, mask_BP, state.tokens_BN, completion_mask_BN, state.logprobs_BN)
+
+    def slots_for(
+        self, rows: int, model_config: ModelConfig, prompt_len: int, config: GenerationConfig
+    ) -> int:
+        """The continuous engine's decode slots for `rows` rows: `num_slots` (at most the rows,
+        rounded up to the mesh's data-parallel size) or `continuous.default_slots`."""
+        multiple = 1 if self.mesh is None else data_parallel_size(self.mesh, self.rules)
+        if self.num_slots is not None:
+            slots = min(self.num_slots, rows)
+            return -(-slots // multiple) * multiple
+        length = prompt_len + config.max_new_tokens - 1
+        per_row = continuous.cache_bytes_per_row(model_config, length)
+        return continuous.default_slots(rows, multiple, per_row)
 
     def _stop_tables(
         self,
@@ -426,168 +406,3 @@ class Sampler:
                 "give a multiple of it (e.g. repeat or pad the prompt list)."
             )
         return jax.device_put(x, batch_sharding(self.mesh, self.rules))
-
-
-class _SamplerSpec(NamedTuple):
-    graphdef: Any
-    mesh: Mesh | None
-    rules: Any
-    trace_context: Any
-
-
-def _traced(spec: _SamplerSpec, body: Any, *args: Any) -> Any:
-    if spec.trace_context is None:
-        return body(spec, *args)
-    with spec.trace_context():
-        return body(spec, *args)
-
-
-def _prefill_body(
-    spec: _SamplerSpec,
-    params: Any,
-    prompt_ids_BP: jax.Array,
-    prompt_mask_BP: jax.Array,
-    rng: jax.Array,
-    config: GenerationConfig,
-    group_size: int = 1,
-    pixel_values: jax.Array | None = None,
-    limits_B: jax.Array | None = None,
-    stop_BK: jax.Array | None = None,
-    tables: StopTables = NO_STOPS,
-) -> SamplingState:
-    model = nnx.merge(spec.graphdef, params)
-    batch, prompt_len = prompt_ids_BP.shape
-    n_new = config.max_new_tokens
-    cache_len = prompt_len + n_new - 1  # the last chosen token is never fed back
-    cache = init_cache(model.config, batch, cache_len, spec.mesh, spec.rules)
-    key_mask_BS = jnp.concatenate(
-        [prompt_mask_BP.astype(bool), jnp.ones((batch, n_new - 1), bool)], axis=1
-    )
-    positions_BP = default_positions(prompt_mask_BP, None, prompt_len)
-    view = CacheView(jnp.zeros((), jnp.int32), key_mask_BS, prefill=True)
-    if pixel_values is None:  # text prompts: the text-only program, unchanged
-        h_BPD, cache = model.cached_hidden_states(prompt_ids_BP, positions_BP, cache, view)
-    else:
-        h_BPD, cache = model.cached_hidden_states(
-            prompt_ids_BP, positions_BP, cache, view, pixel_values=pixel_values
-        )
-    # Left padding: every row's last prompt token sits in the last slot.
-    logits_BV = unembed_logits(
-        h_BPD[:, -1], model.unembed_weight(), model.config.final_logit_softcap
-    )
-    seen_BV = None
-    if config.repetition_penalty != 1.0:
-        # transformers penalises every id of input_ids but its left padding (generate passes
-        # the leading pad count as `prompt_ignore_length`); here padding is always left.
-        seen_BV = token_presence(prompt_ids_BP, prompt_mask_BP, logits_BV.shape[-1])
-    if group_size > 1:
-        # One prefill per prompt; its cache rows serve the whole group (rows i*G .. i*G+G-1).
-        batch *= group_size
-        cache, logits_BV, key_mask_BS, prompt_mask_BP, seen_BV, stop_BK = (
-            jax.tree.map(lambda x, a=axis: jnp.repeat(x, group_size, axis=a), tree)
-            for tree, axis in (
-                (cache, 1 if model.config.scan_layers else 0),
-                (logits_BV, 0),
-                (key_mask_BS, 0),
-                (prompt_mask_BP, 0),
-                (seen_BV, 0),
-                (stop_BK, 0),
-            )
-        )
-        if spec.mesh is not None:
-            cache = jax.lax.with_sharding_constraint(
-                cache, cache_shardings(model.config, batch, cache_len, spec.mesh, spec.rules)
-            )
-    if seen_BV is not None and spec.mesh is not None:
-        seen_BV = jax.lax.with_sharding_constraint(seen_BV, batch_sharding(spec.mesh, spec.rules))
-    step = jnp.zeros((), jnp.int32)
-    tokens_B, logprobs_B = choose_tokens(logits_BV, rng, step, config, seen_BV)
-    recent_BW = None
-    if tables.sequences_SW is not None:
-        recent_BW = jnp.full((batch, tables.sequences_SW.shape[1]), -2, jnp.int32)
-    state = SamplingState(
-        step=step + 1,
-        tokens_BN=jnp.full((batch, n_new), config.pad_id, jnp.int32).at[:, 0].set(tokens_B),
-        logprobs_BN=jnp.zeros((batch, n_new), jnp.float32).at[:, 0].set(logprobs_B),
-        done_B=jnp.zeros((batch,), bool),
-        lengths_B=jnp.ones((batch,), jnp.int32),
-        positions_B=jnp.sum(prompt_mask_BP, axis=1).astype(jnp.int32),
-        key_mask_BS=key_mask_BS,
-        cache=cache,
-        rng=rng,
-        limits_B=limits_B.astype(jnp.int32),
-        seen_BV=None if seen_BV is None else mark_seen(seen_BV, tokens_B),
-        recent_BW=recent_BW,
-        stop_BK=stop_BK,
-    )
-    done_B, recent_BW, stop_BK = _stops_after(
-        state, tokens_B, jnp.asarray(config.stop_ids, jnp.int32), tables
-    )
-    return state.replace(done_B=done_B, recent_BW=recent_BW, stop_BK=stop_BK)
-
-
-def _decode_body(
-    spec: _SamplerSpec,
-    params: Any,
-    state: SamplingState,
-    config: GenerationConfig,
-    tables: StopTables = NO_STOPS,
-) -> tuple[SamplingState, jax.Array]:
-    model = nnx.merge(spec.graphdef, params)
-    unembed_DV = model.unembed_weight()
-    n_new = config.max_new_tokens
-    prompt_len = state.key_mask_BS.shape[1] - (n_new - 1)
-    stop_ids = jnp.asarray(config.stop_ids, jnp.int32)
-
-    def unfinished(s: SamplingState) -> jax.Array:
-        return (s.step < n_new) & ~jnp.all(s.done_B)
-
-    def one_token(s: SamplingState) -> SamplingState:
-        last_B1 = jax.lax.dynamic_slice_in_dim(s.tokens_BN, s.step - 1, 1, axis=1)
-        view = CacheView(prompt_len + s.step - 1, s.key_mask_BS)
-        h_B1D, cache = model.cached_hidden_states(last_B1, s.positions_B[:, None], s.cache, view)
-        logits_BV = unembed_logits(h_B1D[:, 0], unembed_DV, model.config.final_logit_softcap)
-        tokens_B, logprobs_B = choose_tokens(logits_BV, s.rng, s.step, config, s.seen_BV)
-        tokens_B = jnp.where(s.done_B, config.pad_id, tokens_B)
-        logprobs_B = jnp.where(s.done_B, 0.0, logprobs_B)
-        # (Finished rows add the pad id, as in transformers; their tokens are pad anyway.)
-        seen_BV = None if s.seen_BV is None else mark_seen(s.seen_BV, tokens_B)
-        lengths_B = jnp.where(s.done_B, s.lengths_B, s.lengths_B + 1)
-        moved = s.replace(lengths_B=lengths_B)
-        ends_B, recent_BW, stop_BK = _stops_after(moved, tokens_B, stop_ids, tables)
-        return moved.replace(
-            step=s.step + 1,
-            tokens_BN=jax.lax.dynamic_update_slice_in_dim(
-                s.tokens_BN, tokens_B[:, None], s.step, axis=1
-            ),
-            logprobs_BN=jax.lax.dynamic_update_slice_in_dim(
-                s.logprobs_BN, logprobs_B[:, None], s.step, axis=1
-            ),
-            done_B=s.done_B | ends_B,
-            positions_B=s.positions_B + 1,
-            cache=cache,
-            seen_BV=seen_BV,
-            recent_BW=recent_BW,
-            stop_BK=stop_BK,
-        )
-
-    state = jax.lax.while_loop(unfinished, one_token, state)
-    mask_BN = (jnp.arange(n_new)[None, :] < state.lengths_B[:, None]).astype(jnp.int32)
-    # The whole final state is returned so every donated buffer (the cache above all) is
-    # updated in place by the loop rather than copied into it.
-    return state, mask_BN
-
-
-@functools.partial(jax.jit, static_argnums=(0, 5, 6))
-def _prefill_program(
-    spec, params, prompt_ids_BP, prompt_mask_BP, rng, config, group_size, pixel_values,
-    limits_B, stop_BK, tables,
-):  # fmt: skip
-    args = (params, prompt_ids_BP, prompt_mask_BP, rng, config, group_size, pixel_values)
-    return _traced(spec, _prefill_body, *args, limits_B, stop_BK, tables)
-
-
-# The state (KV cache included) is dead after decoding: donate it.
-@functools.partial(jax.jit, static_argnums=(0, 3), donate_argnums=(2,))
-def _decode_program(spec, params, state, config, tables):
-    return _traced(spec, _decode_body, params, state, config, tables)

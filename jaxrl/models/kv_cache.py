@@ -5,9 +5,11 @@ Layout: one `KVCache(k, v)` per layer with k, v [B, K, S, H] (batch, kv heads, c
 head dim) for an unscanned stack (a tuple of them), or a single `KVCache` stacked on a leading
 layer axis [L, B, K, S, H] for a scanned stack. Heads before slots is the layout the attention
 matmuls read, so a decode step never transposes the cache (on CPU that copy of the whole cache
-per layer cost more than the step's attention). Prompts are left-padded, so every row writes the
-same slot at every step and the write index is one scalar (`CacheView.index`); which slots hold
-real tokens is `CacheView.key_mask_BS` (prompt padding is masked out).
+per layer cost more than the step's attention). Prompts are left-padded, so in a static batch
+every row writes the same slot at every step and the write index is one scalar
+(`CacheView.index`); rows that advance on their own (the continuous engine's decode slots, a
+tool turn's continuation) give one index per row instead (`[B]`, a scatter rather than a
+slice). Which slots hold real tokens is `CacheView.key_mask_BS` (prompt padding is masked out).
 
 Sliding windows count cache slots, as the training forward and transformers do (key j is
 visible from query i when i - window < j <= i); left padding shifts both, so windows cover the
@@ -54,7 +56,8 @@ class KVCache:
 class CacheView:
     """Where this call writes and what it may read (shared by all layers of one forward).
 
-    `index`: slot of the first new token (scalar int32). `key_mask_BS`: slots holding real
+    `index`: slot of the first new token (scalar int32, or [B]: each row's own; writes beyond
+    the cache are dropped). `key_mask_BS`: slots holding real
     tokens (False for prompt padding). `prefill`: the new tokens start an empty cache, so they
     attend among themselves with the training attention kernel instead of over all S slots.
     `key_limit_BT` (prefill only): causality widened as in the training forward (Gemma 3's
@@ -118,14 +121,25 @@ def cached_attention(
     GPT-OSS's attention `sinks`). Attention runs in the compute dtype (the cache's), as
     `dot_product_attention`."""
     q_BTNH = q_BTNH.astype(config.dtype)
-    k_BKSH = jax.lax.dynamic_update_slice_in_dim(
-        cache.k, k_BTKH.swapaxes(1, 2).astype(cache.k.dtype), view.index, axis=2
-    )
-    v_BKSH = jax.lax.dynamic_update_slice_in_dim(
-        cache.v, v_BTKH.swapaxes(1, 2).astype(cache.v.dtype), view.index, axis=2
-    )
-    new_cache = KVCache(k_BKSH, v_BKSH)
     seq_len = q_BTNH.shape[1]
+    if jnp.ndim(view.index) == 0:
+        k_BKSH = jax.lax.dynamic_update_slice_in_dim(
+            cache.k, k_BTKH.swapaxes(1, 2).astype(cache.k.dtype), view.index, axis=2
+        )
+        v_BKSH = jax.lax.dynamic_update_slice_in_dim(
+            cache.v, v_BTKH.swapaxes(1, 2).astype(cache.v.dtype), view.index, axis=2
+        )
+        query_slot_BT = (view.index + jnp.arange(seq_len, dtype=jnp.int32))[None, :]
+    else:  # one write index per row: a scatter ([B, T] indices pick [B, T, K, H] entries)
+        query_slot_BT = view.index[:, None] + jnp.arange(seq_len, dtype=jnp.int32)[None, :]
+        rows_BT = jnp.broadcast_to(jnp.arange(q_BTNH.shape[0])[:, None], query_slot_BT.shape)
+        k_BKSH = cache.k.at[rows_BT, :, query_slot_BT].set(
+            k_BTKH.astype(cache.k.dtype), mode="drop"
+        )
+        v_BKSH = cache.v.at[rows_BT, :, query_slot_BT].set(
+            v_BTKH.astype(cache.v.dtype), mode="drop"
+        )
+    new_cache = KVCache(k_BKSH, v_BKSH)
     if view.prefill:  # nothing older in the cache: the training kernel on the prompt alone
         if view.key_limit_BT is None:
             mask_B1TT = attention_mask_BTS(view.key_mask_BS[:, :seq_len], None)
@@ -135,17 +149,17 @@ def cached_attention(
             )
         out = dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask_B1TT, sliding, config, sinks)
         return out, new_cache
-    query_slot_T1 = (view.index + jnp.arange(seq_len, dtype=jnp.int32))[:, None]
-    key_slot_1S = jnp.arange(k_BKSH.shape[2], dtype=jnp.int32)[None, :]
-    visible_TS = key_slot_1S <= query_slot_T1
+    query_slot_BT1 = query_slot_BT[:, :, None]
+    key_slot_11S = jnp.arange(k_BKSH.shape[2], dtype=jnp.int32)[None, None, :]
+    visible_BTS = key_slot_11S <= query_slot_BT1  # (B is 1 with a scalar index)
     if config.sliding_window is not None:
-        in_window_TS = key_slot_1S > query_slot_T1 - config.sliding_window
+        in_window_BTS = key_slot_11S > query_slot_BT1 - config.sliding_window
         if isinstance(sliding, bool):
-            visible_TS = visible_TS & in_window_TS if sliding else visible_TS
+            visible_BTS = visible_BTS & in_window_BTS if sliding else visible_BTS
         else:  # scanned stack mixing full and sliding layers
-            visible_TS = visible_TS & (in_window_TS | ~sliding)
+            visible_BTS = visible_BTS & (in_window_BTS | ~sliding)
     # A query always sees itself, so no row is fully masked.
-    mask_B11TS = view.key_mask_BS[:, None, None, None, :] & visible_TS[None, None, None]
+    mask_B11TS = view.key_mask_BS[:, None, None, None, :] & visible_BTS[:, None, None]
     out_BTNH = grouped_attention(
         q_BTNH, k_BKSH, v_BKSH, mask_B11TS, config.attention_scale, config.attn_logit_softcap,
         sinks=sinks,

@@ -299,17 +299,15 @@ def test_samplers_of_one_model_structure_share_their_programs(sampler, llama):
     """A second sampler of a model with the same structure (another load of the checkpoint, as
     a second trainer builds) reuses the compiled prefill and decode programs: the same tokens,
     nothing compiled again."""
-    from jaxrl.generation import sampler as generation
+    from jaxrl.generation import continuous
 
+    programs = (continuous.refill_program, continuous.decode_program)
     config = GenerationConfig(max_new_tokens=3)
     prompts = ragged_prompts(seed=2)
     first = sampler(None, prompts, config, seed=1)
-    sizes = (generation._prefill_program._cache_size(), generation._decode_program._cache_size())
+    sizes = [program._cache_size() for program in programs]
     again = Sampler(models.from_pretrained(llama.path))(None, prompts, config, seed=1)
-    assert sizes == (
-        generation._prefill_program._cache_size(),
-        generation._decode_program._cache_size(),
-    )
+    assert sizes == [program._cache_size() for program in programs]
     np.testing.assert_array_equal(
         np.asarray(again.completion_ids_BN), np.asarray(first.completion_ids_BN)
     )
