@@ -74,3 +74,20 @@ def test_compiles_once_per_prompt_bucket(hf_causal):
     assert new_compiles((9, 4)) > 0  # bucket 16
     assert new_compiles((16, 12)) == 0
     assert new_compiles((6, 6)) == 0
+
+
+@pytest.mark.slow
+def test_continuous_on_a_mesh_equals_static_unsharded(hf_causal):
+    """4 slots for 8 rows (refills mid-decode) on the 8-device mesh: the unsharded static
+    engine's completions, sampled, with long-tailed per-row limits."""
+    path = hf_causal("qwen3").path
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    sharded = Sampler(models.from_pretrained(path, mesh=mesh), mesh=mesh, num_slots=4)
+    plain = Sampler(models.from_pretrained(path), engine="static")
+    config = GenerationConfig(max_new_tokens=N_NEW, pad_token_id=PAD, do_sample=True)
+    kwargs = dict(seed=5, group_size=2, max_new_tokens=[1, 6, 2, 1, 6, 3, 2, 1])
+    got = sharded(None, ragged_prompts(seed=4), config, **kwargs)
+    want = plain(None, ragged_prompts(seed=4), config, **kwargs)
+    np.testing.assert_array_equal(np.asarray(got.completion_ids_BN), want.completion_ids_BN)
+    np.testing.assert_array_equal(np.asarray(got.completion_mask_BN), want.completion_mask_BN)
+    np.testing.assert_allclose(np.asarray(got.logprobs_BN), want.logprobs_BN, atol=1e-5)
