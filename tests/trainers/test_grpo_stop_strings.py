@@ -1,4 +1,4 @@
-"""`generation_kwargs={"stop_strings": [...]}` in GRPO/RLOO (TRL hands `generation_kwargs` to
+"""`generation_kwargs={"stop_strings": [...]}` in GRPO/RLOO (and PPO's `generate`) (TRL hands `generation_kwargs` to
 transformers' `GenerationConfig`): a completion ends at the token where a stop string completes
 (transformers' `StopStringCriteria`; the trainer passes its tokenizer to the sampler), one that
 never meets the string runs to its limit, and stop options transformers would silently ignore
@@ -16,6 +16,8 @@ from trainer_utils import base_args
 from jaxrl.config import ConfigError
 from jaxrl.trainers.grpo import GRPOTrainer
 from jaxrl.trainers.grpo_config import GRPOConfig
+from jaxrl.trainers.ppo import PPOTrainer
+from jaxrl.trainers.ppo_config import PPOConfig
 from jaxrl.trainers.rloo import RLOOTrainer
 from jaxrl.trainers.rloo_config import RLOOConfig
 
@@ -106,3 +108,28 @@ def test_stop_options_transformers_ignores_are_refused(key, hf_model_dir, tokeni
     message = rf"generation_kwargs {key} \(.*never reads.*pass stop_strings=\[\.\.\.\]"
     with pytest.raises(ConfigError, match=message):
         _run(hf_model_dir, tokenizer, tmp_path, train=False, generation_kwargs={key: [[5]]})
+
+
+def test_ppo_generate_takes_stop_strings(hf_model_dir, tokenizer, tmp_path):
+    """TRL v0.7.2's `generate(**generation_kwargs)` hands them to transformers' `generate`, which
+    takes `stop_strings` with `tokenizer=`."""
+    config = PPOConfig(batch_size=4, mini_batch_size=4, output_dir=str(tmp_path), seed=0)
+    trainer = PPOTrainer(config, hf_model_dir, tokenizer=tokenizer)
+    queries = [np.asarray(tokenizer(p)["input_ids"]) for p in ("12+34=", "5+6=", "77+8=")]
+    greedy = dict(do_sample=False, max_new_tokens=LIMIT, return_prompt=False)
+    free = trainer.generate(queries, **greedy)
+    # This model's greedy completions of these prompts repeat '=' to the limit (the premise);
+    # the prompt's last '=' counts towards a string (transformers matches prompt + completion).
+    assert all(tokenizer.decode(ids) == "=" * LIMIT for ids in free)
+    cut = trainer.generate(queries, stop_strings=["==="], tokenizer=tokenizer, **greedy)
+    assert all(len(ids) == 2 and (ids == free[0][:2]).all() for ids in cut)
+    ref = trainer.generate(queries, stop_strings="=+", generate_ref_response=True, **greedy)
+    for ids in (*ref[0], *ref[1]):  # never met (policy and reference): the limit
+        np.testing.assert_array_equal(ids, free[0])
+
+    class OtherTokenizer:
+        def get_vocab(self):
+            return {"a": 0}
+
+    with pytest.raises(ValueError, match="another vocabulary"):
+        trainer.generate(queries, stop_strings=["==="], tokenizer=OtherTokenizer(), **greedy)
