@@ -591,7 +591,7 @@ class Trainer(
             n_real = len(ids)
             # A short final chunk is filled with copies so every call has the same batch shape.
             ids += [ids[-1]] * (batch_size - n_real)
-            sample = sampler(params, ids, config, seed=seed + start)
+            sample = sampler(params, ids, config, seed=seed + start, tokenizer=self.tokenizer)
             tokens, mask = jax.device_get((sample.completion_ids_BN, sample.completion_mask_BN))
             for row in range(n_real):
                 kept = [int(t) for t, m in zip(tokens[row], mask[row], strict=True) if m]

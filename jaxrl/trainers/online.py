@@ -83,7 +83,7 @@ class OnlineLoop(TrainLoop):
         params = self._sampling_params() if params is None else params
         out = self.rollout_sampler(
             params, prompt_ids, config, seed=seed, group_size=group_size,
-            pixel_values=pixel_values,
+            pixel_values=pixel_values, tokenizer=self.tokenizer,
         )  # fmt: skip
         ids_NC = np.asarray(out.completion_ids_BN)
         lengths_N = np.asarray(out.completion_mask_BN).sum(axis=1)

@@ -430,9 +430,15 @@ class OnPolicyTrainer(
 
     def _truncated(self, ids_list: list[list[int]], config: GenerationConfig) -> np.ndarray:
         """`[N]` bool: the completion does not end with a stop id (EOS) or the pad token, i.e. it
-        hit `max_completion_length` (TRL counts the pad token as a proper end too)."""
+        hit `max_completion_length` (TRL counts the pad token as a proper end too). A completion
+        that `stop_strings` ended before its budget is not truncated: transformers pads such a
+        row after the string, and that pad is the end TRL sees."""
         stop = {*config.stop_ids, self.tokenizer.pad_token_id}
-        return np.array([not ids or ids[-1] not in stop for ids in ids_list], dtype=bool)
+        budget = config.max_new_tokens if config.stop_strings else 0
+        return np.array(
+            [not ids or (ids[-1] not in stop and len(ids) >= budget) for ids in ids_list],
+            dtype=bool,
+        )
 
     def _rollout_rows(self, s: dict) -> dict[str, jax.Array]:
         """`input_ids`, `attention_mask` `[N, P + C]` and the loss mask `completion_mask`

@@ -115,7 +115,9 @@ class OnPolicyAgenticMixin:
         rows = list(prompts)
         if pad_rows_to is not None and pad_rows_to > n:
             rows += [rows[0]] * (pad_rows_to - n)
-        out = self._turn_sampler(params, rows, config, seed=seed, group_size=group_size)
+        out = self._turn_sampler(
+            params, rows, config, seed=seed, group_size=group_size, tokenizer=self.tokenizer
+        )
         ids_NC = np.asarray(out.completion_ids_BN)[: n * group_size]
         lengths_N = np.asarray(out.completion_mask_BN).sum(axis=1)[: n * group_size]
         return [row[:k].tolist() for row, k in zip(ids_NC, lengths_N, strict=True)]

@@ -41,9 +41,17 @@ _GENERATION_KWARGS = frozenset(
         "pad_token_id",
         "bos_token_id",  # only read by encoder-decoder models
         "use_cache",  # the sampler always uses its KV cache
+        "stop_strings",  # matched with the trainer's tokenizer (transformers' `tokenizer=`)
         *generation._UNSUPPORTED_HF_FIELDS,
     }
 )
+# Stop options of other libraries: TRL hands `generation_kwargs` to transformers'
+# `GenerationConfig`, which keeps unknown names as attributes that `generate` never reads.
+_FOREIGN_STOP_KWARGS = {
+    "stop": "vLLM's SamplingParams name",
+    "stop_token_ids": "vLLM's SamplingParams name",
+    "stop_sequences": "jaxrl's GenerationConfig field, no transformers option",
+}
 
 
 class OnPolicyPromptsMixin:
@@ -54,7 +62,9 @@ class OnPolicyPromptsMixin:
         """TRL's sampling settings for rollouts and eval: `max_completion_length` new tokens
         sampled with `temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty`, stopping
         at every EOS id, then `generation_kwargs` over them (TRL: they override the fields); an
-        option the sampler does not implement is an error naming it."""
+        option the sampler does not implement is an error naming it. `stop_strings` end a
+        completion at the token where one completes (transformers' `StopStringCriteria`; the
+        sampler calls pass the trainer's tokenizer, as `generate(..., tokenizer=)` needs)."""
         from transformers import GenerationConfig as HFGenerationConfig
 
         a = self.args
@@ -71,6 +81,14 @@ class OnPolicyPromptsMixin:
         }
         extra = dict(a.generation_kwargs or {})
         unknown = sorted(set(extra) - _GENERATION_KWARGS)
+        foreign = [f"{k} ({_FOREIGN_STOP_KWARGS[k]})" for k in unknown if k in _FOREIGN_STOP_KWARGS]
+        if foreign:
+            raise ConfigError(
+                f"generation_kwargs {', '.join(foreign)}: transformers' generate never reads "
+                "it (TRL would silently ignore it), so jaxrl refuses it; to end completions "
+                "pass stop_strings=[...] (texts, transformers' StopStringCriteria) or "
+                "eos_token_id=[...] (ids that end a completion)."
+            )
         if unknown:
             raise ConfigError(
                 f"generation_kwargs {unknown} are not supported by jaxrl's sampler; it takes "

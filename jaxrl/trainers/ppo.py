@@ -33,10 +33,11 @@ generate, score, `step()`) as the iteration of the online shell GRPO and RLOO sh
 (`jaxrl.trainers.online.OnlineLoop`: rollout -> score -> update, on `TrainLoop`), so it logs to
 `output_dir/metrics.jsonl` with TRL's stat names, checkpoints and resumes exactly (train state,
 KL controller, score moments and the NumPy generator of the minibatch permutations) and saves
-on SIGTERM.
+on SIGTERM. Its steps also log TRL's sampling-correction stats (`sampling/*`, as GRPO/RLOO):
+the sampler's log-probs of the responses against `step()`'s `old_logprobs` (`ppo_train`).
 
-This file is the trainer: the constructor, `step()` and the traced-call plumbing around it, and
-`train()`'s iteration. What it shares with the other trainers comes from there (the loop,
+This file is the trainer: the constructor, `step()` and the traced-call plumbing around it
+(`train()`'s iteration: `ppo_train.PPOTrainLoopMixin`). What it shares with the other trainers comes from there (the loop,
 checkpoints and resume: `TrainLoop`; the iteration and the sampler's completions: `OnlineLoop`;
 where the reference lives in the train state: `jaxrl.algos.reference`; LoRA / QLoRA:
 `model_setup.setup_peft`; the tokenizer: `TokenizerSetupMixin`); its TRL v0.7.2 host helpers
@@ -63,6 +64,7 @@ from flax import nnx
 
 from jaxrl import lora, seeding
 from jaxrl.algos import ppo, reference
+from jaxrl.algos.rollout import rollout_sampling_metrics
 from jaxrl.core import rl
 from jaxrl.core.state import TrainState
 from jaxrl.generation import GenerationConfig, Sampler
@@ -72,10 +74,11 @@ from jaxrl.trainers.export import SaveModelMixin
 from jaxrl.trainers.model_setup import setup_peft
 from jaxrl.trainers.online import OnlineLoop
 from jaxrl.trainers.ppo_config import PPOConfig
+from jaxrl.trainers.ppo_train import PPOTrainLoopMixin
 from jaxrl.trainers.tokenizer_setup import TokenizerSetupMixin
 
 
-class PPOTrainer(TokenizerSetupMixin, SaveModelMixin, OnlineLoop):
+class PPOTrainer(TokenizerSetupMixin, SaveModelMixin, PPOTrainLoopMixin, OnlineLoop):
     """Proximal Policy Optimisation of a causal LM with a value head (TRL v0.7.2 API).
 
     `model`: a `CausalLMWithValueHead` or a path / Hub id (an HF directory, with or without
@@ -323,6 +326,19 @@ class PPOTrainer(TokenizerSetupMixin, SaveModelMixin, OnlineLoop):
     ) -> dict[str, Any]:
         """One PPO step on a batch of `config.batch_size` (query, response, score) triples;
         returns TRL's stats (see `record_step_stats`, plus `ppo/learning_rate` and `time/ppo/*`)."""
+        return self._step(queries, responses, scores, response_masks)
+
+    def _step(
+        self,
+        queries: list,
+        responses: list,
+        scores: list,
+        response_masks: list | None = None,
+        sampling_logprobs: list | None = None,
+    ) -> dict[str, Any]:
+        """`step()`; with `sampling_logprobs` (the sampler's log-prob of each response token,
+        `train()`'s rollouts) also TRL's sampling-correction stats (`sampling/*`) of them
+        against the rollout forward's `old_logprobs`, over the response tokens."""
         c = self.config
         queries, responses, scores_B, response_masks = self._step_safety_checker(
             c.batch_size, queries, responses, scores, response_masks
@@ -340,6 +356,14 @@ class PPOTrainer(TokenizerSetupMixin, SaveModelMixin, OnlineLoop):
         )
         jax.block_until_ready(fwd)
         timing["time/ppo/forward_pass"] = time.time() - t
+        sampling_stats = {}
+        if sampling_logprobs is not None:
+            sampling_BT = ppo_inputs.response_values(
+                queries, responses, inputs["attention_mask"], sampling_logprobs
+            )
+            sampling_stats = rollout_sampling_metrics(
+                c, fwd["logprobs"], jnp.asarray(sampling_BT), {"completion_mask": mask_BT}
+            )
 
         t = time.time()
         kl_coef = state.extras["kl_ctl"].value
@@ -398,6 +422,7 @@ class PPOTrainer(TokenizerSetupMixin, SaveModelMixin, OnlineLoop):
         )
         timing["time/ppo/calc_stats"] = time.time() - t
         stats["ppo/learning_rate"] = lr_used
+        stats.update(sampling_stats)
         extras = dict(self.train_state.extras)
         extras["kl_ctl"] = self.kl_ctl.update(
             extras["kl_ctl"], stats["objective/kl"], c.batch_size * jax.process_count()
@@ -536,9 +561,11 @@ class PPOTrainer(TokenizerSetupMixin, SaveModelMixin, OnlineLoop):
         self, queries: list[np.ndarray], gen: GenerationConfig, key: jax.Array, ref: bool = False
     ) -> list[np.ndarray]:
         """Completions of `queries` from the current policy (or the reference) params, without
-        padding: each ends at its first EOS (kept) or after `max_new_tokens`."""
+        padding: each ends at its first EOS or stop string (kept) or after `max_new_tokens`."""
         if ref:
-            out = self._ref_sampler(self._ref_params(), queries, gen, seed=key)
+            out = self._ref_sampler(
+                self._ref_params(), queries, gen, seed=key, tokenizer=self.tokenizer
+            )
             ids_BN, mask_BN = jax.device_get((out.completion_ids_BN, out.completion_mask_BN))
             lengths = mask_BN.sum(axis=1)
             return [ids_BN[i, : int(lengths[i])].astype(np.int64) for i in range(len(queries))]
@@ -594,86 +621,6 @@ class PPOTrainer(TokenizerSetupMixin, SaveModelMixin, OnlineLoop):
             outs = [[o[0][None]] if o else [] for o in outs]
             outs = [o[0] if o else None for o in outs]
         return (outs[0], outs[1]) if generate_ref_response else outs[0]
-
-    # ------------------------------------------------------------------ train() (jaxrl)
-    def _check_can_train(self) -> None:
-        if self.dataset is None:
-            raise ValueError(
-                "train() needs a dataset of prompts (a `query` or `prompt` text column, or "
-                "`input_ids`)."
-            )
-        if self.reward is None:
-            raise ValueError("train() needs reward= (a callable or a reward model path).")
-
-    def _has_train_data(self) -> bool:
-        return self.dataset is not None
-
-    def _ensure_state(self) -> None:
-        """The state is built in __init__ (step() works without train())."""
-
-    @property
-    def train_batch_size(self) -> int:
-        return self.config.batch_size * jax.process_count()
-
-    @property
-    def steps_per_epoch(self) -> int:
-        steps = len(self.dataset) // self.train_batch_size
-        if steps == 0:
-            raise ValueError(
-                f"The dataset has {len(self.dataset)} prompts, fewer than one batch of "
-                f"{self.train_batch_size}."
-            )
-        return steps
-
-    @property
-    def max_steps(self) -> int:
-        c = self.config
-        return c.max_steps if c.max_steps > 0 else c.total_ppo_epochs
-
-    def _train_iterator(self):
-        return ppo_inputs.prompt_batches(self.dataset, self.config.batch_size, self.config.seed)
-
-    # The online iteration (`OnlineLoop`): every step generates, scores, then runs `step()`.
-    def _sampling_params(self) -> Any:
-        # With LoRA: base + adapter through the adapter forward (no merged copy).
-        return self._policy_params()["pretrained_model"]
-
-    def _rollout(self, batch: dict) -> None:
-        """Sample responses to the batch's queries (key fixed by the step), decode and score."""
-        c = self.config
-        t = time.time()
-        queries, prompts = ppo_inputs.batch_queries(batch, self.tokenizer)
-        ppo_inputs.check_rollout_lengths(queries, c.response_length, self._positions)
-        gen = ppo_generation.rollout_generation_config(c, self.tokenizer)
-        key = jax.random.fold_in(jax.random.key(c.seed + 1), self.state.global_step)
-        g = self._generate(queries, gen, key)
-        t_gen, t = time.time() - t, time.time()
-        scores = [0.0 if s is None else float(s) for s in self.reward(prompts, g.texts)]
-        responses = [np.asarray(ids, np.int64) for ids in g.ids]
-        self._rollout_data = (queries, responses, scores, t_gen, time.time() - t)
-
-    def _update(self, batch: dict, generated: bool) -> dict:
-        """TRL's `step()` on the rollout, with `train()`'s metrics."""
-        queries, responses, scores, t_gen, t_score = self._rollout_data
-        stats = self.step(queries, responses, [np.float32(s) for s in scores])
-        metrics = ppo_stats.train_metrics(stats, scores)
-        metrics["time/ppo/generate"], metrics["time/ppo/score"] = t_gen, t_score
-        # The minibatch permutations of later steps come from NumPy's global generator. Placed
-        # as the state's copy was (the train state's sharding): a plain `jnp.asarray` (one
-        # device, no mesh) changed the optimise step's input type, so every run traced and
-        # compiled that step a second time at step 2.
-        rng = self.train_state.extras["numpy_rng"]
-        self.train_state = self.train_state.replace(
-            extras={
-                **self.train_state.extras,
-                "numpy_rng": jax.device_put(ppo_stats.numpy_rng_state(), rng.sharding),
-            }
-        )
-        return metrics
-
-    def _restore(self, step: int):
-        super()._restore(step)
-        ppo_stats.set_numpy_rng_state(self.train_state.extras["numpy_rng"])
 
     def save_pretrained(self, save_directory: str | Path, merged: bool = False) -> None:
         """Policy, tokenizer and model card in TRL v0.7.2's layout (`ppo_export.save_policy`:

@@ -24,7 +24,7 @@ from jaxrl.models.hf import from_pretrained
 # transformers `generate` keyword arguments that map onto jaxrl's GenerationConfig.
 GENERATION_KWARGS = (
     "max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
-    "repetition_penalty", "eos_token_id", "pad_token_id",
+    "repetition_penalty", "eos_token_id", "pad_token_id", "stop_strings",
 )  # fmt: skip
 
 
@@ -36,8 +36,16 @@ def generation_config(
     Defaults are transformers' (greedy, top_k=50) with the tokenizer's EOS/pad ids and
     `max_new_tokens=response_length`. `min_length` <= 0 (TRL's examples pass -1) and
     `use_cache` are inactive; a positive `min_length`, `max_length`, beams or several return
-    sequences raise (use `min_new_tokens` / `max_new_tokens`)."""
+    sequences raise (use `min_new_tokens` / `max_new_tokens`). `stop_strings` are matched with
+    the trainer's tokenizer; transformers' `tokenizer=` (which `generate` needs with them) is
+    accepted when it has the same vocabulary."""
     kw = dict(generation_kwargs)
+    given = kw.pop("tokenizer", None)
+    if given is not None and given is not tokenizer and given.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            "generate(tokenizer=...) has another vocabulary than the trainer's tokenizer; "
+            "stop_strings are matched with the trainer's, so pass that one (or none)."
+        )
     min_length = kw.pop("min_length", None)
     if min_length is not None and min_length > 0:
         raise ValueError(
@@ -54,7 +62,7 @@ def generation_config(
     if unknown:
         raise ValueError(
             f"Unsupported generation kwargs {unknown}; supported: {GENERATION_KWARGS}, "
-            "min_length (<= 0), use_cache, num_beams=1, num_return_sequences=1."
+            "min_length (<= 0), use_cache, tokenizer, num_beams=1, num_return_sequences=1."
         )
     if "top_k" in kw:  # TRL's examples pass top_k=0.0
         if float(kw["top_k"]) != int(kw["top_k"]):

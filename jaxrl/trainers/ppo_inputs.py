@@ -134,15 +134,37 @@ def response_mask(queries, responses, attention_mask_BL, response_masks) -> np.n
     masks = np.zeros((B, L), np.float32)
     masks[:, :-1] = attention_mask_BL[:, 1:]
     for j in range(B):
-        start = len(queries[j]) - 1
-        if attention_mask_BL[j, 0] == 0:  # left padding
-            start += int(np.argmax(attention_mask_BL[j]))
+        start = _response_start(len(queries[j]), attention_mask_BL[j])
         end = start + len(responses[j])
         masks[j, :start] = 0
         masks[j, end:] = 0
         if response_masks is not None:
             masks[j, start:end] *= response_masks[j]
     return masks[:, :-1]
+
+
+def _response_start(query_len: int, attention_mask_L: np.ndarray) -> int:
+    """Position (in TRL's shifted `[L - 1]` layout) whose target is the first response token."""
+    start = query_len - 1
+    if attention_mask_L[0] == 0:  # left padding
+        start += int(np.argmax(attention_mask_L))
+    return start
+
+
+def response_values(queries, responses, attention_mask_BL, values) -> np.ndarray:
+    """`[B, L - 1]` float32: each response's per-token `values` (one per response token, e.g.
+    the sampler's log-probs) at the positions of `response_mask`, 0 elsewhere."""
+    B, L = attention_mask_BL.shape
+    out = np.zeros((B, L - 1), np.float32)
+    for j in range(B):
+        row = np.asarray(values[j], np.float32).reshape(-1)
+        if row.shape[0] != len(responses[j]):
+            raise ValueError(
+                f"Response {j} has {len(responses[j])} tokens but {row.shape[0]} values."
+            )
+        start = _response_start(len(queries[j]), attention_mask_BL[j])
+        out[j, start : start + row.shape[0]] = row
+    return out
 
 
 def batch_queries(batch: dict, tokenizer: Any) -> tuple[list[np.ndarray], list[str]]:

@@ -65,7 +65,7 @@ def train_stats(out: dict, ratio_threshold: float) -> dict[str, np.ndarray]:
             f"{skipped} mini-batch(es) had an average ratio above ratio_threshold="
             f"{ratio_threshold:.2f}; their loss was zeroed (batch skipped).",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of `PPOTrainer.step()`
         )
     adv = np.asarray(out["arrays"]["policy/advantages"])[ran].reshape(1, -1)
     stats["policy/advantages"] = np.nan_to_num(adv, nan=WANDB_PADDING)
