@@ -130,6 +130,22 @@ def check_choice(name: str, value: Any, choices: typing.Iterable[Any]) -> None:
     check(value in choices, f"`{name}={value!r}` is not valid; choose one of {list(choices)}.")
 
 
+# The sampler's engines (`jaxrl.generation`): decode slots refilled as rows finish, or the
+# batch in lockstep.
+GENERATION_ENGINES = ("continuous", "static")
+
+
+def check_generation_engine(engine: str, num_slots: int | None) -> None:
+    """The online trainers' `generation_engine` and `generation_num_slots`."""
+    check_choice("generation_engine", engine, GENERATION_ENGINES)
+    check(
+        num_slots is None or (isinstance(num_slots, int) and num_slots >= 1),
+        f"`generation_num_slots={num_slots!r}` must be an int >= 1, or None for the default "
+        "(CPU: one slot per row up to 64 rows, then a quarter of the rows; accelerators: what "
+        "half the free memory holds).",
+    )
+
+
 # Upper bounds where TRL has none but a larger value is a typo, not a setting (issue 44): beta
 # scales log-ratios of order 1 (TRL's defaults 0.0-0.1, published runs 0.01-1), a temperature
 # divides logits (above 100 sampling is uniform over the vocabulary).

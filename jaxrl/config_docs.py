@@ -368,6 +368,10 @@ OWN_HELP = {
     "length_buckets": "Row lengths a step may be padded to (fewer compiled shapes); None: "
     "max_length only.",
     "max_seq_length": "TRL's former name of max_length.",
+    "generation_engine": "The sampler's engine: continuous (decode slots refilled as rows "
+    "finish) or static (the batch decoded in lockstep); both give the same completions.",
+    "generation_num_slots": "The continuous engine's decode slots (KV-cache rows); None: one per "
+    "row up to 64 rows on CPU, then a quarter of them; on accelerators what memory holds.",
     "DPOConfig.max_prompt_length": "Maximum prompt length in tokens (which end is kept: "
     "truncation_mode).",
     "DPOConfig.prefix_sharing": "Run chosen and rejected completions after one shared prompt "

@@ -52,6 +52,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxrl.config_checks import GENERATION_ENGINES
 from jaxrl.data import stop_strings as stop_strings_lib
 from jaxrl.generation import continuous, static
 from jaxrl.generation.config import GenerationConfig
@@ -60,7 +61,7 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.models.families import family
 from jaxrl.parallel import Rules, batch_sharding, data_parallel_size, merge_rules
 
-ENGINES = ("continuous", "static")
+ENGINES = GENERATION_ENGINES
 
 MIN_BUCKET = 16
 

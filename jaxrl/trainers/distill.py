@@ -242,8 +242,9 @@ class DistillationTrainer(OnPolicyPromptsMixin, OnPolicyBatchesMixin, OnlineLoop
         )
         self._jit_eval_step = jax.jit(make_eval_step(self._loss_fn()), out_shardings=repl)
         self.rollout_sampler = Sampler(
-            self.graphdef, mesh=self.mesh, rules=self.rules, prompt_buckets=self._prompt_buckets()
-        )
+            self.graphdef, mesh=self.mesh, rules=self.rules, prompt_buckets=self._prompt_buckets(),
+            engine=self.args.generation_engine, num_slots=self.args.generation_num_slots,
+        )  # fmt: skip
 
     def sampler(self) -> Sampler:
         if self.rollout_sampler is not None:

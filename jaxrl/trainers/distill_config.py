@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxrl.config import ConfigError, TrainingConfig
+from jaxrl.config_checks import check_generation_engine
 from jaxrl.trainers.onpolicy_config import OnPolicyConfig
 
 _SHARED_UNSUPPORTED = (
@@ -88,6 +89,9 @@ class DistillationConfig(TrainingConfig):
     chat_template_kwargs: dict | None = None
     repetition_penalty: float = 1.0
     cache_implementation: str | None = None
+    # jaxrl's sampler (no TRL field: TRL generates with transformers or vLLM).
+    generation_engine: str = "continuous"
+    generation_num_slots: int | None = None
     use_vllm: bool = False
     vllm_mode: str = "colocate"
     vllm_model_impl: str = "vllm"
@@ -111,6 +115,7 @@ class DistillationConfig(TrainingConfig):
     teacher_model_quantization: str | None = None
 
     def __post_init__(self) -> None:
+        check_generation_engine(self.generation_engine, self.generation_num_slots)
         if self.max_completion_length is None:
             raise ConfigError(
                 "`max_completion_length=None` is not supported by jaxrl: the sampler needs a "

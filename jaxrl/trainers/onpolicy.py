@@ -335,8 +335,9 @@ class OnPolicyTrainer(
         # `evaluate()`'s per-batch `eval_loss`.
         self._jit_eval_step = jax.jit(make_eval_step(self._loss_fn()), out_shardings=repl)
         self.rollout_sampler = Sampler(
-            self.graphdef, mesh=self.mesh, rules=self.rules, prompt_buckets=self._prompt_buckets()
-        )
+            self.graphdef, mesh=self.mesh, rules=self.rules, prompt_buckets=self._prompt_buckets(),
+            engine=a.generation_engine, num_slots=a.generation_num_slots,
+        )  # fmt: skip
 
     def sampler(self) -> Sampler:
         """The rollout sampler once compiled (its prompt buckets too), else `Trainer.sampler()`."""

@@ -110,7 +110,11 @@ class OnPolicyAgenticMixin:
         Rows are padded to `pad_rows_to` (copies of the first) so that every tool turn of a
         batch runs one compiled program; their outputs are dropped."""
         if self._turn_sampler is None:
-            self._turn_sampler = Sampler(self.graphdef, mesh=self.mesh, rules=self.rules)
+            a = self.args
+            self._turn_sampler = Sampler(
+                self.graphdef, mesh=self.mesh, rules=self.rules, engine=a.generation_engine,
+                num_slots=a.generation_num_slots,
+            )  # fmt: skip
         n = len(prompts)
         rows = list(prompts)
         if pad_rows_to is not None and pad_rows_to > n:

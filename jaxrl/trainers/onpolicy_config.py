@@ -15,7 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxrl.config import ConfigError, TrainingConfig
-from jaxrl.config_checks import BETA_MAX, TEMPERATURE_MAX, check_number
+from jaxrl.config_checks import (
+    BETA_MAX,
+    TEMPERATURE_MAX,
+    check_generation_engine,
+    check_number,
+)
 
 # Field -> value at which it is inactive; any other value is rejected (see `_reject_unsupported`).
 _UNSUPPORTED = {
@@ -108,6 +113,9 @@ class OnPolicyConfig(TrainingConfig):
     chat_template_kwargs: dict | None = None
     repetition_penalty: float = 1.0
     cache_implementation: str | None = None
+    # jaxrl's sampler (no TRL field: TRL generates with transformers or vLLM).
+    generation_engine: str = "continuous"
+    generation_num_slots: int | None = None
     use_vllm: bool = False
     vllm_mode: str = "colocate"
     vllm_model_impl: str = "vllm"
@@ -141,6 +149,7 @@ class OnPolicyConfig(TrainingConfig):
     use_transformers_paged: bool = False
 
     def __post_init__(self) -> None:
+        check_generation_engine(self.generation_engine, self.generation_num_slots)
         if self.max_completion_length is None:
             raise ConfigError(
                 "`max_completion_length=None` is not supported by jaxrl: the sampler needs a "

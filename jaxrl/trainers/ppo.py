@@ -214,11 +214,12 @@ class PPOTrainer(TokenizerSetupMixin, SaveModelMixin, PPOTrainLoopMixin, OnlineL
         self._compile()
         self.current_step = 0
         self.log_history: list[dict] = []
-        self.rollout_sampler = Sampler(self.lm_graphdef)
+        engine = dict(engine=config.generation_engine, num_slots=config.generation_num_slots)
+        self.rollout_sampler = Sampler(self.lm_graphdef, **engine)
         self._ref_sampler = (
-            ppo_generation.AdapterOffSampler(self.lm_graphdef)
+            ppo_generation.AdapterOffSampler(self.lm_graphdef, **engine)
             if self._ref_is_base
-            else Sampler(self.ref_graphdef)
+            else Sampler(self.ref_graphdef, **engine)
         )
         self._generate_calls = 0
         self.reward = ppo_generation.build_reward(reward, self.tokenizer)

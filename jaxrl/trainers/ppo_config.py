@@ -19,7 +19,7 @@ import sys
 import warnings
 from typing import Any
 
-from jaxrl.config_checks import TEMPERATURE_MAX, check_number
+from jaxrl.config_checks import TEMPERATURE_MAX, check_generation_engine, check_number
 from jaxrl.loop_options import parse_resume_from_checkpoint
 
 KL_PENALTIES = ("kl", "abs", "mse", "full")
@@ -115,6 +115,8 @@ class PPOConfig:
     temperature: float = 1.0
     top_k: int = 0  # 0: off (TRL examples pass top_k=0.0)
     top_p: float = 1.0
+    generation_engine: str = "continuous"  # jaxrl's sampler: "continuous" or "static"
+    generation_num_slots: int | None = None  # continuous engine's decode slots (None: default)
     # The loop has no evaluation pass: these are fixed (TrainLoop reads them).
     eval_strategy: str = dataclasses.field(default="no", init=False)
     eval_steps: int | None = dataclasses.field(default=None, init=False)
@@ -186,6 +188,7 @@ class PPOConfig:
                 "Need 1 <= response_length and 0 <= min_response_length <= response_length, got "
                 f"{self.response_length} and {self.min_response_length}."
             )
+        check_generation_engine(self.generation_engine, self.generation_num_slots)
         check_number(
             "temperature",
             self.temperature,

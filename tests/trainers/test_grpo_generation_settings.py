@@ -94,3 +94,31 @@ def test_min_p_one_samples_the_greedy_completions(hf_model_dir, tokenizer, tmp_p
     groups = [completions["greedy"][i : i + 4] for i in range(0, 8, 4)]
     assert all(len(set(g)) == 1 for g in groups)
     assert completions["sampled"] != completions["greedy"]
+
+
+@pytest.mark.parametrize("cls", [GRPOTrainer, RLOOTrainer], ids=["grpo", "rloo"])
+def test_engines_train_alike(cls, hf_model_dir, tokenizer, tmp_path):
+    """`generation_engine="static"` and the default continuous engine with fewer slots than
+    rows (refills) give the same completions, rewards and loss, step for step."""
+    logs, completions = [], []
+    for i, engine in enumerate(({"generation_engine": "static"}, {"generation_num_slots": 3})):
+        reward = RecordingReward()
+        trainer = _trainer(
+            hf_model_dir, tokenizer, tmp_path / str(i), cls=cls, reward=reward, max_steps=2,
+            logging_steps=1, **engine,
+        )  # fmt: skip
+        trainer.train()
+        assert trainer.rollout_sampler.engine == engine.get("generation_engine", "continuous")
+        logs.append([h for h in trainer.state.log_history if "loss" in h])
+        completions.append([(c["completions"], c["ids"]) for c in reward.calls])
+    assert completions[0] == completions[1] and len(logs[0]) == 2
+    for ours, theirs in zip(*logs, strict=True):
+        for key in ("loss", "reward", "completions/mean_length"):
+            assert ours[key] == pytest.approx(theirs[key], abs=1e-5), key
+
+
+def test_bad_engine_fields_are_errors(hf_model_dir, tokenizer, tmp_path):
+    with pytest.raises(ConfigError, match="generation_engine='vllm'"):
+        _trainer(hf_model_dir, tokenizer, tmp_path, generation_engine="vllm")
+    with pytest.raises(ConfigError, match="generation_num_slots=0"):
+        _trainer(hf_model_dir, tokenizer, tmp_path, generation_num_slots=0)
