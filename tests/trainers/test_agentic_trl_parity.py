@@ -9,6 +9,9 @@ TRL's own tests patch it), two optimizer steps each:
   environment's rollouts), advantages, loss, entropy, `tools/*` and every other logged metric
   per step; the completions table (parquet and the printed rich table) shows the whole
   conversation, tool calls and tool results, as TRL's does.
+- environment_factory without a `train_dataset` (the environment owns the data: `reset()`
+  returns the prompt): the same placeholder prompts and everything above; a dict factory
+  without a dataset refused as TRL does.
 - rollout_func: the same ids, `env_mask` as the tool mask, the extra returned fields (one per
   rollout, or one for all) at the reward functions, the same rewards, advantages, loss and
   metrics per step.
@@ -26,6 +29,7 @@ from tool_utils import call, tool_model_dir, tool_tokenizer
 from trainer_utils import base_args, train_logs
 
 from jaxrl.callbacks.completions import print_completions
+from jaxrl.config import ConfigError
 from jaxrl.trainers.grpo import GRPOTrainer
 from jaxrl.trainers.grpo_config import GRPOConfig
 
@@ -58,7 +62,8 @@ class Counter:
     """A counter the model increments; its final value is the reward."""
 
     def reset(self, **example) -> str:
-        self.value = example["start"]
+        self.example = example
+        self.value = example.get("start", 0)
         return f" Start at {self.value}."
 
     def increment(self, step: int) -> int:
@@ -176,7 +181,7 @@ def trl_run(tok, model_dir, out, data, reward_funcs, **kwargs):
             output_dir=str(out), use_cpu=True, logging_steps=1, report_to="none", bf16=False,
             seed=0, lr_scheduler_type="constant", log_completions=True, **SETTINGS,
         ),
-        train_dataset=datasets.Dataset.from_list(data),
+        train_dataset=None if data is None else datasets.Dataset.from_list(data),
         processing_class=tok,
         **kwargs,
     )  # fmt: skip
@@ -204,7 +209,7 @@ def ours_run(tok, model_dir, out, data, reward_funcs, **kwargs):
         model_dir,
         reward_funcs=reward_funcs,
         args=GRPOConfig(**base_args(out, log_completions=True, **SETTINGS)),
-        train_dataset=datasets.Dataset.from_list(data),
+        train_dataset=None if data is None else datasets.Dataset.from_list(data),
         processing_class=tok,
         **kwargs,
     )
@@ -348,6 +353,28 @@ def test_completions_table_shows_tool_calls_and_results_as_trl(env_runs, capsys,
     their_printed = capsys.readouterr().out
     assert "increment(step=1)" in mine_printed and "TOOL" in mine_printed
     assert mine_printed == their_printed
+
+
+def test_environment_without_a_dataset_matches_trl(setup, tmp_path):
+    """TRL: the environment owns the data; placeholder rows of empty prompts drive the loop."""
+    tok, model_dir = setup
+    theirs, batches = trl_run(
+        tok, model_dir, tmp_path / "trl", None, None, environment_factory=Counter
+    )
+    ours, samples = ours_run(
+        tok, model_dir, tmp_path / "ours", None, None, environment_factory=Counter
+    )
+    assert_batches_match(samples, batches)
+    assert [p[-1]["content"] for p in samples[0]["prompts"]] == [" Start at 0."] * 4
+    counter = ours.environment_pool.pool[None][0]
+    assert counter.example == {"prompt": [{"role": "user", "content": ""}]}
+    assert ours.reward_func_names == ["Counter"]
+    assert_logs_match(ours, theirs)
+    with pytest.raises(ConfigError, match="requires a `train_dataset` with an `environment`"):
+        GRPOTrainer(
+            model_dir, reward_funcs=None, args=GRPOConfig(**base_args(tmp_path, **SETTINGS)),
+            processing_class=tok, environment_factory={"counter": Counter},
+        )  # fmt: skip
 
 
 # ----------------------------------------------------------------- rollout_func
