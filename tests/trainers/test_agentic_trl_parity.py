@@ -14,7 +14,7 @@ TRL's own tests patch it), two optimizer steps each:
   without a dataset refused as TRL does.
 - rollout_func: the same ids, `env_mask` as the tool mask, the extra returned fields (one per
   rollout, or one for all) at the reward functions, the same rewards, advantages, loss and
-  metrics per step.
+  metrics per step; with `tools=` too, the tool loop continues rollout_func's first turns.
 """
 
 from __future__ import annotations
@@ -25,13 +25,16 @@ import datasets
 import numpy as np
 import pandas as pd
 import pytest
-from tool_utils import call, tool_model_dir, tool_tokenizer
+from tool_utils import add, call, tool_model_dir, tool_tokenizer
 from trainer_utils import base_args, train_logs
 
 from jaxrl.callbacks.completions import print_completions
 from jaxrl.config import ConfigError
 from jaxrl.trainers.grpo import GRPOTrainer
 from jaxrl.trainers.grpo_config import GRPOConfig
+
+# Two trainers (jaxrl compiling, TRL) per scenario: 20-40 s each on this machine.
+pytestmark = pytest.mark.slow
 
 G = 2
 STEPS = 2
@@ -187,8 +190,10 @@ def trl_run(tok, model_dir, out, data, reward_funcs, **kwargs):
     )  # fmt: skip
 
     def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        texts = [env_script(tok.decode(p), i) for i, p in enumerate(prompt_ids)]
-        return [tok(t)["input_ids"] for t in texts], None
+        ids = [tok(env_script(tok.decode(p), i))["input_ids"] for i, p in enumerate(prompt_ids)]
+        # Sampling log-probs as a vLLM backend gives them (TRL's tool loop extends
+        # rollout_func's; unused without vLLM's importance sampling).
+        return ids, [[0.0] * len(c) for c in ids]
 
     trainer._generate_single_turn = generate
     batches = []
@@ -418,3 +423,40 @@ def test_rollout_func_rewards_advantages_loss_and_metrics_match_trl(rollout_runs
     # The premise: the fourth rollout is cut (no EOS), its lengths count the model's tokens.
     assert logs[0]["completions/clipped_ratio"] == pytest.approx(0.25)
     assert logs[0]["completions/max_length"] == 2 * 4 + 1
+
+
+def test_rollout_func_with_tools_matches_trl(setup, tmp_path):
+    """TRL runs the tool loop on rollout_func's completions (later turns from the trainer's own
+    generation)."""
+    tok, model_dir = setup
+
+    def rollout_func(prompts, trainer):
+        prompt_ids = [
+            tok.apply_chat_template(
+                p, tools=[add], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            for p in prompts
+        ]
+        texts = [
+            call("add", f'{{"a": {i}, "b": 3}}') if i % 2 == 0 else "no<|im_end|>"
+            for i in range(len(prompts))
+        ]
+        completion_ids = [tok(t)["input_ids"] for t in texts]
+        return {
+            "prompt_ids": [list(p) for p in prompt_ids],
+            "completion_ids": completion_ids,
+            "logprobs": [[0.0] * len(c) for c in completion_ids],
+        }
+
+    kwargs = dict(rollout_func=rollout_func, tools=[add])
+    theirs, batches = trl_run(
+        tok, model_dir, tmp_path / "trl", ROLLOUT_DATA, [length_reward], **kwargs
+    )
+    ours, samples = ours_run(
+        tok, model_dir, tmp_path / "ours", ROLLOUT_DATA, [length_reward], **kwargs
+    )
+    assert_batches_match(samples, batches)
+    # The premise: rollout 2 called add(2, 3) and the trainer's own turn answered the result.
+    assert [m.get("content") for m in samples[0]["completions"][2][1:]] == ["5", "done 5"]
+    logs, _ = assert_logs_match(ours, theirs)
+    assert logs[0]["tools/call_frequency"] == pytest.approx(0.5)
