@@ -7,6 +7,9 @@ public methods (the model's tools, besides the trainer's `tools`), and optionall
 `get_reward()`: the environment owns a reward, an extra reward function (weight 1) named after
 its class, scoring the rollouts of that exact class (others: None).
 
+Without a `train_dataset` (the environment owns the data: `reset()` returns each prompt), the
+run trains on placeholder rows of empty prompts (`placeholder_dataset`), `max_steps` long.
+
 Instances are pooled: the pool of each environment grows only when a batch needs more
 concurrent instances than exist; each batch hands out one instance per rollout and resets it.
 Host code only, no sampling or scoring here.
@@ -18,8 +21,12 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import datasets
+
 from jaxrl.config import ConfigError
 
+# TRL's placeholder prompt of a run whose environment owns the data.
+EMPTY_PROMPT = [{"role": "user", "content": ""}]
 _CONTROL = ("reset", "get_reward")
 
 
@@ -131,3 +138,24 @@ class EnvironmentPool:
         for methods in self.env_tools.values():
             tools += [m for m in methods if m not in tools]
         return tools
+
+
+def placeholder_dataset(environment_factory: Any, args: Any, n_devices: int) -> Any:
+    """TRL's dataset of a run without `train_dataset`: one generation batch of empty prompts
+    (over `n_devices`, all devices: the mesh is not built yet; every row is the same), cycled
+    for `max_steps` steps; each rollout's `reset()` supplies its prompt."""
+    if isinstance(environment_factory, dict):
+        raise ConfigError(
+            "A `dict` `environment_factory` (multiple environments) requires a `train_dataset` "
+            "with an `environment` column to route each example to its environment. Provide a "
+            "dataset, or pass a single environment factory."
+        )
+    if args.max_steps <= 0:
+        raise ConfigError(
+            "When training without a `train_dataset` (the environment owns the data and returns "
+            "the prompt from `reset()`), `max_steps` must be set to a positive value to define "
+            "the training length. Set it via `GRPOConfig(max_steps=...)`."
+        )
+    generation_batch_size, _ = args.resolve_generation_batch(n_devices)
+    n = generation_batch_size // args.num_generations
+    return datasets.Dataset.from_dict({"prompt": [EMPTY_PROMPT] * n})

@@ -95,6 +95,7 @@ from jaxrl.rewards import (
     reward_func_name,
 )
 from jaxrl.trainers.base import Trainer
+from jaxrl.trainers.environments import placeholder_dataset
 from jaxrl.trainers.image_text import ImageTextMixin
 from jaxrl.trainers.online import OnlineLoop
 from jaxrl.trainers.onpolicy_agentic import OnPolicyAgenticMixin
@@ -156,6 +157,9 @@ class OnPolicyTrainer(
         # TRL's prompt datasets with images (an `image` / `images` column, conversational
         # prompts): the model runs its vision tower, the processor makes the pixel values
         # (`jaxrl.data.vision_prompts`).
+        if train_dataset is None and environment_factory is not None:
+            # TRL: the environment owns the data (`reset()` returns each prompt).
+            train_dataset = placeholder_dataset(environment_factory, args, jax.device_count())
         if train_dataset is not None:
             train_dataset = self._load_data(train_dataset, "train")
         first = (

@@ -47,6 +47,8 @@ class OnPolicyAgenticMixin:
 
     # Seconds a tool call may run before it fails (`jaxrl.trainers.tools`).
     tool_timeout_s: float = DEFAULT_TOOL_TIMEOUT_S
+    # Wall seconds spent running tool calls so far (read by `python -m jaxrl.bench --tools`).
+    tool_time_s: float = 0.0
 
     def _init_agentic(self, tools, rollout_func, environment_factory) -> None:
         """Before `Trainer.__init__` (the prompts are tokenized with the tools)."""
@@ -224,6 +226,7 @@ class OnPolicyAgenticMixin:
                 chat_template_kwargs=self.args.chat_template_kwargs,
             )
             completion_ids, tool_mask = result.completion_ids, result.tool_mask
+            self.tool_time_s += result.tool_s
             completions = result.completions
             metrics = result.metrics()
         elif "env_mask" in extra:  # rollout_func's mask of the tokens the model sampled

@@ -26,6 +26,7 @@ import copy
 import dataclasses
 import inspect
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -319,13 +320,15 @@ class ToolExecutor:
 class ToolRollout:
     """The rollouts after the tool loop: each row's completion ids (all turns, tool results
     included), its `tool_mask` (0 on tool-result tokens), its conversation (the assistant and
-    tool messages), and the batch's call and failure counts."""
+    tool messages), the batch's call and failure counts, and the wall seconds its tool calls took
+    (`tool_s`, read by `python -m jaxrl.bench --algo grpo --tools`)."""
 
     completion_ids: list[list[int]]
     tool_mask: list[list[int]]
     completions: list[list[dict]]
     n_calls: int
     n_failures: int
+    tool_s: float = 0.0
 
     def metrics(self) -> dict[str, float]:
         """TRL's `tools/call_frequency` (calls per rollout) and `tools/failure_frequency`
@@ -365,9 +368,12 @@ def tool_call_loop(
     calls = {i: completions[i][0]["tool_calls"] for i in active}
     n_calls = n_failures = 0
     iteration = 0
+    tool_s = 0.0
     while active and iteration < max_iterations:
         before = {i: len(completions[i]) for i in active}
+        t0 = time.perf_counter()
         results, c, f = executor.run_rows([(calls[i], by_name[i]) for i in active])
+        tool_s += time.perf_counter() - t0
         n_calls, n_failures = n_calls + c, n_failures + f
         for i, row in zip(active, results, strict=True):
             for name, result in row:
@@ -412,4 +418,4 @@ def tool_call_loop(
                 next_active.append(i)
         active = next_active
         iteration += 1
-    return ToolRollout(completion_ids, tool_mask, completions, n_calls, n_failures)
+    return ToolRollout(completion_ids, tool_mask, completions, n_calls, n_failures, tool_s)
