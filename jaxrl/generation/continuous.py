@@ -334,7 +334,8 @@ def decode_body(
         active_B = ~s.done_B
         last_B1 = jnp.take_along_axis(s.tokens_BN, jnp.maximum(s.lengths_B - 1, 0)[:, None], 1)
         # A running row feeds its last token at its own slot; a free one writes nothing.
-        index_B = jnp.where(active_B, prompt_len + s.lengths_B - 1, length)
+        base_B = prompt_len if s.base_B is None else s.base_B
+        index_B = jnp.where(active_B, base_B + s.lengths_B - 1, length)
         view = CacheView(index_B, s.key_mask_BS)
         h_B1D, cache = model.cached_hidden_states(last_B1, s.positions_B[:, None], s.cache, view)
         logits_BV = unembed_logits(h_B1D[:, 0], unembed_DV, model.config.final_logit_softcap)

@@ -43,6 +43,9 @@ class SamplingState:
     stop_BK: jax.Array | None = None
     # [B]: the generation row each slot holds (continuous engine; None in the static one).
     rows_B: jax.Array | None = None
+    # [B]: the cache slot of each row's first completion token of this turn (continuous decode;
+    # None: the prompt bucket P, every row's completion starting right after its prompt).
+    base_B: jax.Array | None = None
 
 
 class StopTables(NamedTuple):

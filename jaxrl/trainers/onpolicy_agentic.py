@@ -11,8 +11,8 @@ completion holds every turn, `tool_mask` keeps the tool results out of the loss,
 sampling policy's log-probs are recomputed by a forward (a tool turn's sampler log-probs do not
 cover the tool tokens), as TRL computes its old log-probs.
 
-Each turn re-prefills `prompt + completion + tool suffix` with a sampler (continuing from the
-previous turn's KV cache is left to the engine). `OnPolicyAgenticMixin` is one of the pieces
+Each tool turn continues the rows from the KV caches the previous turn left
+(`jaxrl.generation.turns`): only the tool result's tokens are run through the model. `OnPolicyAgenticMixin` is one of the pieces
 `jaxrl.trainers.onpolicy.OnPolicyTrainer` is composed of; it does not import that module.
 """
 
@@ -29,6 +29,7 @@ import numpy as np
 from jaxrl.config import ConfigError
 from jaxrl.data.formats import is_conversational
 from jaxrl.generation import GenerationConfig, SampleOutput, Sampler, left_pad
+from jaxrl.generation.turns import TurnSession, continued_rows
 from jaxrl.trainers.environments import EnvironmentPool, tool_methods
 from jaxrl.trainers.tools import (
     DEFAULT_TOOL_TIMEOUT_S,
@@ -68,6 +69,7 @@ class OnPolicyAgenticMixin:
                 check_tools(methods)
         self._tool_executor: ToolExecutor | None = None
         self._turn_sampler: Sampler | None = None
+        self._turn_session: TurnSession | None = None
 
     def _check_agentic(self) -> None:
         """After `Trainer.__init__`: the tokenizer can run tool calls."""
@@ -109,20 +111,33 @@ class OnPolicyAgenticMixin:
         group_size: int = 1, pad_rows_to: int | None = None,
     ) -> list[list[int]]:  # fmt: skip
         """`group_size` completions (ids, EOS kept) of each prompt from the policy `params`.
-        Rows are padded to `pad_rows_to` (copies of the first) so that every tool turn of a
-        batch runs one compiled program; their outputs are dropped."""
+
+        A batch's first turn starts a `TurnSession` (its KV caches kept); a later turn whose
+        rows each extend a distinct row of it (the tool loop's `prompt + completion + tool
+        result`) continues those rows from their caches, running only the new tokens. Other
+        calls (a tool turn after `rollout_func`'s first turn) sample afresh, rows padded to
+        `pad_rows_to` (copies of the first, outputs dropped) so every turn of a batch runs one
+        compiled program."""
         if self._turn_sampler is None:
             a = self.args
             self._turn_sampler = Sampler(
                 self.graphdef, mesh=self.mesh, rules=self.rules, engine=a.generation_engine,
                 num_slots=a.generation_num_slots,
             )  # fmt: skip
+        session = self._turn_session
+        if pad_rows_to is None:  # a batch's first turn
+            session = TurnSession(self._turn_sampler, params, config, self.tokenizer)
+            self._turn_session = session
+            return session.first(prompts, seed, group_size)
+        rows = continued_rows(session, prompts) if session is not None else None
+        if rows is not None and group_size == 1:
+            return session.next(rows, prompts, seed)
         n = len(prompts)
-        rows = list(prompts)
-        if pad_rows_to is not None and pad_rows_to > n:
-            rows += [rows[0]] * (pad_rows_to - n)
+        padded = list(prompts)
+        if pad_rows_to > n:
+            padded += [padded[0]] * (pad_rows_to - n)
         out = self._turn_sampler(
-            params, rows, config, seed=seed, group_size=group_size, tokenizer=self.tokenizer
+            params, padded, config, seed=seed, group_size=group_size, tokenizer=self.tokenizer
         )
         ids_NC = np.asarray(out.completion_ids_BN)[: n * group_size]
         lengths_N = np.asarray(out.completion_mask_BN).sum(axis=1)[: n * group_size]
@@ -163,6 +178,7 @@ class OnPolicyAgenticMixin:
         `completions` (conversations), `tool_mask_NC` (or None), `extra` (rollout_func's other
         fields), `environments` and `tool_metrics`."""
         prompts, tools_per_row, environments = self._agentic_prompts(examples, group_size)
+        self._turn_session = None
         extra: dict[str, Any] = {}
         tool_mask = None
         if self.rollout_func is not None:
