@@ -1,7 +1,7 @@
 """Regenerate the tool-use task's assets under `jaxrl/assets/arith/` (`jaxrl.data.tool_task`).
 
 1. `tools_task/train.jsonl`, `tools_task/test.jsonl`: the conversational prompts of
-   `python -m jaxrl.train --algo grpo --config arith_tools` (4-6 digit sums).
+   `python -m jaxrl.train --algo grpo --config arith_tools` (5-digit sums).
 2. `tools_tokenizer/`: its character-level tokenizer with the tool-capable chat template and
    response template (a directory of its own: see `tool_task.TOOLS_TOKENIZER_DIR`).
 3. `tools_model/`: a tiny Qwen2-shaped model (0.2M parameters) fine-tuned from scratch with SFT on a few
@@ -27,7 +27,7 @@ from jaxrl import SFTConfig, SFTTrainer
 from jaxrl.data import tool_task
 
 NUM_DEMOS = 800
-CALL_FRACTION = 0.4
+CALL_FRACTION = 0.5
 NUM_TRAIN_PROMPTS, NUM_TEST_PROMPTS = 4000, 128
 
 

@@ -1,7 +1,7 @@
 """The embedded tool-use task: sums too long to do in the head, with a `calculator` tool.
 
-Prompts are single user messages such as `"48213+905117="` (operands of 4 to 6 digits); the
-answer is the sum's digits as the final assistant message. A tiny model cannot add such numbers
+Prompts are single user messages such as `"48213+90517="` (5-digit operands from 50000 to 99999,
+so every sum has 6 digits); the answer is the sum's digits as the final assistant message. A tiny model cannot add such numbers
 itself, but it can copy the operands into a `calculator` call and the tool's result into its
 answer; `python -m jaxrl.train --algo grpo --config arith_tools` trains it to do so (TRL 1.16's
 `GRPOTrainer(tools=[calculator])`), rewarded by `jaxrl.rewards.arith_correct`.
@@ -34,10 +34,11 @@ TOOLS_MODEL_DIR = ASSETS_DIR / "tools_model"  # the shipped SFT model (weights a
 TOOLS_TOKENIZER_DIR = ASSETS_DIR / "tools_tokenizer"
 TOOLS_DATA_DIR = ASSETS_DIR / "tools_task"  # train.jsonl / test.jsonl prompts
 
-# Operand digit counts: a 4-6 digit sum needs carries across up to 6 places, which a 0.2M
-# parameter model cannot do in the head, while copying digits (into a call, out of a result)
-# is easy for attention.
-MIN_DIGITS, MAX_DIGITS = 4, 6
+# Operand range: a 5-digit sum needs carries across 5 places, which a 0.2M parameter model
+# cannot do in the head, while copying digits (into a call, out of a result) is easy for
+# attention. Fixed widths put each copied digit at a fixed distance from its source (variable
+# widths, 4 to 6 digits, were measured to need several times more SFT steps to copy at all).
+OPERAND_MIN, OPERAND_MAX = 50_000, 99_999
 TRAIN_SEED, TEST_SEED = 7, 8  # fixed: changing them changes the shipped prompts
 
 # Chat markers, one token each; the rest of the vocabulary is printable ASCII, one token per
@@ -155,7 +156,7 @@ def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression exactly.
 
     Args:
-        expression: Numbers combined with +, -, *, /, //, % and parentheses, e.g. "48213+905117".
+        expression: Numbers combined with +, -, *, /, //, % and parentheses, e.g. "48213+90517".
 
     Returns:
         The value, e.g. "953330" (an integer without a decimal point when it is whole).
@@ -183,16 +184,9 @@ def calculator_schema() -> dict[str, Any]:
 
 # ----------------------------------------------------------------- prompts and demonstrations
 def operand_pairs(n: int, seed: int | list[int]) -> list[tuple[int, int]]:
-    """`n` operand pairs, each operand's digit count uniform in [MIN_DIGITS, MAX_DIGITS]."""
-    rng = np.random.default_rng(seed)
-    pairs = []
-    for _ in range(n):
-        a, b = (
-            int(rng.integers(10 ** (d - 1), 10**d))
-            for d in rng.integers(MIN_DIGITS, MAX_DIGITS + 1, size=2)
-        )
-        pairs.append((a, b))
-    return pairs
+    """`n` operand pairs drawn uniformly from [OPERAND_MIN, OPERAND_MAX]."""
+    values = np.random.default_rng(seed).integers(OPERAND_MIN, OPERAND_MAX + 1, size=(n, 2))
+    return [(int(a), int(b)) for a, b in values]
 
 
 def prompt_messages(a: int, b: int) -> list[dict[str, str]]:
@@ -201,8 +195,8 @@ def prompt_messages(a: int, b: int) -> list[dict[str, str]]:
 
 def prompts(split: str, n: int) -> list[dict[str, Any]]:
     """`n` conversational prompt rows `{"prompt": [user message]}` of `split` ("train": pairs of
-    seed TRAIN_SEED, "test": of TEST_SEED; with 10^8 to 10^12 pairs per digit-count pair, a
-    held-out pair that was also trained on is a one-in-a-million event, checked in the tests)."""
+    seed TRAIN_SEED, "test": of TEST_SEED; among 2.5e9 pairs a held-out pair that was also
+    trained on is a rare event, checked in the tests)."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}.")
     seed = TRAIN_SEED if split == "train" else TEST_SEED

@@ -135,7 +135,8 @@ def test_prompts_and_demonstrations():
     assert not contents(test) & (contents(train) | contents(demos))
     for row in test + train[:200]:
         a, b = row["prompt"][0]["content"].rstrip("=").split("+")
-        assert all(4 <= len(x) <= 6 and x[0] != "0" for x in (a, b))
+        assert 50_000 <= int(a) <= 99_999 and 50_000 <= int(b) <= 99_999
+        assert len(str(int(a) + int(b))) == 6  # every sum has 6 digits
     n_calls = sum(len(d["completion"]) == 3 for d in demos)
     assert 0.35 < n_calls / 800 < 0.45
     prompts = [d["prompt"] for d in demos]
