@@ -26,7 +26,7 @@ import numpy as np
 from jaxrl import config_docs, parallel, run_dir, scripting
 from jaxrl.checkpoint import CheckpointDiskFullError
 from jaxrl.config import ConfigError
-from jaxrl.config_cli import MissingExtraError, PeftArguments, parse_config
+from jaxrl.config_cli import MissingExtraError, PeftArguments, parse_config, read_yaml
 from jaxrl.data import task
 from jaxrl.data.loading import load_dataset_any
 from jaxrl.models.diffusion import rewards as image_rewards
@@ -233,6 +233,31 @@ def _recipe_yaml(algo: str, rest: list[str]) -> Path | None:
     return None
 
 
+# Script flags a shipped recipe may name as paths relative to the jaxrl package
+# (`model_name_or_path: assets/arith/tools_model`), so that it runs from any directory.
+_RECIPE_PATH_FLAGS = ("model_name_or_path", "tokenizer_name_or_path", "dataset_name")
+
+
+def _resolve_recipe_paths(script: Any) -> None:
+    """Turn the package-relative paths of a shipped recipe (`jaxrl/recipes/*.yaml`) into absolute
+    ones; a value given on the command line, or one that exists from the working directory, is
+    left as it is."""
+    if script.config is None or Path(script.config).resolve().parent != CONFIG_DIR:
+        return
+    package = CONFIG_DIR.parent
+    recipe = read_yaml(script.config)
+    for flag in _RECIPE_PATH_FLAGS:
+        value = getattr(script, flag)
+        if (
+            value is not None
+            and value == recipe.get(flag)
+            and not Path(value).is_absolute()
+            and not Path(value).exists()
+            and (package / value).exists()
+        ):
+            setattr(script, flag, str(package / value))
+
+
 def _script_tokenizer_and_eval(script: Any, args: Any, tokenizer: Any, eval_ds: Any):
     """`--tokenizer_name_or_path` over the default tokenizer, and no eval dataset when the run
     never evaluates (TRL's scripts load it only then)."""
@@ -409,6 +434,7 @@ def build_online_trainer(algo: str, rest: list[str]) -> Any:
         cli_args=_without_config(rest),
         script_class=spec.script_class,
     )
+    _resolve_recipe_paths(script)
     reward_funcs = script_reward_funcs(script.reward_funcs, script.reward_model_name_or_path)
     # TRL's `tools=` and `environment_factory=`, resolved before any data or model is loaded.
     tools = [import_path("--tools", path, "function") for path in script.tools or ()]
