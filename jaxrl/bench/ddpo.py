@@ -92,4 +92,3 @@ def run_ddpo(argv: list[str]) -> dict:
         result["update_speedup"] = trl["update_s"] / max(update_s, 1e-9)
         result["load_avg_1m_after"] = os.getloadavg()[0]
     return result
-

@@ -19,6 +19,10 @@ policy on real decoding, since no shipped model calls tools): generation, tool a
 seconds per step on both sides (tool time: jaxrl's wall time of its concurrent tool calls,
 `GRPOTrainer.tool_time_s`; TRL's sum of its sequential calls). `--tool_latency_ms MS` makes
 each call sleep MS (a remote tool's latency; default 0).
+
+`--lengths longtail` forces every completion's length on both sides (`jaxrl.bench.grpo_lengths`:
+long-tailed, mean about a quarter of `max_completion_length`, a few at it, ended by EOS), so the
+step time shows what the rollout engine does with a long tail.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ import datasets
 import jax
 import numpy as np
 
-from jaxrl.bench import grpo_tools
+from jaxrl.bench import grpo_lengths, grpo_tools
 from jaxrl.bench.common import peak_memory, split_flags
+from jaxrl.bench.generate import longtail_lengths
 from jaxrl.config_cli import parse_config
 from jaxrl.rewards import arith_correct
 from jaxrl.train import build_trainer
@@ -42,6 +47,7 @@ from jaxrl.trainers.grpo_config import GRPOConfig
 
 _FLAGS = {
     "--steps": int, "--warmup": int, "--rounds": int, "--tools": str, "--tool_latency_ms": float,
+    "--lengths": str,
 }  # fmt: skip
 # `--tools calculator`'s defaults (any `GRPOConfig` flag given overrides them): 8 completions
 # per step (2 prompts x 4), room for a call, its result and the answer.
@@ -54,7 +60,10 @@ _TOOL_DEFAULTS = [
 def _split(argv: list[str]) -> tuple[dict, list[str]]:
     return split_flags(
         argv, _FLAGS,
-        {"steps": 5, "warmup": 1, "rounds": 2, "tools": None, "tool_latency_ms": 0.0},
+        {
+            "steps": 5, "warmup": 1, "rounds": 2, "tools": None, "tool_latency_ms": 0.0,
+            "lengths": "model",
+        },
     )  # fmt: skip
 
 
@@ -84,7 +93,13 @@ def _jaxrl_round(trainer, n: int) -> list[tuple[float, float, float]]:
 
 
 def _trl_round(
-    args: Any, model_path: str, n: int, prompts: list, tokenizer: Any, tools: dict | None = None
+    args: Any,
+    model_path: str,
+    n: int,
+    prompts: list,
+    tokenizer: Any,
+    tools: dict | None = None,
+    lengths: np.ndarray | None = None,
 ) -> list[tuple[float, float, float]]:
     """`n` steps of TRL's GRPOTrainer: (generation_s, tool_s, update_s) of each. `tools`: the
     `--tools` setup (`tool`, `spent`: the tool's per-call seconds, `decoded`)."""
@@ -127,6 +142,8 @@ def _trl_round(
     )
     if tools:
         grpo_tools.script_trl(trainer, tokenizer, args.num_generations, tools["decoded"])
+    if lengths is not None:
+        grpo_lengths.force_trl(trainer, lengths, tokenizer.eos_token_id)
     gen_times: list[float] = []
     tool_times: list[float] = []
     generate = trainer._generate_and_score_completions
@@ -210,6 +227,13 @@ def run(argv: list[str]) -> dict:
     else:
         trainer = build_trainer(rest + overrides)
     a = trainer.args
+    if opts["lengths"] not in ("model", "longtail"):
+        raise SystemExit(f"--lengths must be model or longtail; got {opts['lengths']!r}.")
+    lengths = None
+    if opts["lengths"] == "longtail":
+        rows = a.per_device_train_batch_size * trainer.dp
+        lengths = longtail_lengths(rows, a.max_completion_length, a.seed)
+        grpo_lengths.force_jaxrl(trainer, lengths, trainer.tokenizer.eos_token_id)
     trainer._ensure_state()
     trainer._bench_step = 0
     trainer._bench_tokens = []
@@ -224,7 +248,7 @@ def run(argv: list[str]) -> dict:
         ours += times[opts["warmup"] :]
         theirs += _trl_round(
             a, model_path, opts["warmup"] + opts["steps"], prompts, trainer.processing_class,
-            tools=tools and tools["theirs"],
+            tools=tools and tools["theirs"], lengths=lengths,
         )[opts["warmup"] :]  # fmt: skip
     ours_a, theirs_a = np.asarray(ours), np.asarray(theirs)
     step_s = float(np.median(ours_a.sum(1)))
@@ -252,6 +276,16 @@ def run(argv: list[str]) -> dict:
         "devices": len(jax.devices()),
         "device_kind": jax.devices()[0].device_kind,
     }
+    if lengths is not None:
+        result.update(
+            lengths="longtail",
+            mean_completion_len=float(lengths.mean()),
+            rows_at_cap=int((lengths == a.max_completion_length).sum()),
+            generation_engine=a.generation_engine,
+            num_slots=trainer.rollout_sampler.slots_for(
+                len(lengths), trainer.rollout_sampler._config, 1, trainer.rollout_generation_config
+            ),
+        )
     if tools is not None:
         steps_run = opts["rounds"] * (opts["warmup"] + opts["steps"])
         result.update(

@@ -94,4 +94,3 @@ def run_ppo(argv: list[str]) -> dict:
         "max_new_tokens": f.max_new_tokens,
         "steps": f.steps,
     }
-

@@ -244,4 +244,3 @@ def _run_varying(trainer: Any, opts: dict, algo: str) -> dict:
         row_lengths_per_step=steps_at, lengths=opts["lengths"], score_span=trainer.score_span,
         global_batch=trainer.train_batch_size,
     )  # fmt: skip
-
