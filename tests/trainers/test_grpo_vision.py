@@ -582,3 +582,29 @@ def test_refusals(vlm_dir, hf_model_dir, tokenizer, tmp_path):  # noqa: F811
             GenerationConfig(max_new_tokens=2),
             pixel_values=np.zeros((1, 1, 3, 28, 28)),
         )
+
+
+def test_continuous_engine_equals_static_on_image_prompts(vlm_dir):  # noqa: F811
+    """Image prompts (1, 2 and 0 images), sampled in groups of 2 with one decode slot (every
+    row prefilled into it in turn, its prompt's images with it): the static engine's tokens."""
+    from jaxrl import models
+    from jaxrl.data.vision_prompts import PromptImages
+
+    processor = _processor(vlm_dir)
+    data = _rows((1, 2, 0), seed=5)
+    examples = [data[i] for i in range(len(data))]
+    prompts = PromptImages(processor, image_shape=(3, 28, 28))
+    ids = [prompts.prompt_ids(ex["prompt"], len(ex["images"])) for ex in examples]
+    pixels = prompts.pixel_values(examples, ids, max_images=2)
+    tok = processor.tokenizer
+    config = GenerationConfig(
+        max_new_tokens=5, do_sample=True, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, suppress_token_ids=(tok.image_token_id,),
+    )  # fmt: skip
+    model = models.from_pretrained(vlm_dir, vision=True)
+    kwargs = dict(seed=2, group_size=2, pixel_values=pixels, max_new_tokens=[5, 2, 1, 5, 3, 4])
+    want = Sampler(model, engine="static")(None, ids, config, **kwargs)
+    got = Sampler(model, num_slots=1)(None, ids, config, **kwargs)
+    np.testing.assert_array_equal(np.asarray(got.completion_ids_BN), want.completion_ids_BN)
+    np.testing.assert_array_equal(np.asarray(got.completion_mask_BN), want.completion_mask_BN)
+    np.testing.assert_allclose(np.asarray(got.logprobs_BN), want.logprobs_BN, atol=1e-5)
