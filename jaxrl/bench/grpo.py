@@ -233,8 +233,9 @@ def run(argv: list[str]) -> dict:
     if opts["lengths"] == "longtail":
         rows = a.per_device_train_batch_size * trainer.dp
         lengths = longtail_lengths(rows, a.max_completion_length, a.seed)
-        grpo_lengths.force_jaxrl(trainer, lengths, trainer.tokenizer.eos_token_id)
     trainer._ensure_state()
+    if lengths is not None:  # (the rollout sampler exists once the state does)
+        grpo_lengths.force_jaxrl(trainer, lengths, trainer.tokenizer.eos_token_id)
     trainer._bench_step = 0
     trainer._bench_tokens = []
     model_path = trainer.model_path
