@@ -28,9 +28,20 @@ def asset(tmp_path):
     return Path(shutil.copytree(v0.ASSET, tmp_path / "ckpt_v0"))
 
 
+# GRPO's step 2 samples its completions, and the sampler's random streams changed on purpose
+# after the asset was written (issue 42: row r's token t is drawn with fold_in(fold_in(rng, r),
+# t), so a row's tokens do not depend on its slot or neighbours). Its step-2 numbers resumed
+# from the untouched old checkpoint-1 are pinned beside the asset's own metrics (written by
+# that resume at the commit that changed the streams); the keys must stay the stored ones.
+RESAMPLED = {"grpo": "metrics_row_streams.jsonl"}
+
+
 def assert_step_2_as_stored(asset: Path, run: str, out: Path) -> None:
     want = [r for r in v0.step_lines(asset / run / "metrics.jsonl") if r["step"] == 2]
     got = v0.step_lines(out / "metrics.jsonl")
+    if run in RESAMPLED:
+        assert sorted(got[0]) == sorted(want[0])
+        want = v0.step_lines(asset / run / RESAMPLED[run])
     assert [r["step"] for r in got] == [2]  # resumed after step 1: only step 2 ran
     # The tolerance of the GRPO resume test: the asset was written under this suite's XLA flags,
     # so only a change of the math moves these (by far more).

@@ -15,6 +15,7 @@ from onpolicy_utils import RecordingReward, prompt_rows, recompute_logps
 from trainer_utils import base_args, killed_after_checkpoint, train_logs
 
 from jaxrl.config import ConfigError
+from jaxrl.generation import continuous
 from jaxrl.losses.grpo import grpo_advantages, grpo_loss
 from jaxrl.trainers.grpo import GRPOTrainer
 from jaxrl.trainers.grpo_config import GRPOConfig
@@ -159,7 +160,9 @@ RESUME = dict(max_steps=4, save_strategy="steps", save_steps=2)
 
 
 @pytest.mark.slow
-def test_default_run_one_prefill_no_reference_and_resume(hf_model_dir, tokenizer, tmp_path):
+def test_default_run_one_prefill_no_reference_and_resume(
+    hf_model_dir, tokenizer, tmp_path, monkeypatch
+):
     """Four checks on one uninterrupted run of the default settings (4 steps, checkpoints at 2
     and 4), one test so that the run is built once (three tests built a trainer of these
     settings each; a module fixture shared by them was built on both xdist workers when
@@ -173,17 +176,18 @@ def test_default_run_one_prefill_no_reference_and_resume(hf_model_dir, tokenizer
     full._ensure_state()
     assert full.train_state.frozen == {}  # (2)
     seen = []
-    prefill = full.rollout_sampler._prefill
+    refill = continuous.refill_program
 
-    def spy(params, ids, mask, rng, config, group_size, *rest):
-        seen.append((ids.shape[0], group_size))
-        return prefill(params, ids, mask, rng, config, group_size, *rest)
+    def spy(spec, params, state, outputs, prompt_ids_nP, *rest):
+        group_size, chunk, width = rest[7:10]
+        seen.append((prompt_ids_nP.shape[0], group_size, chunk, width))
+        return refill(spec, params, state, outputs, prompt_ids_nP, *rest)
 
-    full.rollout_sampler._prefill = spy
+    monkeypatch.setattr(continuous, "refill_program", spy)
     full.train()
-    # (1) Each step's generation: 2 prompts prefilled once, their caches shared by 4
-    # completions.
-    assert seen == [(2, 4)] * 4
+    # (1) Each step's generation: 2 prompts, one refill of all 8 rows (8 slots: the CPU
+    # default) that prefills the 2 prompts once, their caches shared by 4 completions each.
+    assert seen == [(2, 4, 8, 2)] * 4
     assert full.rollout["input_ids"].shape[0] == 8
     assert full.train_state.frozen == {}  # (2)
     # (4) log_completions is off by default: no completion logs written (was

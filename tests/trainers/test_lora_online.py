@@ -151,7 +151,9 @@ def test_rloo_qlora_kl_is_against_the_base(tmp_path, tokenizer, hf_model_dir):
     )
     np.testing.assert_allclose(rollout["ref_logps"], want, atol=1e-5)
     (log,) = train_logs(trainer)
-    assert log["kl"] > 1e-3 and np.isfinite(log["loss"])
+    # RLOO's kl is the sampled sequences' mean log-ratio (either sign); against the adapter-off
+    # base it is not 0.
+    assert abs(log["kl"]) > 1e-3 and np.isfinite(log["loss"])
 
 
 @pytest.mark.slow
