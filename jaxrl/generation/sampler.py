@@ -76,6 +76,11 @@ class SampleOutput(NamedTuple):
     logprobs_BN: jax.Array
 
 
+def as_key(seed: int | jax.Array) -> jax.Array:
+    """A JAX PRNG key from an int seed, or the key given."""
+    return jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
+
+
 def bucket_length(longest: int, buckets: Sequence[int] | None) -> int:
     """The padded prompt length for a batch whose longest prompt has `longest` tokens."""
     if buckets is None:
@@ -257,7 +262,7 @@ class Sampler:
         model_config = self._model_config(params)
         ids_BP, mask_BP = left_pad(prompts, prompt_mask, self.prompt_buckets, config.pad_id)
         self._check_positions(model_config, mask_BP, config)
-        rng = jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
+        rng = as_key(seed)
         limits_B = row_limits(max_new_tokens, len(ids_BP), group_size, config.max_new_tokens)
         tables, stop_BK = self._stop_tables(config, tokenizer, model_config, ids_BP, mask_BP)
         if pixel_values is not None:

@@ -27,7 +27,7 @@ from jaxrl.core.logprobs import unembed_logits
 from jaxrl.core.sampling import choose_tokens, mark_seen, row_keys, token_presence
 from jaxrl.generation import continuous
 from jaxrl.generation.config import GenerationConfig
-from jaxrl.generation.sampler import Sampler, bucket_length, left_pad
+from jaxrl.generation.sampler import Sampler, as_key, bucket_length, left_pad
 from jaxrl.generation.steps import SamplerSpec, SamplingState, StopTables, stops_after, traced
 from jaxrl.models.kv_cache import CacheView
 
@@ -52,7 +52,7 @@ class TurnSession:
         model_config = s._model_config(params)
         ids_BP, mask_BP = left_pad(prompts, None, s.prompt_buckets, config.pad_id)
         s._check_positions(model_config, mask_BP, config)
-        rng = jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
+        rng = as_key(seed)
         tables, stop_BK = s._stop_tables(config, self.tokenizer, model_config, ids_BP, mask_BP)
         self.tables = tables
         rows = len(ids_BP) * group_size
@@ -122,13 +122,14 @@ class TurnSession:
         for r, row_ids in zip(rows, ids, strict=True):
             full[r] = list(row_ids)
         seen_rows = stop_BK = None
-        if config.repetition_penalty != 1.0:
-            seen_rows = left_pad(full, None, None, config.pad_id)
-        if self.tables.strings_KVQ is not None:
-            ids_BP, mask_BP = left_pad(full, None, None, config.pad_id)
-            model_config = s._model_config(params)
-            _, stop_BK = s._stop_tables(config, self.tokenizer, model_config, ids_BP, mask_BP)
-        rng = jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
+        penalty, strings = config.repetition_penalty != 1.0, self.tables.strings_KVQ is not None
+        if penalty or strings:  # both read each row's whole sequence so far
+            padded = left_pad(full, None, None, config.pad_id)
+            seen_rows = padded if penalty else None
+            if strings:
+                model_config = s._model_config(params)
+                _, stop_BK = s._stop_tables(config, self.tokenizer, model_config, *padded)
+        rng = as_key(seed)
         place = s._place
         state = extend_program(
             s._spec, params, self.state, place(ext_BT), place(ext_len_B), place(at_B),
